@@ -1,0 +1,11 @@
+"""The `dflash` command line: thin click commands over the `dflash` library."""
+
+import click
+
+from dflash import __version__
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.version_option(__version__, prog_name="dflash")
+def main():
+    """Train DFlash speculative-decoding drafters offline: harvest target hidden states, then train."""
