@@ -1,0 +1,169 @@
+"""Anchors, block inputs / labels / weights and the attention mask of a DFlash training step.
+
+Everything here has fixed shapes and stays on the device (no nonzero, no randperm, no .item()), so a whole step
+can be compiled with fullgraph=True and captured in a CUDA graph.
+
+Layout of one row (R rows, T tokens, A anchors, block size B, Q = A*B block tokens):
+    queries:  [block 0 | block 1 | ... | block A-1]                 (Q)
+    keys:     [context 0..T-1 | block 0 | ... | block A-1]          (T + Q)
+Block j = [input_ids[a_j], MASK x (B-1)] at positions position_ids[a_j] + k; output k (1 <= k < B) predicts
+input_ids[a_j + k] (not shifted once more). It sees context strictly before a_j in its own document and its own
+block in both directions, nothing else.
+"""
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+from dflash.errors import DflashError
+
+# The paper's loss-decay gamma per block size; other sizes use B / 2, which is close to the paper's three values.
+PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+_U32 = 0xFFFFFFFF
+
+
+def default_gamma(block_size: int) -> float:
+    return PAPER_GAMMA.get(block_size, block_size / 2)
+
+
+def segment_ids(doc_ids: Tensor, position_ids: Tensor) -> Tensor:
+    """[R, T] int32 ids that are unique per contiguous document within a row (-1 on padding).
+
+    The store's doc_ids name the source line, so two pieces of one split document share an id and may sit side
+    by side in a row; a piece starts where the position restarts. Pass these ids as `doc_ids` below so that a
+    block never sees, nor spans into, another piece.
+    """
+    continues = (doc_ids[:, 1:] == doc_ids[:, :-1]) & (position_ids[:, 1:] == position_ids[:, :-1] + 1)
+    starts = torch.cat([torch.ones_like(continues[:, :1]), ~continues], dim=1)
+    return torch.where(doc_ids >= 0, starts.int().cumsum(dim=1, dtype=torch.int32) - 1, -1)
+
+
+def eligible_anchors(loss_mask: Tensor, doc_ids: Tensor, block_size: int) -> Tensor:
+    """[R, T] bool: a can anchor a block iff loss_mask[a] is on and a..a+B-1 lie in one document.
+
+    As in SpecForge, the anchor itself must be a trained (response) token: at inference the anchor is always a
+    token the target produced. The following tokens' loss mask only weighs their labels (see block_inputs).
+    Documents are contiguous runs of one doc id, so doc[a] == doc[a+B-1] means the whole block is inside it;
+    padding (doc id -1) never anchors.
+    """
+    T = loss_mask.shape[1]
+    fits = torch.zeros_like(loss_mask, dtype=torch.bool)
+    fits[:, : T - block_size + 1] = doc_ids[:, block_size - 1 :] == doc_ids[:, : T - block_size + 1]
+    return fits & (loss_mask != 0) & (doc_ids >= 0)
+
+
+def _hash32(x: Tensor) -> Tensor:
+    """A 32-bit integer mixer on int64 tensors holding values in [0, 2^32); multiplier < 2^27, so no overflow."""
+    for _ in range(2):
+        x = (((x >> 16) ^ x) * 0x45D9F3B) & _U32
+    return (x >> 16) ^ x
+
+
+def _noise(shape, generator, device) -> Tensor:
+    """Random scores >= 0 [R, T]. A seed tensor gives counter-based noise that torch.compile can trace and a CUDA
+    graph can replay (rewrite the seed in place each step); a torch.Generator (or None) uses torch.rand."""
+    if not isinstance(generator, Tensor):
+        return torch.rand(shape, generator=generator, device=device)
+    R, T = shape
+    key = generator.to(device=device, dtype=torch.int64).reshape(-1, 1) & _U32  # [1, 1] or one key per row
+    if key.shape[0] == 1:  # one seed for the batch: every row gets a stream of its own
+        key = _hash32(key) ^ torch.arange(R, device=device)[:, None]
+    # Hashing positions first makes two keys' inputs unrelated sets, not shifted or permuted copies of each other.
+    return _hash32(_hash32(torch.arange(T, device=device)) ^ _hash32(key))
+
+
+def sample_anchors(
+    loss_mask: Tensor, doc_ids: Tensor, num_anchors: int, block_size: int, generator=None
+) -> tuple[Tensor, Tensor]:
+    """Draw `num_anchors` distinct eligible positions per row, uniformly, without replacement.
+
+    Returns anchors [R, A] int64 sorted ascending and valid [R, A] bool. Rows with fewer than A eligible positions
+    keep the shape: the surplus is invalid, sorts last and points at T - B (so every block index stays in range).
+    generator: a torch.Generator / None (eager), or an int64 seed tensor (compiled / CUDA-graphed steps): a scalar
+    (rows draw distinct streams), or one key per row, [R] or [R, 1], so that a row's anchors depend on its key and
+    its data only, not on its slot in the batch.
+    """
+    R, T = loss_mask.shape
+    if not block_size <= T or not 0 < num_anchors <= T:
+        raise DflashError(
+            f"a row of {T} tokens cannot hold {num_anchors} anchors of block size {block_size}; "
+            "raise the token budget or lower the anchor count / block size"
+        )
+    eligible = eligible_anchors(loss_mask, doc_ids, block_size)
+    scores = torch.where(eligible, _noise((R, T), generator, loss_mask.device), -1)
+    top, index = scores.topk(num_anchors, dim=1)  # random eligible positions first, then ineligible ones
+    anchors = torch.where(top >= 0, index, T).sort(dim=1).values
+    valid = anchors < T
+    return torch.where(valid, anchors, T - block_size), valid
+
+
+def block_inputs(
+    input_ids: Tensor,
+    position_ids: Tensor,
+    loss_mask: Tensor,
+    anchors: Tensor,
+    valid: Tensor,
+    mask_token_id: int,
+    block_size: int,
+    gamma: float | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Block token ids, positions, labels and loss weights, each [R, Q] with Q = A*B (block-major).
+
+    block_ids: input_ids[a] at k=0, mask_token_id after; q_positions: position_ids[a] + k;
+    labels: input_ids[a + k] (the k=0 label is a placeholder with weight 0);
+    weights (fp32): exp(-(k-1)/gamma) * loss_mask[a+k] * valid for k >= 1, 0 at k = 0.
+    """
+    R, A = anchors.shape
+    k = torch.arange(block_size, device=anchors.device)
+    index = (anchors[:, :, None] + k).view(R, A * block_size)
+    labels = input_ids.gather(1, index).long()
+    is_anchor = (k == 0).repeat(A)
+    block_ids = torch.where(is_anchor, labels, mask_token_id)
+    q_positions = (position_ids.gather(1, anchors)[:, :, None].long() + k).view(R, -1)
+    gamma = default_gamma(block_size) if gamma is None else gamma
+    decay = torch.where(k == 0, 0.0, torch.exp(-(k - 1) / gamma)).repeat(A)
+    weights = decay * loss_mask.gather(1, index).float() * valid.repeat_interleave(block_size, dim=1)
+    return block_ids, q_positions, labels, weights
+
+
+def block_attention_mask(anchors: Tensor, valid: Tensor, doc_ids: Tensor, block_size: int) -> BlockMask:
+    """The flex_attention BlockMask of a step: Q_LEN = A*B, KV_LEN = T + A*B, one mask per row, shared by heads.
+
+    Query q of block j = q // B sees context kv < T iff doc[kv] == doc[a_j], kv < a_j and block j is valid, and
+    block kv >= T iff it is in block j. A block always sees itself, so no query row is empty. Same structure every
+    step (only tensor values change), so a compiled caller does not recompile.
+    """
+    R, A = anchors.shape
+    T = doc_ids.shape[1]
+    anchor_doc = doc_ids.gather(1, anchors)
+
+    def mask_mod(b, h, q, kv):
+        j = q // block_size
+        in_context = kv < T
+        same_doc = doc_ids[b, kv.clamp(max=T - 1)] == anchor_doc[b, j]
+        sees_context = in_context & same_doc & (kv < anchors[b, j]) & valid[b, j]
+        sees_own_block = ~in_context & ((kv - T) // block_size == j)
+        return sees_context | sees_own_block
+
+    Q = A * block_size
+    return create_block_mask(mask_mod, B=R, H=None, Q_LEN=Q, KV_LEN=T + Q, device=anchors.device)
+
+
+def dense_block_mask(anchors: Tensor, valid: Tensor, doc_ids: Tensor, block_size: int) -> Tensor:
+    """The same rule as a dense bool [R, Q, T + Q] tensor, every (query, key) pair evaluated (the reference)."""
+    R, A = anchors.shape
+    T = doc_ids.shape[1]
+    Q = A * block_size
+    block_of_query = torch.arange(Q, device=anchors.device) // block_size  # [Q]
+    anchor = anchors[:, block_of_query]  # [R, Q]
+    anchor_valid = valid[:, block_of_query]
+    anchor_doc = doc_ids.gather(1, anchor)
+    context = torch.arange(T, device=anchors.device)
+    sees_context = (
+        (doc_ids[:, None, :] == anchor_doc[:, :, None])
+        & (context[None, None, :] < anchor[:, :, None])
+        & anchor_valid[:, :, None]
+    )
+    sees_blocks = (block_of_query[:, None] == block_of_query[None, :]).expand(R, Q, Q)
+    return torch.cat([sees_context, sees_blocks], dim=2)

@@ -1,0 +1,326 @@
+"""JSONL documents -> token ids and loss masks, validated in full before anything is written.
+
+Each non-blank line of the data file is one document:
+- `{"messages": [{"role": ..., "content": ...}, ...]}` is rendered with the tokenizer's chat template; the loss
+  mask is on for the tokens of each assistant turn as the model generates it: from the first character after
+  the generation prompt (`<|im_start|>assistant\\n`) to the end of the turn, including its end-of-turn token
+  (`<|im_end|>`) so that the drafter learns to stop, excluding the whitespace a template writes after that token
+  (the model never generates it). Everything else (system, user, tool turns, role headers) is off.
+- `{"text": "..."}` is tokenised as the tokenizer does by default (its BOS if it defines one; no EOS added) and
+  the loss mask is on for every token.
+
+Blank lines are skipped; `doc_id` is the 0-based index of the source line, error messages give 1-based line
+numbers. Documents longer than `max_length` are truncated or split into standalone pieces; pieces left with no
+loss token (for example a split-off prompt) are dropped, since they could hold no training block, and counted.
+"""
+
+import json
+import multiprocessing
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import numpy as np
+
+from dflash.errors import DflashError
+
+OVERFLOW_MODES = ("truncate", "split")
+LINE_EXAMPLE = '{"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]} or {"text": ...}'
+
+
+@dataclass
+class Document:
+    doc_id: int  # index of the source line (0-based); split pieces share it
+    piece: int  # 0 unless a long document was split
+    input_ids: np.ndarray  # int32 [n]
+    loss_mask: np.ndarray  # uint8 [n]: 1 on assistant tokens (chat) or every token (text)
+
+
+@dataclass
+class DataConfig:
+    path: str | Path
+    max_length: int = 3072
+    overflow: str = "truncate"  # "truncate" | "split"
+    workers: int = 1
+
+
+@dataclass
+class DataStats:
+    chat: int = 0  # source lines of each kind
+    text: int = 0
+    truncated: int = 0  # documents cut to max_length ...
+    truncated_tokens: int = 0  # ... and the tokens that cut dropped
+    split: int = 0  # documents split ...
+    split_pieces: int = 0  # ... into this many pieces
+    dropped_no_loss: int = 0  # pieces (or truncated documents) left without a loss token
+    documents: int = 0  # documents returned, pieces counted one by one
+    tokens: int = 0
+    loss_tokens: int = 0
+
+    def summary(self) -> str:
+        return ", ".join(f"{field.name} {getattr(self, field.name)}" for field in fields(self))
+
+
+def load_documents(cfg: DataConfig, tokenizer_path: str) -> tuple[list[Document], DataStats]:
+    """Read, validate and tokenise every line of `cfg.path`; raise DflashError on the first bad line."""
+    _check_config(cfg)
+    records = _read_records(Path(cfg.path))
+    tokenizer = load_tokenizer(tokenizer_path)
+    if tokenizer.chat_template is None and any(kind == "chat" for _, kind, _ in records):
+        raise DflashError(
+            f"the tokenizer at {tokenizer_path} has no chat template, but {cfg.path} holds chat lines; "
+            'use a tokenizer with a chat template or give those documents as {"text": ...} lines'
+        )
+    items = [(str(cfg.path), index, kind, payload) for index, kind, payload in records]
+    encoded = _encode_all(items, tokenizer, tokenizer_path, cfg.workers)
+    stats = DataStats(
+        chat=sum(kind == "chat" for _, kind, _ in records), text=sum(kind == "text" for _, kind, _ in records)
+    )
+    documents = []
+    for (index, _, _), (ids, mask) in zip(records, encoded):
+        documents.extend(_fit(index, ids, mask, cfg, stats))
+    stats.documents = len(documents)
+    stats.tokens = sum(len(doc.input_ids) for doc in documents)
+    stats.loss_tokens = sum(int(doc.loss_mask.sum()) for doc in documents)
+    return documents, stats
+
+
+def load_tokenizer(tokenizer_path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    except (OSError, ValueError) as exc:
+        raise DflashError(f"cannot load a tokenizer from {tokenizer_path}: {exc}; pass the model folder") from exc
+    if not tokenizer.is_fast:
+        raise DflashError(
+            f"the tokenizer at {tokenizer_path} is a slow (Python) tokenizer; dflash needs a fast one "
+            "(a tokenizer.json in the folder) to map assistant turns to tokens"
+        )
+    return tokenizer
+
+
+# ---- reading and validation -------------------------------------------------------------------------------
+
+
+def _check_config(cfg: DataConfig) -> None:
+    if not isinstance(cfg.max_length, int) or cfg.max_length < 1:
+        raise DflashError(f"max length must be a positive integer, got {cfg.max_length!r}")
+    if cfg.overflow not in OVERFLOW_MODES:
+        raise DflashError(f"overflow must be one of {', '.join(OVERFLOW_MODES)}, got {cfg.overflow!r}")
+    if not isinstance(cfg.workers, int) or cfg.workers < 1:
+        raise DflashError(f"workers must be a positive integer, got {cfg.workers!r}")
+
+
+def _read_records(path: Path) -> list[tuple[int, str, object]]:
+    """(line index, "chat" | "text", messages or text) for every non-blank line, each validated."""
+    if not path.is_file():
+        raise DflashError(f"data file {path} does not exist or is not a file; pass a JSONL file with one {LINE_EXAMPLE} per line")
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise DflashError(f"cannot read data file {path}: {exc.strerror}; check that it is readable") from exc
+    # Split bytes, not str: str.splitlines would also break at U+2028 and friends inside JSON strings.
+    records = [
+        (index, *_parse_line(line, f"{path} line {index + 1}"))
+        for index, line in enumerate(raw.splitlines())
+        if line.strip()
+    ]
+    if not records:
+        raise DflashError(f"data file {path} holds no documents; write one {LINE_EXAMPLE} per line")
+    return records
+
+
+def _parse_line(line: bytes, where: str) -> tuple[str, object]:
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise DflashError(f"{where}: not valid UTF-8 ({exc.reason} at byte {exc.start}); re-encode the file as UTF-8") from exc
+    except json.JSONDecodeError as exc:
+        raise DflashError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object, {LINE_EXAMPLE}") from exc
+    if not isinstance(record, dict):
+        raise DflashError(f"{where}: expected a JSON object, got {type(record).__name__}; write {LINE_EXAMPLE}")
+    has_messages, has_text = "messages" in record, "text" in record
+    if has_messages == has_text:
+        problem = "has both" if has_messages else "has neither"
+        raise DflashError(f"{where}: the object {problem} a \"messages\" and a \"text\" key; give exactly one, {LINE_EXAMPLE}")
+    if has_text:
+        return "text", _check_text(record["text"], where)
+    return "chat", _check_messages(record["messages"], where)
+
+
+def _check_text(text, where: str) -> str:
+    if not isinstance(text, str):
+        raise DflashError(f"{where}: \"text\" must be a string, got {type(text).__name__}")
+    if not text.strip():
+        raise DflashError(f"{where}: empty document (\"text\" holds no characters besides whitespace); remove the line")
+    return text
+
+
+def _check_messages(messages, where: str) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise DflashError(f"{where}: \"messages\" must be a non-empty list of {{\"role\": ..., \"content\": ...}} objects")
+    for number, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise DflashError(f"{where}: message {number} must be an object with \"role\" and \"content\", got {type(message).__name__}")
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise DflashError(f"{where}: message {number} needs a string \"{key}\", got {message.get(key)!r:.60}")
+    if not any(message["role"] == "assistant" for message in messages):
+        raise DflashError(f"{where}: the conversation has no assistant turn, so nothing to train on; add one or remove the line")
+    return messages
+
+
+# ---- tokenisation -------------------------------------------------------------------------------------------
+
+_worker_tokenizer = None
+
+
+def _init_worker(tokenizer_path: str) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = load_tokenizer(tokenizer_path)
+
+
+def _encode_in_worker(item):
+    return _encode(_worker_tokenizer, *item)
+
+
+def _encode_all(items, tokenizer, tokenizer_path: str, workers: int):
+    """Encode every item, in order; the first bad item (in line order) raises its DflashError."""
+    if workers == 1:
+        return [_encode(tokenizer, *item) for item in items]
+    # spawn, not fork: the caller may hold CUDA or writer threads that a forked child must not inherit.
+    context = multiprocessing.get_context("spawn")
+    chunksize = max(1, min(256, len(items) // (8 * workers)))
+    with context.Pool(workers, initializer=_init_worker, initargs=(tokenizer_path,)) as pool:
+        return list(pool.imap(_encode_in_worker, items, chunksize=chunksize))
+
+
+def _encode(tokenizer, path: str, index: int, kind: str, payload) -> tuple[np.ndarray, np.ndarray]:
+    where = f"{path} line {index + 1}"
+    if kind == "text":
+        ids = tokenizer(payload, add_special_tokens=True, verbose=False)["input_ids"]
+        mask = np.ones(len(ids), np.uint8)
+    else:
+        ids, mask = _encode_chat(tokenizer, payload, where)
+    if len(ids) == 0:
+        raise DflashError(f"{where}: empty document (the tokenizer produced no tokens); remove the line")
+    if not mask.any():
+        raise DflashError(f"{where}: no assistant tokens after tokenisation; give the assistant turns some content")
+    return np.asarray(ids, np.int32), mask
+
+
+def _encode_chat(tokenizer, messages: list[dict], where: str) -> tuple[list[int], np.ndarray]:
+    full = _render(tokenizer, messages, where)
+    spans = _assistant_spans(tokenizer, messages, full, where)
+    encoding = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+    offsets = np.asarray(encoding["offset_mapping"], np.int64).reshape(-1, 2)
+    mask = np.zeros(len(offsets), bool)
+    for start, end in spans:
+        mask |= (offsets[:, 0] < end) & (offsets[:, 1] > start)  # every token overlapping the span
+    return encoding["input_ids"], mask.astype(np.uint8)
+
+
+def _render(tokenizer, messages: list[dict], where: str, generation_prompt: bool = False) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except Exception as exc:  # jinja raises anything, including the template's own raise_exception
+        raise DflashError(f"{where}: the chat template cannot render this conversation ({exc}); fix the conversation") from exc
+
+
+# ---- assistant spans ----------------------------------------------------------------------------------------
+
+
+def _assistant_spans(tokenizer, messages: list[dict], full: str, where: str) -> list[tuple[int, int]]:
+    """Character span in `full` of every assistant turn as generated: after its header, through its end token.
+
+    First choice: diff renderings of conversation prefixes (exact when the template is prefix-consistent).
+    Templates that render a turn differently once later turns follow (Qwen3 drops the think block of earlier
+    turns) fail that check for those turns; they are located instead by finding every message's content in
+    order in the full rendering, extended over the special token that closes the turn. A turn found by neither
+    is an error: a wrong mask would train silently on the wrong tokens.
+    """
+    spans, content_spans = [], None
+    for turn, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        span = _span_by_prefix(tokenizer, messages, turn, full)
+        if span is None:
+            if content_spans is None:
+                content_spans = _content_spans(messages, full)
+                if content_spans is None:
+                    raise DflashError(
+                        f"{where}: cannot locate assistant message {turn} in the chat template's rendering (the "
+                        "template rewrites message content), so its loss mask would be wrong; give this conversation "
+                        'as a {"text": ...} line or use a tokenizer whose template renders messages verbatim'
+                    )
+            closers = _turn_closers(tokenizer, messages[:turn])
+            span = _close_turn(full, *content_spans[turn], closers)
+        spans.append(span)
+    return spans
+
+
+def _span_by_prefix(tokenizer, messages: list[dict], turn: int, full: str) -> tuple[int, int] | None:
+    before = _try_render(tokenizer, messages[:turn], generation_prompt=True)
+    through = _try_render(tokenizer, messages[: turn + 1], generation_prompt=False)
+    if before is None or through is None or not (through.startswith(before) and full.startswith(through)):
+        return None
+    return len(before), max(len(before), len(through.rstrip()))
+
+
+def _try_render(tokenizer, messages: list[dict], generation_prompt: bool) -> str | None:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except Exception:  # e.g. an empty history, or a template that insists on starting with a user turn
+        return None
+
+
+def _content_spans(messages: list[dict], full: str) -> list[tuple[int, int]] | None:
+    """Span of every message's (stripped) content, searched in message order; None if one is not there."""
+    spans, cursor = [], 0
+    for message in messages:
+        content = message["content"].strip()
+        start = full.find(content, cursor)
+        if start < 0:
+            return None
+        cursor = start + len(content)
+        spans.append((start, cursor))
+    return spans
+
+
+def _turn_closers(tokenizer, history: list[dict]) -> list[str]:
+    """Special tokens that may close an assistant turn: those not part of the header that opens one."""
+    plain = _try_render(tokenizer, history, generation_prompt=False)
+    prompted = _try_render(tokenizer, history, generation_prompt=True)
+    header = prompted[len(plain) :] if plain is not None and prompted is not None and prompted.startswith(plain) else ""
+    return sorted((token for token in tokenizer.all_special_tokens if token not in header), key=len, reverse=True)
+
+
+def _close_turn(full: str, start: int, end: int, closers: list[str]) -> tuple[int, int]:
+    """Extend a content span over the closing special token that follows it after optional whitespace."""
+    after = re.compile(r"\s*").match(full, end).end()
+    for token in closers:
+        if full.startswith(token, after):
+            return start, after + len(token)
+    return start, end
+
+
+# ---- overflow -----------------------------------------------------------------------------------------------
+
+
+def _fit(index: int, ids: np.ndarray, mask: np.ndarray, cfg: DataConfig, stats: DataStats) -> list[Document]:
+    """Cut one encoded document to max_length by cfg.overflow; drop pieces without a loss token."""
+    limit = cfg.max_length
+    if len(ids) <= limit:
+        pieces = [(ids, mask)]
+    elif cfg.overflow == "truncate":
+        stats.truncated += 1
+        stats.truncated_tokens += len(ids) - limit
+        pieces = [(ids[:limit].copy(), mask[:limit].copy())]
+    else:
+        pieces = [(ids[s : s + limit].copy(), mask[s : s + limit].copy()) for s in range(0, len(ids), limit)]
+        stats.split += 1
+        stats.split_pieces += len(pieces)
+    documents = [Document(index, piece, piece_ids, piece_mask) for piece, (piece_ids, piece_mask) in enumerate(pieces) if piece_mask.any()]
+    stats.dropped_no_loss += len(pieces) - len(documents)
+    return documents

@@ -1,0 +1,346 @@
+"""The DFlash drafter: a few Qwen3-style layers whose keys and values also see the target's fused hidden states.
+
+Layout and checkpoint names follow the public DFlash checkpoints (see ../shared/DFLASH.md), so an exported
+drafter loads in the public inference code and in SGLang / vLLM:
+
+    ctx = hidden_norm(fc(concat of n target layers))               # once per forward, never updated
+    per layer: K, V = [k/v_proj(ctx) ; k/v_proj(x)], Q = q_proj(x)  # queries only from block tokens
+    out = norm(x)                                                    # the target's LM head is applied outside
+
+The drafter has no embedding and no LM head: both are the target's, frozen, and live with the caller.
+"""
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
+
+from dflash.errors import DflashError
+
+INIT_STD = 0.02  # Qwen3's initializer_range; the public drafters were initialised the same way
+
+
+@dataclass(kw_only=True)
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_layers: int = 5
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    max_position_embeddings: int = 40960
+    vocab_size: int
+    block_size: int = 16
+    mask_token_id: int
+    target_layer_ids: list[int] = field(default_factory=list)
+    num_target_layers: int | None = None
+
+    @property
+    def feature_dim(self) -> int:
+        """Width of the concatenated target features that `fc` fuses."""
+        return len(self.target_layer_ids) * self.hidden_size
+
+    @classmethod
+    def from_target_config(cls, hf_config, target_layer_ids, mask_token_id, num_layers=5, **overrides):
+        """Shape a drafter like the target: same width, heads, FFN, RoPE theta and vocabulary."""
+        text = _get(hf_config, "text_config", None) or hf_config  # multimodal configs nest the LM's
+        hidden = _get(text, "hidden_size")
+        heads = _get(text, "num_attention_heads")
+        # MoE targets have no dense FFN width; the public Qwen3.5-MoE drafters use 3 x hidden.
+        ffn = _get(text, "intermediate_size", None) or 3 * hidden
+        fields = dict(
+            hidden_size=hidden,
+            intermediate_size=ffn,
+            num_attention_heads=heads,
+            num_key_value_heads=_get(text, "num_key_value_heads", None) or heads,
+            head_dim=_get(text, "head_dim", None) or hidden // heads,
+            num_layers=num_layers,
+            rms_norm_eps=_get(text, "rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(text),
+            max_position_embeddings=_get(text, "max_position_embeddings"),
+            vocab_size=_get(text, "vocab_size"),
+            mask_token_id=int(mask_token_id),
+            target_layer_ids=[int(i) for i in target_layer_ids],
+            num_target_layers=_get(text, "num_hidden_layers"),
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+    def to_hf_config(self, dtype: torch.dtype | None = None) -> dict:
+        """The `config.json` of a public DFlash checkpoint: a Qwen3 config plus the DFlash fields."""
+        dflash = {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id}
+        config = {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "num_hidden_layers": self.num_layers,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            # transformers 5 reads rope_parameters, 4.x and several serving stacks read rope_theta.
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "layer_types": ["full_attention"] * self.num_layers,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "initializer_range": INIT_STD,
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            # Some loaders read block_size from dflash_config, others from the top level: write both.
+            "dflash_config": {**dflash, "block_size": self.block_size},
+        }
+        if dtype is not None:
+            name = str(dtype).removeprefix("torch.")
+            config["dtype"] = config["torch_dtype"] = name  # transformers 5 name and the 4.x one
+        return config
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> "DrafterConfig":
+        """Inverse of `to_hf_config`; also reads public checkpoints that keep DFlash fields at the top level."""
+        dflash = config.get("dflash_config") or {}
+
+        def dflash_field(name, default=None):
+            return dflash.get(name, config.get(name, default))
+
+        if dflash_field("target_layer_ids") is None or dflash_field("mask_token_id") is None:
+            raise DflashError(
+                "the drafter config.json has no dflash_config.target_layer_ids / mask_token_id; "
+                "point to a folder written by `dflash export` or a public DFlash checkpoint"
+            )
+        heads = config["num_attention_heads"]
+        return cls(
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_attention_heads=heads,
+            num_key_value_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            num_layers=config["num_hidden_layers"],
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(config),
+            max_position_embeddings=config["max_position_embeddings"],
+            vocab_size=config["vocab_size"],
+            block_size=int(dflash_field("block_size", 16)),
+            mask_token_id=int(dflash_field("mask_token_id")),
+            target_layer_ids=[int(i) for i in dflash_field("target_layer_ids")],
+            num_target_layers=config.get("num_target_layers"),
+        )
+
+
+def _get(config, name, *default):
+    """Read a field from a transformers config object or a plain dict."""
+    if isinstance(config, dict):
+        return config[name] if not default else config.get(name, default[0])
+    return getattr(config, name, *default)
+
+
+def _rope_theta(config) -> float:
+    params = _get(config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta") or _get(config, "rope_theta", None)
+    if theta is None:
+        raise DflashError("the target config has no rope_theta (nor rope_parameters.rope_theta); pass rope_theta=")
+    return float(theta)
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """Precision for norms and RoPE: fp32 for bf16 / fp32 activations; fp64 stays fp64 (the tests' reference)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Statistics in fp32, result in the input's dtype so that bf16 activations stay bf16 under autocast.
+        acc = _acc(x.dtype)
+        x32 = x.to(acc)
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.to(acc)).to(x.dtype)
+
+
+def rope_tables(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos / sin [R, S, head_dim] at absolute positions, rebuilt per call: no buffer that .to(bf16) could round."""
+    acc = _acc(dtype)
+    inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=positions.device, dtype=acc) / head_dim)
+    angles = positions.to(acc)[..., None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [R, heads, S, D]; the Qwen3 (non-interleaved, rotate-half) convention."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    out = x.to(cos.dtype) * cos[:, None] + rotated.to(cos.dtype) * sin[:, None]
+    return out.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, ctx: Tensor, q_rope, kv_rope, mask: BlockMask | Tensor | None) -> Tensor:
+        R, Q, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(R, Q, self.heads, self.head_dim)).transpose(1, 2)
+        # KV injection: the fused target context and the block tokens share the projections and k_norm.
+        k = torch.cat([self.k_proj(ctx), self.k_proj(x)], dim=1).view(R, -1, self.kv_heads, self.head_dim)
+        v = torch.cat([self.v_proj(ctx), self.v_proj(x)], dim=1).view(R, -1, self.kv_heads, self.head_dim)
+        k = self.k_norm(k).transpose(1, 2)
+        v = v.transpose(1, 2)
+        q, k = apply_rope(q, *q_rope), apply_rope(k, *kv_rope)
+        gqa = self.kv_heads != self.heads
+        if isinstance(mask, BlockMask):
+            out = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+        else:  # None: one block per row at inference, everything visible; or a dense bool mask (CPU training)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return self.o_proj(out.transpose(1, 2).reshape(R, Q, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, ctx, q_rope, kv_rope, mask):
+        # ctx is not normed here: it was normed once by hidden_norm and is the same input to every layer.
+        x = x + self.self_attn(self.input_layernorm(x), ctx, q_rope, kv_rope, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(config.feature_dim, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=INIT_STD)
+
+    def forward(
+        self,
+        block_embeds: Tensor,
+        features: Tensor,
+        q_positions: Tensor,
+        ctx_positions: Tensor,
+        block_mask: BlockMask | Tensor | None = None,
+    ) -> Tensor:
+        """Final-normed hidden states [R, Q, H] of the block tokens.
+
+        block_embeds [R, Q, H]: the target's embeddings of the block tokens ([anchor token, MASK x (B-1)] per block);
+        features [R, T, n*H]: concatenated target layer outputs; q_positions [R, Q] / ctx_positions [R, T]: absolute
+        positions (the target's); block_mask: the training BlockMask over KV = [context T ; block tokens Q]
+        (see blocks.block_attention_mask); or None: every block token sees all context and all block tokens; or a
+        dense bool mask [R, 1, Q, T + Q] (True = visible), e.g. for padded batches. The residual stream keeps
+        block_embeds' dtype. Uncompiled, flex_attention is a slow reference: compile the drafter to train on GPU.
+        """
+        ctx = self.hidden_norm(self.fc(features))
+        cfg = self.config
+        q_rope = rope_tables(q_positions, cfg.head_dim, cfg.rope_theta, block_embeds.dtype)
+        ctx_rope = rope_tables(ctx_positions, cfg.head_dim, cfg.rope_theta, block_embeds.dtype)
+        kv_rope = tuple(torch.cat([c, q], dim=1) for c, q in zip(ctx_rope, q_rope))
+        mask = block_mask
+        if isinstance(block_mask, BlockMask) and features.device.type == "cpu" and torch.is_grad_enabled():
+            # flex_attention has no CPU backward: evaluate the same mask_mod densely, once, and use SDPA.
+            R, (Q, KV) = features.shape[0], block_mask.seq_lengths
+            mask = create_mask(block_mask.mask_mod, R, 1, Q, KV, device=features.device)
+        x = block_embeds
+        for layer in self.layers:
+            x = layer(x, ctx, q_rope, kv_rope, mask)
+        return self.norm(x)
+
+
+def checkpoint_keys(config: DrafterConfig) -> list[str]:
+    """The tensor names of a public DFlash checkpoint for this config, sorted."""
+    per_layer = [
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        *(f"self_attn.{p}_proj.weight" for p in "qkvo"),
+        "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight",
+        *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+    ]
+    layers = [f"layers.{i}.{name}" for i in range(config.num_layers) for name in per_layer]
+    return sorted(["fc.weight", "hidden_norm.weight", "norm.weight", *layers])
+
+
+def export_drafter(model, config: DrafterConfig, folder, dtype: torch.dtype | None = None) -> Path:
+    """Write `config.json` + `model.safetensors` in the public layout; returns the folder.
+
+    model: the drafter (compiled or not) or a full state dict (e.g. gathered from FSDP).
+    dtype: the saved dtype; None keeps the parameters' dtype, which makes a reload reproduce outputs exactly.
+    """
+    from safetensors.torch import save_file
+
+    state = model if isinstance(model, dict) else getattr(model, "_orig_mod", model).state_dict()
+    expected = checkpoint_keys(config)
+    if sorted(state) != expected:
+        extra, missing = sorted(set(state) - set(expected)), sorted(set(expected) - set(state))
+        raise DflashError(
+            f"the drafter's weights do not match the DFlash layout (unexpected {extra[:5]}, missing {missing[:5]}); "
+            "pass the bare drafter or its full state dict, not a DDP/FSDP wrapper"
+        )
+    tensors = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in state.items()}
+    saved_dtype = dtype or next(iter(tensors.values())).dtype
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config.to_hf_config(saved_dtype), indent=2) + "\n")
+    return folder
+
+
+def load_drafter(folder, device="cpu", dtype: torch.dtype | None = None) -> tuple[DFlashDrafter, DrafterConfig]:
+    """Load an exported (or public) DFlash checkpoint; dtype None keeps the file's dtype."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    if not (folder / "config.json").exists() or not (folder / "model.safetensors").exists():
+        raise DflashError(f"{folder} is not a drafter folder: it needs config.json and model.safetensors")
+    config = DrafterConfig.from_hf_config(json.loads((folder / "config.json").read_text()))
+    state = load_file(folder / "model.safetensors", device=str(device))
+    if dtype is not None:
+        state = {k: v.to(dtype) for k, v in state.items()}
+    with torch.device("meta"):  # no random init of weights that are overwritten right away
+        model = DFlashDrafter(config)
+    model.load_state_dict(state, strict=True, assign=True)
+    return model, config
+

@@ -1,0 +1,114 @@
+"""The one place where steps are compiled and captured.
+
+A step is a Python function of no arguments that reads static input buffers and writes static outputs (the
+weights, the optimizer state, metric accumulators). `GraphedStep` warms it up with gradients on, on a side
+stream of the main thread, before any data flows, then captures the whole of it in one `torch.cuda.CUDAGraph`
+and replays that graph for every later step. Between replays only the contents of the static buffers change,
+so a step can neither change shape nor allocate: memory is flat by construction. On the CPU the same
+function runs directly (compiled or not).
+
+After warmup a recompile would mean that something in a step differs from the warmed-up steps (a shape, a
+dtype, a Python value baked into the graph). `no_recompiles` turns it into a `DflashError` naming the guard
+that failed, instead of a stall of many seconds every time the input changes.
+"""
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+from dflash.errors import DflashError
+
+
+def compile_fn(fn: Callable, enabled: bool) -> Callable:
+    """torch.compile with whole-graph capture and static shapes: a graph break or a dynamic shape is a bug here."""
+    return torch.compile(fn, fullgraph=True, dynamic=False) if enabled else fn
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled so far in this process; its growth after warmup counts recompiles."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+@contextlib.contextmanager
+def no_recompiles():
+    """Make any recompile inside the block a DflashError that names the failed guard."""
+    config = torch._dynamo.config
+    previous = config.error_on_recompile
+    config.error_on_recompile = True
+    try:
+        yield
+    except torch._dynamo.exc.RecompileError as exc:
+        raise DflashError(
+            "a compiled step was recompiled after warmup, so some input changed between steps; "
+            f"dynamo says: {' '.join(str(exc).split())}"
+        ) from exc
+    finally:
+        config.error_on_recompile = previous
+
+
+class StaticBuffers(dict):
+    """Named tensors whose storage every step reads; data is copied in, never rebound, after checks."""
+
+    def load(self, name: str, value: torch.Tensor):
+        buffer = self[name]
+        if value.shape != buffer.shape or value.dtype != buffer.dtype:
+            raise DflashError(
+                f"static buffer {name!r} is {tuple(buffer.shape)} {buffer.dtype}, "
+                f"got {tuple(value.shape)} {value.dtype}"
+            )
+        buffer.copy_(value)
+
+
+class GraphedStep:
+    """Runs `step()`: warmed up, then replayed from a CUDA graph (CUDA) or called directly (CPU / no graph).
+
+    `hint` names the options that shrink the step; it goes into the error raised on out-of-memory during
+    warmup or capture. `pool` lets several steps (train and validation) share one graph memory pool, which is
+    safe because they never run at the same time.
+    """
+
+    def __init__(self, step: Callable[[], None], *, device: torch.device, cuda_graph: bool, hint: str, pool=None):
+        self.step, self.device, self.hint = step, device, hint
+        self.use_graph = cuda_graph and device.type == "cuda"
+        self.pool = pool
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def warmup(self, iterations: int = 2):
+        """Run the step eagerly `iterations` times: compiles everything and creates lazy state (optimizer)."""
+        with self._oom("warmup"):
+            if self.device.type != "cuda":
+                for _ in range(iterations):
+                    self.step()
+                return
+            # A side stream, as the CUDA-graph docs require: warmup must not leave work that a capture on the
+            # same stream would pick up, and autograd's stream bookkeeping must already point at a side stream.
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(iterations):
+                    self.step()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            torch.cuda.synchronize(self.device)
+
+    def capture(self):
+        if not self.use_graph:
+            return
+        self.graph = torch.cuda.CUDAGraph()
+        with self._oom("capture"):
+            with torch.cuda.graph(self.graph, pool=self.pool):
+                self.step()
+        torch.cuda.synchronize(self.device)
+
+    def __call__(self):
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.step()
+
+    @contextlib.contextmanager
+    def _oom(self, phase: str):
+        try:
+            yield
+        except torch.OutOfMemoryError as exc:
+            raise DflashError(f"out of memory during {phase} of the step: lower {self.hint}") from exc

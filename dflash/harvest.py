@@ -1,0 +1,456 @@
+"""The harvest driver: run the frozen target once over the data and write its tapped features to the store.
+
+Before any forward, every input is validated and a deterministic packing plan fixes which document goes to
+which rank, row and offset; the store's arrays are preallocated from it, so a rerun resumes after the committed
+rows. Per row group, the main thread runs forward batches (documents sorted by length, one per batch row,
+right-padded to a multiple of 64, no attention mask), scatters the real tokens into a device row buffer and
+starts one copy into pinned host memory on a side stream; a writer thread (compression and disk only, no GPU
+work) writes finished groups behind a bounded queue, so in steady state the GPU never waits for I/O.
+"""
+
+import errno
+import hashlib
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from dflash import __version__, store
+from dflash.data import DataConfig, Document, load_documents, load_tokenizer
+from dflash.errors import DflashError
+from dflash.target import TappedTarget, check_layer_ids, default_layer_ids
+
+logger = logging.getLogger("dflash")
+
+BLOCK_SIZE = 16  # a row must hold at least one DFlash block
+PAD_MULTIPLE = 64  # forward lengths are rounded up to this: few distinct shapes for the kernels
+HOST_BUFFERS = 3  # pinned row-group buffers: one being filled, up to two queued or being written
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+MASK_TOKEN = "<|MASK|>"
+
+
+@dataclass
+class HarvestConfig:
+    model: str
+    data: str
+    out: str
+    layers: list[int] | None = None  # default: the DFlash rule
+    token_budget: int = 12288  # tokens per stored row
+    max_length: int | None = None  # longest document kept whole; default: token_budget
+    overflow: str = "truncate"  # longer documents: "truncate" | "split"
+    forward_tokens: int = 32768  # padded tokens per forward batch
+    workers: int = 4  # tokenizer processes
+    rank: int | None = None  # default: $RANK or 0
+    world_size: int | None = None  # default: $WORLD_SIZE or 1
+    device: str | None = None  # default: cuda:$LOCAL_RANK if CUDA is available, else cpu
+    dtype: str = "bfloat16"  # the target's compute dtype; the store always holds bf16
+    allow_slow_kernels: bool = False
+
+
+# ---------------------------------------------------------------------------------------------- packing plan
+
+
+def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Rows of item indices: items longest first (ties by index), each into the first row with room.
+
+    A max-tree over the free space of rows finds the first row with room in O(log n); all rows start empty,
+    so the first empty row found is always the next new one.
+    """
+    size = 1
+    while size < len(lengths):
+        size *= 2
+    free = [capacity] * (2 * size)  # node i holds the largest free space below it; leaves are rows
+    rows: list[list[int]] = []
+    for item in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        node = 1
+        while node < size:
+            node = 2 * node if free[2 * node] >= lengths[item] else 2 * node + 1
+        row = node - size
+        if row == len(rows):
+            rows.append([])
+        rows[row].append(item)
+        free[node] -= lengths[item]
+        while node > 1:
+            node //= 2
+            free[node] = max(free[2 * node], free[2 * node + 1])
+    return rows
+
+
+@dataclass
+class PartPlan:
+    """One rank's documents packed into rows; starts[r][k] is the offset of document rows[r][k] in row r."""
+
+    docs: list[Document]
+    rows: list[list[int]]
+    token_budget: int
+    starts: list[list[int]] = field(init=False)
+
+    def __post_init__(self):
+        self.starts = [np.cumsum([0] + [len(self.docs[d].input_ids) for d in row[:-1]]).tolist() for row in self.rows]
+
+    @classmethod
+    def build(cls, documents: list[Document], rank: int, world_size: int, token_budget: int) -> "PartPlan":
+        docs = documents[rank::world_size]  # document i goes to rank i % world_size
+        return cls(docs, first_fit_decreasing([len(d.input_ids) for d in docs], token_budget), token_budget)
+
+    def documents_table(self) -> np.ndarray:
+        table = [
+            (self.docs[d].doc_id, self.docs[d].piece, r, start, len(self.docs[d].input_ids))
+            for r, (row, starts) in enumerate(zip(self.rows, self.starts))
+            for d, start in zip(row, starts)
+        ]
+        return np.array(table, np.int64).reshape(-1, len(store.DOCUMENT_COLUMNS))
+
+    def counts(self) -> dict:
+        tokens = sum(len(d.input_ids) for d in self.docs)
+        return {
+            "documents": len(self.docs),
+            "tokens": tokens,
+            "loss_tokens": sum(int(d.loss_mask.sum()) for d in self.docs),
+            "padding_tokens": len(self.rows) * self.token_budget - tokens,
+        }
+
+    def token_arrays(self, first: int, last: int) -> dict[str, np.ndarray]:
+        """The per-token arrays of rows [first, last); padding has doc id -1 and everything else 0."""
+        n, T = last - first, self.token_budget
+        arrays = {name: np.zeros((n, T), dtype) for name, dtype in store.TOKEN_ARRAYS.items()}
+        arrays["doc_ids"][:] = -1
+        for r in range(first, last):
+            for d, start in zip(self.rows[r], self.starts[r]):
+                doc, span = self.docs[d], slice(start, start + len(self.docs[d].input_ids))
+                arrays["input_ids"][r - first, span] = doc.input_ids
+                arrays["position_ids"][r - first, span] = np.arange(len(doc.input_ids))
+                arrays["doc_ids"][r - first, span] = doc.doc_id
+                arrays["loss_mask"][r - first, span] = doc.loss_mask
+        return arrays
+
+    def row_tokens(self, first: int, last: int) -> int:
+        return sum(len(self.docs[d].input_ids) for row in self.rows[first:last] for d in row)
+
+
+def forward_batches(plan: PartPlan, first: int, last: int, forward_tokens: int) -> list[list[tuple[int, int]]]:
+    """(row, document) pairs of rows [first, last) in batches of similar length: batch x padded length <= budget."""
+    items = [(r, d) for r in range(first, last) for d in plan.rows[r]]
+    items.sort(key=lambda rd: -len(plan.docs[rd[1]].input_ids))
+    batches: list[list[tuple[int, int]]] = []
+    for item in items:
+        if batches:
+            width = _round_up(len(plan.docs[batches[-1][0][1]].input_ids), PAD_MULTIPLE)  # the batch's longest
+            if (len(batches[-1]) + 1) * width <= forward_tokens:
+                batches[-1].append(item)
+                continue
+        batches.append([item])
+    return batches
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+# ---------------------------------------------------------------------------------------------- validation
+
+
+def _resolve(cfg: HarvestConfig) -> HarvestConfig:
+    """Fill the defaults that depend on the environment and check the options that need no file."""
+    rank = cfg.rank if cfg.rank is not None else int(os.environ.get("RANK", 0))
+    world_size = cfg.world_size if cfg.world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
+    device = cfg.device or (f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
+    cfg = HarvestConfig(**{**asdict(cfg), "rank": rank, "world_size": world_size, "device": device})
+    cfg.max_length = cfg.max_length or cfg.token_budget
+    if cfg.token_budget < BLOCK_SIZE:
+        raise DflashError(
+            f"token budget {cfg.token_budget} is too small to hold a block of {BLOCK_SIZE} tokens; use at least "
+            f"{BLOCK_SIZE} (the default, 12288, suits a GPU)"
+        )
+    if not 1 <= cfg.max_length <= cfg.token_budget:
+        raise DflashError(f"max length {cfg.max_length} must be between 1 and the token budget {cfg.token_budget}")
+    if cfg.forward_tokens < 1:
+        raise DflashError(f"forward tokens must be positive, got {cfg.forward_tokens}")
+    if not 0 <= cfg.rank < cfg.world_size:
+        raise DflashError(f"rank {cfg.rank} must be in 0..{cfg.world_size - 1} for world size {cfg.world_size}")
+    if cfg.dtype not in DTYPES:
+        raise DflashError(f"dtype {cfg.dtype!r} is not one of {', '.join(DTYPES)}")
+    return cfg
+
+
+def _file_identity(path: str) -> dict:
+    """Size and sha256 of the data file: a resumed harvest must read the very same documents."""
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            while chunk := f.read(16 << 20):
+                digest.update(chunk)
+    except OSError as exc:
+        raise DflashError(f"cannot read data file {path}: {exc.strerror}; pass an existing, readable JSONL file") from exc
+    return {"data_bytes": size, "data_sha256": digest.hexdigest()}
+
+
+def _fingerprint(cfg: HarvestConfig) -> dict:
+    """What decides the store's content: a store is only ever resumed by a run with the same fingerprint."""
+    from transformers import AutoConfig
+
+    try:
+        num_layers = AutoConfig.from_pretrained(cfg.model).get_text_config().num_hidden_layers
+    except (OSError, ValueError) as exc:
+        raise DflashError(f"cannot load a model config from {cfg.model}: {exc}; pass --model a checkpoint folder") from exc
+    layers = default_layer_ids(num_layers) if cfg.layers is None else check_layer_ids(cfg.layers, num_layers)
+    model = str(Path(cfg.model).resolve()) if Path(cfg.model).exists() else cfg.model
+    return {
+        "model": model,
+        "layers": layers,
+        **_file_identity(cfg.data),
+        "token_budget": cfg.token_budget,
+        "max_length": cfg.max_length,
+        "overflow": cfg.overflow,
+        "world_size": cfg.world_size,
+        "dtype": cfg.dtype,
+        "format_version": store.FORMAT_VERSION,
+    }
+
+
+def _tokenizer_info(model: str) -> dict:
+    tokenizer = load_tokenizer(model)
+    vocab = tokenizer.get_vocab()
+    mask_id = vocab.get(MASK_TOKEN)
+    if mask_id is None:
+        logger.warning("the tokenizer of %s has no %s token; the drafter will need a mask token id", model, MASK_TOKEN)
+    special = {name: getattr(tokenizer, f"{name}_token_id") for name in ("bos", "eos", "pad", "unk")}
+    return {"name": model, "vocab_size": len(tokenizer), "special_ids": {**special, "mask": mask_id}}
+
+
+# ---------------------------------------------------------------------------------------------- the harvest
+
+
+def run_harvest(cfg: HarvestConfig) -> Path:
+    """Harvest this rank's part of the store at cfg.out (resuming it if started); return the store path."""
+    try:
+        return _harvest(_resolve(cfg))
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        raise DflashError(
+            f"the disk holding {cfg.out} is full ({exc}); free space and rerun the same command: the harvest "
+            "resumes after the rows already written"
+        ) from exc
+
+
+def _harvest(cfg: HarvestConfig) -> Path:
+    out = Path(cfg.out)
+    fingerprint = _fingerprint(cfg)
+    state = store.check_folder(out, {"fingerprint": fingerprint})
+    if state == "complete":
+        logger.info("%s is already a complete store; nothing to do", out)
+        return out
+    progress = store.part_progress(out, cfg.world_size)[cfg.rank] if state == "resume" else None
+    if progress is not None and progress["rows_committed"] == progress["rows"]:
+        _finish(out, cfg)
+        return out
+
+    documents, stats = load_documents(DataConfig(cfg.data, cfg.max_length, cfg.overflow, cfg.workers), cfg.model)
+    logger.info("data %s: %s", cfg.data, stats.summary())
+    target = TappedTarget(cfg.model, fingerprint["layers"], cfg.device, DTYPES[cfg.dtype], cfg.allow_slow_kernels)
+    header = _header(cfg, fingerprint, target, stats)
+    if state == "resume" and store.read_json(out / store.HARVEST_FILE)["target"] != header["target"]:
+        raise DflashError(
+            f"the checkpoint at {cfg.model} changed since {out} was started (its config differs); harvest into a new folder"
+        )
+    plan = PartPlan.build(documents, cfg.rank, cfg.world_size, cfg.token_budget)
+
+    store.create_store(out, header)  # the first write of this run
+    part = store.PartWriter(out, store.PartSpec(
+        cfg.rank, len(plan.rows), cfg.token_budget, header["feature_dim"], plan.documents_table(), plan.counts(),
+    ))  # fmt: skip
+    counts = plan.counts()
+    logger.info(
+        "rank %d/%d: %d documents, %d tokens in %d rows of %d (%.1f%% padding)%s",
+        cfg.rank, cfg.world_size, counts["documents"], counts["tokens"], len(plan.rows), cfg.token_budget,
+        100 * counts["padding_tokens"] / max(1, len(plan.rows) * cfg.token_budget),
+        f"; resuming after row {part.rows_committed}" if part.rows_committed else "",
+    )  # fmt: skip
+    _run_rows(cfg, plan, target, part)
+    _finish(out, cfg)
+    return out
+
+
+def _header(cfg: HarvestConfig, fingerprint: dict, target: TappedTarget, stats) -> dict:
+    """harvest.json: everything the manifest states that no part's progress decides."""
+    return {
+        "format": "dflash-harvest",
+        "format_version": store.FORMAT_VERSION,
+        "dflash_version": __version__,
+        "fingerprint": fingerprint,
+        "options": {k: v for k, v in asdict(cfg).items() if k not in ("rank", "device")},
+        "target": asdict(target.info),
+        "layer_ids": target.layer_ids,
+        "feature_dim": len(target.layer_ids) * target.info.hidden_size,
+        "dtype": "bfloat16",
+        "storage": {"hidden": "uint16 holding bfloat16 bit patterns"},
+        "token_budget": cfg.token_budget,
+        "tokenizer": _tokenizer_info(cfg.model),
+        "data": {
+            "file": Path(cfg.data).name,
+            **{key: fingerprint[key] for key in ("data_bytes", "data_sha256")},
+            "stats": asdict(stats),
+        },
+        "codecs": {
+            "hidden": [codec.to_dict() for codec in store.hidden_compressors()],
+            "tokens": [codec.to_dict() for codec in store.token_compressors()],
+        },
+    }
+
+
+def _finish(out: Path, cfg: HarvestConfig) -> None:
+    if store.finalize(out, cfg.world_size, store.read_json(out / store.HARVEST_FILE)):
+        logger.info("store complete: %s", out)
+    else:
+        parts = store.part_progress(out, cfg.world_size)
+        pending = [r for r, p in enumerate(parts) if p is None or p["rows_committed"] < p["rows"]]
+        logger.info("part %d done; the store completes when ranks %s finish", cfg.rank, pending)
+
+
+# ---------------------------------------------------------------------------------------------- the pipeline
+
+
+@dataclass
+class RowGroup:
+    first: int
+    last: int
+    host: torch.Tensor  # int16 [rows, T, F]: bf16 bits, pinned on CUDA
+    tokens: dict[str, np.ndarray]
+    ready: torch.cuda.Event | None  # the host copy is complete once this fires
+
+
+class RowWriter(threading.Thread):
+    """Writes finished row groups and commits them; CPU only. An error stops writing and is raised later."""
+
+    def __init__(self, part: store.PartWriter, free: queue.Queue, on_commit):
+        super().__init__(daemon=True, name="dflash-writer")
+        self.part, self.free, self.on_commit = part, free, on_commit
+        self.jobs: queue.Queue = queue.Queue()  # bounded in effect by the HOST_BUFFERS buffers in circulation
+        self.error: BaseException | None = None
+
+    def run(self):
+        while (group := self.jobs.get()) is not None:
+            if self.error is None:
+                try:
+                    n = group.last - group.first
+                    self.part.write_rows(group.first, group.host[:n].numpy().view(np.uint16), group.tokens)
+                    self.part.commit(group.last)
+                    self.on_commit(group)
+                except BaseException as exc:  # handed to the main thread, which raises it
+                    self.error = exc
+            self.free.put(group.host)  # keep buffers circulating so that the main thread never blocks for ever
+
+    def check(self):
+        if self.error is not None:
+            raise self.error
+
+
+class Progress:
+    """tqdm bar over tokens (documents vary a lot in length): documents done, tokens/s, MB/s (uncompressed), ETA."""
+
+    def __init__(self, plan: PartPlan, committed_rows: int, row_bytes: int, rank: int):
+        counts = plan.counts()
+        self.plan, self.row_bytes, self.start, self.bytes = plan, row_bytes, time.perf_counter(), 0
+        self.total_docs = counts["documents"]
+        self.docs = sum(len(row) for row in plan.rows[:committed_rows])
+        self.bar = tqdm(
+            total=counts["tokens"], initial=plan.row_tokens(0, committed_rows), unit="tok", unit_scale=True,
+            desc=f"harvest rank {rank}", dynamic_ncols=True, mininterval=1.0,
+        )  # fmt: skip
+
+    def commit(self, group: RowGroup):
+        self.docs += sum(len(row) for row in self.plan.rows[group.first : group.last])
+        self.bytes += (group.last - group.first) * self.row_bytes
+        mb_per_s = self.bytes / 1e6 / (time.perf_counter() - self.start)
+        self.bar.set_postfix_str(f"docs {self.docs}/{self.total_docs}, {mb_per_s:.0f} MB/s", refresh=False)
+        self.bar.update(self.plan.row_tokens(group.first, group.last))
+
+    def close(self):
+        self.bar.close()
+
+
+def _run_rows(cfg: HarvestConfig, plan: PartPlan, target: TappedTarget, part: store.PartWriter) -> None:
+    device, T = torch.device(cfg.device), cfg.token_budget
+    F = len(target.layer_ids) * target.info.hidden_size
+    rows_per_group = max(1, cfg.forward_tokens // T)
+    cuda = device.type == "cuda"
+    copy_stream = torch.cuda.Stream(device) if cuda else None
+    # Two device buffers on CUDA: the next group fills one while the other is still being copied to the host.
+    device_rows = [torch.zeros(rows_per_group, T, F, dtype=torch.bfloat16, device=device) for _ in range(1 + cuda)]
+    copied = [None] * len(device_rows)  # event: device buffer k may be overwritten
+    free: queue.Queue = queue.Queue()
+    for _ in range(HOST_BUFFERS):
+        free.put(torch.empty(rows_per_group, T, F, dtype=torch.int16, pin_memory=cuda))
+    row_bytes = T * (2 * F + sum(np.dtype(d).itemsize for d in store.TOKEN_ARRAYS.values()))
+    progress = Progress(plan, part.rows_committed, row_bytes, cfg.rank)
+    writer = RowWriter(part, free, progress.commit)
+    writer.start()
+    pending = None
+    try:
+        for step, first in enumerate(range(part.rows_committed, len(plan.rows), rows_per_group)):
+            last = min(first + rows_per_group, len(plan.rows))
+            writer.check()
+            host = free.get()  # blocks only when writing falls behind the forward
+            k = step % len(device_rows)
+            if copied[k] is not None:
+                torch.cuda.current_stream(device).wait_event(copied[k])
+            rows = device_rows[k]
+            _fill_rows(rows, plan, first, last, target, cfg.forward_tokens)
+            copied[k] = _copy_to_host(rows[: last - first], host[: last - first], copy_stream)
+            group = RowGroup(first, last, host, plan.token_arrays(first, last), copied[k])
+            if pending is not None:  # hand over the previous group once its copy is done: one group of lag
+                _submit(writer, pending)
+            pending = group
+        if pending is not None:
+            _submit(writer, pending)
+    finally:
+        writer.jobs.put(None)
+        writer.join()
+        progress.close()
+    writer.check()
+
+
+def _fill_rows(rows: torch.Tensor, plan: PartPlan, first: int, last: int, target: TappedTarget, forward_tokens: int):
+    """Run the forward batches of rows [first, last) and place each document's features at its offset."""
+    rows.zero_()  # padding holds zeros
+    start_of = {(r, d): s for r in range(first, last) for d, s in zip(plan.rows[r], plan.starts[r])}
+    for batch in forward_batches(plan, first, last, forward_tokens):
+        lengths = [len(plan.docs[d].input_ids) for _, d in batch]
+        ids = np.zeros((len(batch), _round_up(lengths[0], PAD_MULTIPLE)), np.int64)
+        for b, (_, d) in enumerate(batch):
+            ids[b, : lengths[b]] = plan.docs[d].input_ids
+        ids = torch.from_numpy(ids)
+        if rows.is_cuda:  # a pageable source would make the copy wait for the GPU to drain
+            ids = ids.pin_memory()
+        features = target.features(ids.to(rows.device, non_blocking=True))
+        for b, ((r, d), n) in enumerate(zip(batch, lengths)):
+            start = start_of[r, d]
+            rows[r - first, start : start + n] = features[b, :n]
+
+
+def _copy_to_host(rows: torch.Tensor, host: torch.Tensor, copy_stream) -> torch.cuda.Event | None:
+    """Start the device-to-host copy of finished rows on the side stream; returns its completion event."""
+    if copy_stream is None:
+        host.copy_(rows.view(torch.int16))
+        return None
+    copy_stream.wait_stream(torch.cuda.current_stream(rows.device))
+    with torch.cuda.stream(copy_stream):
+        host.copy_(rows.view(torch.int16), non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(copy_stream)
+    return done
+
+
+def _submit(writer: RowWriter, group: RowGroup) -> None:
+    if group.ready is not None:
+        group.ready.synchronize()
+    writer.jobs.put(group)

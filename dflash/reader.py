@@ -1,0 +1,237 @@
+"""Streams store rows into the trainer's static step buffers.
+
+Three pieces, each with one job:
+- `split_rows` / `epoch_order`: which rows, in which order. Pure functions of (seed, epoch, rank, world), so a
+  resumed run and a run on another number of ranks see the same global batches.
+- `RowReader`: CPU threads read rows (zarr) into pinned host batches, a bounded number of steps ahead. No GPU
+  work happens off the main thread.
+- `DeviceFeed`: the main thread copies a host batch to the device on a side stream into staging buffers while
+  the previous step runs, then into the static buffers just before the next step (event-synchronised).
+"""
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dflash.errors import DflashError
+
+# Fields of a store row and the host dtype each one travels in. The hidden states are bf16 bits (uint16 in the
+# store); they travel as bfloat16 so that the device copy is a plain byte copy.
+FIELDS = {
+    "hidden": torch.bfloat16,
+    "input_ids": torch.int32,
+    "position_ids": torch.int32,
+    "doc_ids": torch.int32,
+    "loss_mask": torch.uint8,
+}
+_SPLIT_SEED = 0x5D1F  # the held-out split must not move when the training seed changes
+
+
+def split_rows(num_rows: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train rows, held-out rows), both sorted. Deterministic in (num_rows, val_fraction) alone."""
+    n_val = int(round(num_rows * val_fraction))
+    if val_fraction > 0 and n_val == 0 and num_rows > 1:
+        n_val = 1
+    perm = np.random.default_rng(_SPLIT_SEED).permutation(num_rows)
+    return np.sort(perm[n_val:]), np.sort(perm[:n_val])
+
+
+def epoch_order(rows: np.ndarray, seed: int, epoch: int, rank: int, world: int) -> np.ndarray:
+    """This rank's rows for `epoch`: a strided slice of one permutation shared by all ranks.
+
+    Striding (rank r takes positions r, r+world, ...) rather than contiguous slices keeps the union of the
+    ranks' k-th steps equal to the k-th step of one process that takes `world` times as many rows per step,
+    so the global batches do not depend on the number of ranks. The remainder is dropped so that every rank
+    runs the same number of steps.
+    """
+    perm = rows[np.random.default_rng([seed, epoch]).permutation(len(rows))]
+    per_rank = len(rows) // world
+    return perm[rank : per_rank * world : world]
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    micro_batches: int  # gradient-accumulation micro-steps per step
+    rows: int  # rows per micro-step
+    tokens: int  # the store's token budget
+    feature_dim: int
+
+    def field_shape(self, name: str) -> tuple[int, ...]:
+        lead = (self.micro_batches, self.rows, self.tokens)
+        return lead + (self.feature_dim,) if name == "hidden" else lead
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.micro_batches * self.rows
+
+
+def allocate_batch(shape: BatchShape, device, pin: bool = False) -> dict[str, torch.Tensor]:
+    """Zeroed buffers for one step's rows; `pin` (host only) makes them page-locked for asynchronous copies."""
+    shapes = {name: (shape.field_shape(name), dtype) for name, dtype in FIELDS.items()}
+    # The anchor generator's seed for each row (see train._row_keys).
+    shapes["anchor_keys"] = ((shape.micro_batches, shape.rows), torch.int64)
+    return {name: torch.zeros(s, dtype=dtype, device=device, pin_memory=pin) for name, (s, dtype) in shapes.items()}
+
+
+def _numpy_view(t: torch.Tensor) -> np.ndarray:
+    # numpy has no bfloat16: view the bits as int16 so that the store's uint16 bits land unchanged.
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+@dataclass
+class HostBatch:
+    tensors: dict[str, torch.Tensor]  # host buffers, [micro_batches, rows, ...]; only the first `micro` are filled
+    micro: int
+    futures: list[Future]
+    release: Callable[[], None]  # hands the buffers back to the reader once the device copy has finished
+
+
+class RowReader:
+    """Reads the rows of `steps` (per step: row ids, anchor keys) into pinned host batches, `depth` steps ahead.
+
+    A feeder thread claims a free host slot for the next step and hands its rows to a small pool of reader
+    threads; `next()` returns the batches in order. At most `depth` batches are read ahead, so host memory is
+    bounded and nothing is read until it is about to be used (the first step waits for one batch, whatever
+    the size of the store).
+    """
+
+    def __init__(self, store, steps, shape: BatchShape, depth: int = 2, workers: int = 4, pin: bool = False):
+        self.store, self.shape = store, shape
+        self.slots = [allocate_batch(shape, "cpu", pin=pin) for _ in range(depth + 1)]
+        self._views = [{name: _numpy_view(t) for name, t in slot.items()} for slot in self.slots]
+        self._free: queue.Queue[int] = queue.Queue()
+        for i in range(len(self.slots)):
+            self._free.put(i)
+        self._ready: queue.Queue[HostBatch | BaseException | None] = queue.Queue()
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dflash-read")
+        self._stop = threading.Event()
+        self._feeder = threading.Thread(target=self._feed, args=(iter(steps),), name="dflash-feed", daemon=True)
+        self._feeder.start()
+
+    def _feed(self, steps):
+        try:
+            for rows, keys in steps:
+                slot = self._claim()
+                if slot is None:
+                    return
+                views = self._views[slot]
+                views["anchor_keys"].reshape(-1)[: len(keys)] = keys
+                micro = -(-len(rows) // self.shape.rows)
+                # A short last batch (validation) fills its other rows with padding: no anchor lands there.
+                views["loss_mask"][:micro].reshape(-1, self.shape.tokens)[len(rows) :] = 0
+                views["doc_ids"][:micro].reshape(-1, self.shape.tokens)[len(rows) :] = -1
+                futures = [self._pool.submit(self._read_into, slot, i, int(row)) for i, row in enumerate(rows)]
+                self._ready.put(HostBatch(self.slots[slot], micro, futures, lambda slot=slot: self._free.put(slot)))
+            self._ready.put(None)
+        except BaseException as exc:  # handed to the main thread, which raises it
+            self._ready.put(exc)
+
+    def _claim(self) -> int | None:
+        while not self._stop.is_set():
+            try:
+                return self._free.get(timeout=0.1)
+            except queue.Empty:
+                continue
+        return None
+
+    def _read_into(self, slot: int, i: int, row: int):
+        micro, r = divmod(i, self.shape.rows)
+        try:
+            data = self.store.read_row(row)
+        except DflashError:
+            raise
+        except Exception as exc:  # zarr / codec errors: say which row, so that the user can find the chunk
+            raise DflashError(f"cannot read row {row} of the store: {type(exc).__name__}: {exc}") from exc
+        views = self._views[slot]
+        for name in FIELDS:
+            value = data[name]
+            target = views[name][micro, r]
+            if value.shape != target.shape:
+                raise DflashError(f"row {row} of the store has {name} of shape {value.shape}, expected {target.shape}")
+            np.copyto(target, value.view(target.dtype) if name == "hidden" else value, casting="unsafe")
+
+    def next(self) -> HostBatch | None:
+        """The next step's batch, fully read (None after the last step); raises a reader error here."""
+        item = self._ready.get()
+        if isinstance(item, BaseException):
+            raise item
+        if item is not None:
+            for future in item.futures:
+                future.result()
+        return item
+
+    def close(self):
+        self._stop.set()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._feeder.join()
+
+
+class DeviceFeed:
+    """Copies host batches into the static buffers of the step, overlapping the transfer with compute.
+
+    `stage(batch)` queues the host-to-device copy on a side stream into staging buffers (it runs while the
+    step already queued computes); `commit()` makes the main stream wait for it and copies staging into the
+    static buffers, which the step reads. The static buffers are only ever written by `commit`, on the main
+    stream, so a copy cannot race the step that reads them. Made once per trainer: the staging buffers are
+    part of the flat memory footprint. On the CPU, `stage` copies straight into the static buffers.
+    """
+
+    def __init__(self, static: dict[str, torch.Tensor]):
+        self.static = static
+        self.device = next(iter(static.values())).device
+        self.cuda = self.device.type == "cuda"
+        if self.cuda:
+            self.staging = {name: torch.empty_like(t) for name, t in static.items()}
+            self.side = torch.cuda.Stream(self.device)
+            self.staged = torch.cuda.Event()
+            self.consumed = torch.cuda.Event()
+        self._in_flight: HostBatch | None = None  # host batch whose copy may still be running
+        self._micro = 0
+
+    def stage(self, batch: HostBatch):
+        self.drain()
+        for name, t in self.static.items():
+            host = batch.tensors[name]
+            if host.shape[1:] != t.shape[1:] or host.dtype != t.dtype or batch.micro > t.shape[0]:
+                raise DflashError(
+                    f"host batch {name} is {tuple(host.shape)} {host.dtype}, the step reads {tuple(t.shape)} {t.dtype}"
+                )
+        self._micro = batch.micro
+        if not self.cuda:
+            self._copy(self.static, batch.tensors)
+            batch.release()
+            return
+        self.side.wait_event(self.consumed)  # staging is free once the last commit has read it
+        with torch.cuda.stream(self.side):
+            self._copy(self.staging, batch.tensors, non_blocking=True)
+            self.staged.record(self.side)
+        self._in_flight = batch
+
+    def commit(self):
+        if not self.cuda:
+            return
+        main = torch.cuda.current_stream(self.device)
+        main.wait_event(self.staged)
+        self._copy(self.static, self.staging)
+        self.consumed.record(main)
+
+    def _copy(self, dst, src, non_blocking=False):
+        m = self._micro
+        for name, t in dst.items():
+            t[:m].copy_(src[name][:m], non_blocking=non_blocking)
+
+    def drain(self):
+        """Hand the in-flight host batch back once its copy is done.
+
+        This is the loop's flow control: that copy waited for the commit before it, so the host stays at most
+        two steps ahead of the device, and a pinned buffer is never rewritten while the DMA reads it.
+        """
+        if self._in_flight is not None:
+            self.staged.synchronize()
+            self._in_flight.release()
+            self._in_flight = None

@@ -1,0 +1,218 @@
+"""Target-regenerated responses: DFlash trains on what the target itself says.
+
+Prompts are JSONL: chat records `{"messages": [...]}` ending with a user turn (a trailing assistant turn, the
+original answer, is dropped), rendered with the tokenizer's chat template; or `{"text": ...}` records, which the
+target continues as raw text. Output lines, in prompt order, are what `dflash harvest` reads:
+`{"messages": [...prompt turns, {"role": "assistant", "content": response}]}` for chat prompts and
+`{"text": prompt + response}` for text prompts.
+
+Resuming: the output is only ever appended whole batches at a time (one write, flushed and fsynced), a
+trailing partial line left by a killed run is cut off, and a rerun starts after the lines already there, once
+they are checked to answer the same prompts.
+"""
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash.errors import DflashError
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prompts
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def load_prompts(path: str | Path) -> list[dict]:
+    """Read prompt records, each normalised to `{"messages": [...]}` (ending with a user turn) or `{"text": ...}`."""
+    path = Path(path)
+    if not path.is_file():
+        raise DflashError(f"prompt file {path} does not exist; pass a JSONL file of chat or text prompts")
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if line.strip():
+            records.append(_prompt_record(line, f"{path} line {number}"))
+    if not records:
+        raise DflashError(f"{path} holds no prompts; expected JSONL lines with 'messages' or 'text'")
+    return records
+
+
+def _prompt_record(line: str, where: str) -> dict:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise DflashError(f"{where}: not valid JSON ({exc.msg}); each line must be one JSON object") from None
+    if not isinstance(record, dict) or ("messages" in record) == ("text" in record):
+        raise DflashError(f"{where}: expected an object with exactly one of a 'messages' list and a 'text' string")
+    if "text" in record:
+        if not isinstance(record["text"], str) or not record["text"]:
+            raise DflashError(f"{where}: 'text' must be a non-empty string")
+        return {"text": record["text"]}
+    if not isinstance(record["messages"], list):
+        raise DflashError(f"{where}: 'messages' must be a list of {{'role': ..., 'content': ...}} objects")
+    messages = record["messages"]
+    for turn in messages:
+        if not (isinstance(turn, dict) and isinstance(turn.get("role"), str) and isinstance(turn.get("content"), str)):
+            raise DflashError(f"{where}: every message needs string 'role' and 'content' fields")
+    if messages and messages[-1]["role"] == "assistant":
+        messages = messages[:-1]
+    if not messages or messages[-1]["role"] != "user":
+        raise DflashError(f"{where}: the conversation must end with a user turn (after dropping a final assistant turn)")
+    return {"messages": messages}
+
+
+def encode_prompt(tokenizer, record: dict) -> list[int]:
+    """Token ids the target starts generating after."""
+    if "text" in record:
+        return tokenizer(record["text"])["input_ids"]
+    if not tokenizer.chat_template:
+        raise DflashError("chat prompts need a tokenizer with a chat template; use {\"text\": ...} prompts instead")
+    text = tokenizer.apply_chat_template(record["messages"], add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def response_record(record: dict, response: str) -> dict:
+    if "text" in record:
+        return {"text": record["text"] + response}
+    return {"messages": [*record["messages"], {"role": "assistant", "content": response}]}
+
+
+def _answers(line: str, record: dict) -> bool:
+    """Whether an output line is the response record of prompt `record`."""
+    done = json.loads(line)
+    if "text" in record:
+        return isinstance(done.get("text"), str) and done["text"].startswith(record["text"])
+    return done.get("messages", [])[:-1] == record["messages"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Resumable output
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def completed_count(out: Path, records: list[dict]) -> int:
+    """Number of prompts already answered in `out`, after cutting off a partial last line."""
+    if not out.exists():
+        return 0
+    data = out.read_bytes()
+    whole = data[: data.rfind(b"\n") + 1]
+    if len(whole) < len(data):
+        with open(out, "r+b") as handle:
+            handle.truncate(len(whole))
+    lines = whole.decode().splitlines()
+    if len(lines) > len(records):
+        raise DflashError(f"{out} has {len(lines)} responses for {len(records)} prompts; write to a new --out")
+    for number, (line, record) in enumerate(zip(lines, records), start=1):
+        try:
+            same = _answers(line, record)
+        except (json.JSONDecodeError, AttributeError):
+            same = False
+        if not same:
+            raise DflashError(
+                f"{out} line {number} does not answer prompt {number} of the data file; "
+                "it was written from other prompts: write to a new --out"
+            )
+    return len(lines)
+
+
+def append_lines(out: Path, records: list[dict]) -> None:
+    """Append whole lines in one write, then flush to disk, so a kill leaves at most a partial last line."""
+    payload = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+    with open(out, "a", encoding="utf-8") as handle:
+        handle.write(payload)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Generation
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Sampling:
+    max_new_tokens: int = 512
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off (overrides a top_k in the target's generation_config)
+    seed: int = 0
+
+
+@dataclass
+class RegenerateStats:
+    prompts: int
+    already_done: int
+    written: int
+
+
+def generate_batch(model, tokenizer, prompts: list[list[int]], sampling: Sampling, eos_ids: set[int]) -> list[str]:
+    """Generate for a batch of token-id prompts, left-padded; returns each response up to its first EOS."""
+    import torch
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
+    width = max(len(ids) for ids in prompts)
+    input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in prompts], device=model.device)
+    attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts], device=model.device)
+    sample = sampling.temperature > 0
+    options = dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k) if sample else {}
+    out = model.generate(
+        input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=sampling.max_new_tokens,
+        do_sample=sample,
+        pad_token_id=pad_id,
+        **options,
+    )
+    responses = []
+    for row in out[:, width:].tolist():
+        stop = next((i for i, token in enumerate(row) if token in eos_ids), len(row))
+        # Special tokens the target produced before EOS are part of its answer: keep them.
+        responses.append(tokenizer.decode(row[:stop], skip_special_tokens=False))
+    return responses
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    ids = model.generation_config.eos_token_id
+    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    if not ids:
+        raise DflashError("the target defines no EOS token (generation_config.eos_token_id or tokenizer.eos_token)")
+    return ids
+
+
+def regenerate(
+    model_path: str | Path,
+    data: str | Path,
+    out: str | Path,
+    sampling: Sampling = Sampling(),
+    batch_size: int = 8,
+    device: str = "cpu",
+    dtype: str = "float32",
+    progress: bool = True,
+) -> RegenerateStats:
+    """Answer every prompt of `data` with the target at `model_path`, appending to `out` (resumable)."""
+    import torch
+    from tqdm import tqdm
+
+    from dflash.speculative import load_target
+
+    records = load_prompts(data)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = completed_count(out, records)
+    if done == len(records):
+        return RegenerateStats(len(records), done, 0)
+    model, tokenizer = load_target(model_path, device, dtype)
+    eos_ids = eos_token_ids(model, tokenizer)
+    bar = tqdm(total=len(records), initial=done, unit="prompt", desc="regenerate", disable=not progress)
+    for start in range(done, len(records), batch_size):
+        batch = records[start : start + batch_size]
+        # Seeded by position so that a resumed sampled run does not repeat the first run's random stream.
+        torch.manual_seed(sampling.seed + start)
+        responses = generate_batch(model, tokenizer, [encode_prompt(tokenizer, r) for r in batch], sampling, eos_ids)
+        append_lines(out, [response_record(r, text) for r, text in zip(batch, responses)])
+        bar.update(len(batch))
+    bar.close()
+    return RegenerateStats(len(records), done, len(records) - done)

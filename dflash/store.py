@@ -1,0 +1,336 @@
+"""The harvest store: a folder holding a Zarr v3 group of per-rank parts and JSON bookkeeping.
+
+    harvest.json                      written first: format version, fingerprint, options
+    zarr.json, parts/zarr.json        Zarr v3 groups
+    parts/rank00000/<array>/          hidden, input_ids, position_ids, doc_ids, loss_mask, documents
+    parts/rank00000/progress.json     rows committed; rewritten only after those rows' chunks are on disk
+    manifest.json                     written last: the store is complete only once it exists
+
+Every file is replaced atomically (zarr writes chunks to a temporary file and renames it; the JSON files here
+do the same), so a killed harvest leaves committed rows intact and resumes from `rows_committed`.
+The exact format, and how to read it with plain zarr, is in docs/shard-format.md.
+"""
+
+import bisect
+import json
+import math
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import zarr
+from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
+
+from dflash.errors import DflashError
+
+FORMAT_VERSION = 1
+HARVEST_FILE = "harvest.json"
+MANIFEST_FILE = "manifest.json"
+PROGRESS_FILE = "progress.json"
+TMP_PREFIX = ".dflash-tmp-"
+CHUNK_BYTES = 32 << 20  # uncompressed size of one hidden chunk: a row is read in a few large, parallel reads
+DOC_CHUNK = 65536
+TOKEN_ARRAYS = {"input_ids": "int32", "position_ids": "int32", "doc_ids": "int32", "loss_mask": "uint8"}
+ARRAYS = ("hidden", *TOKEN_ARRAYS, "documents")
+DOCUMENT_COLUMNS = ["doc_id", "piece", "row", "start", "length"]
+HIDDEN_ATTRIBUTES = {
+    "dtype": "bfloat16",
+    "encoding": "uint16 bit patterns of bfloat16 (zarr has no bfloat16): torch.from_numpy(a).view(torch.bfloat16)",
+}
+
+
+def hidden_compressors():
+    """Blosc-LZ4 with bit shuffle: chosen by bench/codecs.py (numbers in docs/shard-format.md); CRC32C last."""
+    return [BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle", typesize=2), Crc32cCodec()]
+
+
+def token_compressors():
+    return [ZstdCodec(level=1), Crc32cCodec()]
+
+
+def hidden_chunk_tokens(token_budget: int, feature_dim: int) -> int:
+    """Tokens per hidden chunk: the fewest equal token slices of a row that keep a chunk under CHUNK_BYTES."""
+    slices = max(1, math.ceil(token_budget * feature_dim * 2 / CHUNK_BYTES))
+    return math.ceil(token_budget / slices)
+
+
+def part_name(rank: int) -> str:
+    return f"rank{rank:05d}"
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    """Write through a temporary file and rename, so readers and killed writers never see half a file."""
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{uuid.uuid4().hex}")
+    try:
+        tmp.write_text(json.dumps(obj, indent=2) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+
+
+def _array_config(read: bool) -> dict:
+    # Every chunk is written, even all-padding ones, so that a missing chunk file means damage; zarr >= 3.2
+    # can then be told to raise on a missing chunk instead of returning fill values.
+    if not read:
+        return {"write_empty_chunks": True}
+    return {"read_missing_chunks": False} if "read_missing_chunks" in zarr.config.get("array") else {}
+
+
+# ---------------------------------------------------------------------------------------------- write side
+
+
+def check_folder(out: Path, header: dict) -> str:
+    """Classify `out` for the harvest described by `header`, writing nothing: 'new', 'resume' or 'complete'.
+
+    Refuses a folder with other content and a store made with a different fingerprint (naming the fields).
+    """
+    if not out.exists():
+        return "new"
+    if not out.is_dir():
+        raise DflashError(f"--out {out} is a file, not a folder; choose a new or empty folder")
+    existing = read_json(out / HARVEST_FILE)
+    if existing is None:
+        others = sorted(p.name for p in out.iterdir() if not p.name.startswith(TMP_PREFIX))
+        if others:
+            shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
+            raise DflashError(
+                f"--out {out} holds other content ({shown}) and is not a dflash store; choose a new or empty folder"
+            )
+        return "new"
+    if existing.get("format_version") != FORMAT_VERSION:
+        raise DflashError(
+            f"{out} is a dflash store of format version {existing.get('format_version')}, this dflash writes "
+            f"version {FORMAT_VERSION}; harvest into a new folder"
+        )
+    old, new = existing["fingerprint"], header["fingerprint"]
+    differing = [key for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
+    if differing:
+        details = "; ".join(f"{key}: store has {old.get(key)!r}, this run {new.get(key)!r}" for key in differing)
+        raise DflashError(
+            f"{out} holds a harvest made with different settings ({details}); rerun with the store's settings "
+            f"to resume it, or choose a new --out folder"
+        )
+    return "complete" if (out / MANIFEST_FILE).exists() else "resume"
+
+
+def create_store(out: Path, header: dict) -> None:
+    """Create the folder, `harvest.json` (first) and the root groups; a no-op on an existing store."""
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / HARVEST_FILE).exists():
+        write_json_atomic(out / HARVEST_FILE, header)
+    root = zarr.open_group(out, mode="a", zarr_format=3)
+    if "parts" not in root:
+        root.create_group("parts")
+
+
+@dataclass
+class PartSpec:
+    """Everything about one rank's part that the packing plan fixes before any forward."""
+
+    rank: int
+    rows: int
+    token_budget: int
+    feature_dim: int
+    documents: np.ndarray  # int64 [n, 5]: DOCUMENT_COLUMNS, row local to the part
+    counts: dict  # documents, tokens, loss_tokens, padding_tokens
+
+
+class PartWriter:
+    """Writes one rank's rows; opening an existing part resumes after its committed rows."""
+
+    def __init__(self, out: Path, spec: PartSpec):
+        self.folder = out / "parts" / part_name(spec.rank)
+        self.progress = read_json(self.folder / PROGRESS_FILE)
+        if self.progress is None:  # absent until every array exists: a half-created part is simply redone
+            self._create(out, spec)
+        elif self.progress["rows"] != spec.rows or self.progress["counts"] != spec.counts:
+            raise DflashError(
+                f"part {part_name(spec.rank)} of {out} was planned differently ({self.progress['rows']} rows, "
+                f"now {spec.rows}); the data or tokenizer changed under the store: harvest into a new folder"
+            )
+        else:  # resuming: drop the temporary files of writes a killed run left unfinished
+            for leftover in [*self.folder.rglob("*.partial"), *self.folder.glob(f"{TMP_PREFIX}*")]:
+                leftover.unlink(missing_ok=True)
+        group = zarr.open_group(self.folder, mode="r+")
+        self.arrays = {name: group[name].with_config(_array_config(read=False)) for name in ARRAYS}
+
+    def _create(self, out: Path, spec: PartSpec) -> None:
+        group = zarr.open_group(out, mode="a").require_group(f"parts/{part_name(spec.rank)}")
+        T, F = spec.token_budget, spec.feature_dim
+        write = dict(overwrite=True, config=_array_config(read=False))
+        group.create_array(
+            "hidden", shape=(spec.rows, T, F), chunks=(1, hidden_chunk_tokens(T, F), F), dtype="uint16",
+            compressors=hidden_compressors(), fill_value=0, attributes=HIDDEN_ATTRIBUTES, **write,
+        )  # fmt: skip
+        for name, dtype in TOKEN_ARRAYS.items():
+            fill = -1 if name == "doc_ids" else 0
+            group.create_array(
+                name, shape=(spec.rows, T), chunks=(1, T), dtype=dtype, compressors=token_compressors(),
+                fill_value=fill, **write,
+            )  # fmt: skip
+        documents = group.create_array(
+            "documents", shape=spec.documents.shape, chunks=(DOC_CHUNK, len(DOCUMENT_COLUMNS)), dtype="int64",
+            compressors=token_compressors(), fill_value=0, attributes={"columns": DOCUMENT_COLUMNS}, **write,
+        )  # fmt: skip
+        documents[:] = spec.documents
+        self.progress = {"rows": spec.rows, "rows_committed": 0, "counts": spec.counts}
+        write_json_atomic(self.folder / PROGRESS_FILE, self.progress)
+
+    @property
+    def rows_committed(self) -> int:
+        return self.progress["rows_committed"]
+
+    def write_rows(self, first_row: int, hidden: np.ndarray, tokens: dict[str, np.ndarray]) -> None:
+        """Write rows [first_row, first_row + len(hidden)): hidden uint16 [r, T, F] and TOKEN_ARRAYS [r, T]."""
+        rows = slice(first_row, first_row + len(hidden))
+        self.arrays["hidden"][rows] = hidden
+        for name in TOKEN_ARRAYS:
+            self.arrays[name][rows] = tokens[name]
+
+    def commit(self, rows_committed: int) -> None:
+        """Record rows as durable; call only once write_rows for them has returned."""
+        self.progress = {**self.progress, "rows_committed": rows_committed}
+        write_json_atomic(self.folder / PROGRESS_FILE, self.progress)
+
+
+def part_progress(out: Path, world_size: int) -> list[dict | None]:
+    return [read_json(out / "parts" / part_name(rank) / PROGRESS_FILE) for rank in range(world_size)]
+
+
+def finalize(out: Path, world_size: int, header: dict) -> bool:
+    """Write `manifest.json` if every part is done; whichever rank finishes last does it (idempotently).
+
+    The manifest is `header` (the contents of harvest.json) plus the counts and rows of every part.
+    """
+    progress = part_progress(out, world_size)
+    if any(p is None or p["rows_committed"] < p["rows"] for p in progress):
+        return False
+    parts = [{"name": part_name(rank), "rows": p["rows"], **p["counts"]} for rank, p in enumerate(progress)]
+    counts = {key: sum(part[key] for part in parts) for key in progress[0]["counts"]}
+    counts["rows"] = sum(part["rows"] for part in parts)
+    write_json_atomic(out / MANIFEST_FILE, {**header, "counts": counts, "parts": parts})
+    return True
+
+
+# ----------------------------------------------------------------------------------------------- read side
+
+
+def _open_manifest(path: Path) -> dict:
+    manifest = read_json(path / MANIFEST_FILE)
+    if manifest is None:
+        header = read_json(path / HARVEST_FILE)
+        if header is None:
+            raise DflashError(f"{path} is not a dflash store (no {HARVEST_FILE} or {MANIFEST_FILE})")
+        done = sum(
+            p is not None and p["rows_committed"] == p["rows"]
+            for p in part_progress(path, header["fingerprint"]["world_size"])
+        )
+        raise DflashError(
+            f"{path} is an incomplete store ({done} of {header['fingerprint']['world_size']} parts done, no "
+            f"{MANIFEST_FILE}); rerun the same harvest command to finish it"
+        )
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise DflashError(
+            f"{path} has store format version {manifest.get('format_version')}; this dflash reads version "
+            f"{FORMAT_VERSION}: use a matching dflash version or harvest again"
+        )
+    return manifest
+
+
+class ShardStore:
+    """Read side: opening reads only the manifest and the arrays' metadata, whatever the store's size."""
+
+    def __init__(self, path: Path, manifest: dict):
+        self.path = path
+        self.manifest = manifest
+        self.token_budget = manifest["token_budget"]
+        self.feature_dim = manifest["feature_dim"]
+        self.num_rows = manifest["counts"]["rows"]
+        self.part_names = [part["name"] for part in manifest["parts"]]
+        self.part_starts = np.cumsum([0] + [part["rows"] for part in manifest["parts"]]).tolist()
+        group = zarr.open_group(path, mode="r")
+        self.parts = [
+            {name: group[f"parts/{part}/{name}"].with_config(_array_config(read=True)) for name in ARRAYS}
+            for part in self.part_names
+        ]
+
+    @classmethod
+    def open(cls, path) -> "ShardStore":
+        path = Path(path)
+        return cls(path, _open_manifest(path))
+
+    def locate(self, i: int) -> tuple[int, int]:
+        """(part index, row within the part) of global row i."""
+        if not 0 <= i < self.num_rows:
+            raise IndexError(f"row {i} out of range: the store has {self.num_rows} rows")
+        part = bisect.bisect_right(self.part_starts, i) - 1
+        return part, i - self.part_starts[part]
+
+    def read_row(self, i: int) -> dict[str, np.ndarray]:
+        part, row = self.locate(i)
+        out = {}
+        for name in ("hidden", *TOKEN_ARRAYS):
+            try:
+                out[name] = self.parts[part][name][row]
+            except Exception as exc:  # zarr raises ValueError on a checksum mismatch, codec errors otherwise
+                raise DflashError(
+                    f"corrupt data in {self.path}: row {i} (part {self.part_names[part]}, array {name}, row {row}): "
+                    f"{exc}; run `dflash inspect --verify` to list every damaged chunk"
+                ) from exc
+        return out
+
+    def documents(self) -> np.ndarray:
+        """int64 [n_docs, 5] of DOCUMENT_COLUMNS for the whole store, with global row numbers."""
+        tables = []
+        for part, start in zip(self.parts, self.part_starts):
+            table = part["documents"][:]
+            table[:, 2] += start
+            tables.append(table)
+        return np.concatenate(tables) if tables else np.zeros((0, len(DOCUMENT_COLUMNS)), np.int64)
+
+
+# ------------------------------------------------------------------------------------------- verify / inspect
+
+
+def disk_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def verify(store: ShardStore, progress=None, threads: int = 8) -> list[str]:
+    """Read every chunk of every array; return one line per missing or corrupt chunk, naming part/array/row."""
+    jobs = [
+        (part, name, array, coords)
+        for part, arrays in enumerate(store.parts)
+        for name, array in arrays.items()
+        for coords in np.ndindex(*array.cdata_shape)
+    ]
+
+    def check(job) -> str | None:
+        part, name, array, coords = job
+        where = f"part {store.part_names[part]} array {name} chunk {coords}"
+        if name != "documents":
+            where += f" (row {store.part_starts[part] + coords[0]})"
+        chunk_file = store.path / "parts" / store.part_names[part] / name / "c" / "/".join(map(str, coords))
+        try:
+            if not chunk_file.is_file():
+                return f"{where}: chunk file missing"
+            array.get_block_selection(coords)
+            return None
+        except Exception as exc:  # zarr raises ValueError on a checksum mismatch, codec errors otherwise
+            return f"{where}: {exc}"
+        finally:
+            if progress is not None:
+                progress(array.nbytes // array.nchunks)
+
+    with ThreadPoolExecutor(threads) as pool:
+        return [problem for problem in pool.map(check, jobs) if problem is not None]

@@ -1,0 +1,195 @@
+"""load_documents: loss masks checked by decoding, overflow, parallel tokenisation, and every bad input."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from dflash.data import DataConfig, load_documents
+from dflash.errors import DflashError
+from dflash.tiny import CORPUS, build_tokenizer
+
+CONVERSATION = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "What does a hash map store?"},
+    {"role": "assistant", "content": "Key and value pairs, found by hashing the key."},
+    {"role": "user", "content": "And a set?"},
+    {"role": "assistant", "content": "Only the keys."},
+]
+ASSISTANT_TURNS = ["Key and value pairs, found by hashing the key.<|im_end|>", "Only the keys.<|im_end|>"]
+# Renders a think block in the last assistant turn only, as Qwen3 does: not prefix-consistent for earlier turns.
+THINK_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' and loop.last %}<think>\n\n</think>\n\n{% endif %}"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Rewrites the content of earlier assistant turns: no mask can be trusted.
+REWRITING_TEMPLATE = THINK_TEMPLATE.replace("{{ m['content'] }}", "{{ m['content'] if loop.last else m['content'] | upper }}")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path(tmp_path_factory):
+    return _save_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+def _save_tokenizer(folder, template=None):
+    tokenizer = build_tokenizer()
+    if template is not None:
+        tokenizer.chat_template = template
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def _jsonl(tmp_path, *lines) -> str:
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return str(path)
+
+
+def _masked_runs(tokenizer_path, document) -> list[str]:
+    """The decoded runs of consecutive loss-masked tokens."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], document.loss_mask, [0]])))
+    return [tokenizer.decode(document.input_ids[start:end]) for start, end in zip(edges[::2], edges[1::2])]
+
+
+def test_chat_mask_is_exactly_the_assistant_turns_and_their_end_token(tmp_path, tokenizer_path):
+    documents, stats = load_documents(DataConfig(_jsonl(tmp_path, {"messages": CONVERSATION})), tokenizer_path)
+    [document] = documents
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    rendering = tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
+    assert document.input_ids.tolist() == tokenizer(rendering, add_special_tokens=False)["input_ids"]
+    assert document.input_ids.dtype == np.int32 and document.loss_mask.dtype == np.uint8
+    assert _masked_runs(tokenizer_path, document) == ASSISTANT_TURNS
+    assert (stats.chat, stats.text, stats.documents, stats.loss_tokens) == (1, 0, 1, document.loss_mask.sum())
+
+
+def test_template_not_prefix_consistent_falls_back_to_content_search(tmp_path):
+    tokenizer_path = _save_tokenizer(tmp_path / "think", THINK_TEMPLATE)
+    documents, _ = load_documents(DataConfig(_jsonl(tmp_path, {"messages": CONVERSATION})), tokenizer_path)
+    # The earlier turn is found by content; the last one, prefix-consistent, includes the think block it generates.
+    assert _masked_runs(tokenizer_path, documents[0]) == [ASSISTANT_TURNS[0], "<think>\n\n</think>\n\n" + ASSISTANT_TURNS[1]]
+
+
+def test_template_that_rewrites_content_is_refused(tmp_path):
+    tokenizer_path = _save_tokenizer(tmp_path / "rewrite", REWRITING_TEMPLATE)
+    path = _jsonl(tmp_path, {"text": "fine"}, {"messages": CONVERSATION})
+    with pytest.raises(DflashError, match=r"line 2: cannot locate assistant message 2"):
+        load_documents(DataConfig(path, workers=2), tokenizer_path)  # raised in a worker, reported here
+
+
+def test_text_documents_have_every_token_on(tmp_path, tokenizer_path):
+    text = "def add(a, b):\n    return a + b\n"
+    documents, stats = load_documents(DataConfig(_jsonl(tmp_path, {"text": text})), tokenizer_path)
+    assert documents[0].input_ids.tolist() == AutoTokenizer.from_pretrained(tokenizer_path)(text)["input_ids"]
+    assert documents[0].loss_mask.all() and (stats.text, stats.chat) == (1, 0)
+
+
+def test_truncate_and_split(tmp_path, tokenizer_path):
+    long_text = "The quick brown fox jumps over the lazy dog. " * 20
+    path = _jsonl(tmp_path, {"text": "short one"}, "", {"text": long_text})
+    whole = load_documents(DataConfig(path, max_length=10_000), tokenizer_path)[0][1]
+    n = len(whole.input_ids)
+    assert n > 3 * 64
+
+    truncated, stats = load_documents(DataConfig(path, max_length=64, overflow="truncate"), tokenizer_path)
+    assert [(d.doc_id, d.piece, len(d.input_ids)) for d in truncated[1:]] == [(2, 0, 64)]
+    assert truncated[1].input_ids.tolist() == whole.input_ids[:64].tolist()
+    assert (stats.truncated, stats.truncated_tokens, stats.split, stats.documents) == (1, n - 64, 0, 2)
+
+    pieces, stats = load_documents(DataConfig(path, max_length=64, overflow="split"), tokenizer_path)
+    expected_pieces = -(-n // 64)
+    assert [(d.doc_id, d.piece) for d in pieces[1:]] == [(2, p) for p in range(expected_pieces)]
+    assert np.concatenate([d.input_ids for d in pieces[1:]]).tolist() == whole.input_ids.tolist()
+    assert all(len(d.input_ids) <= 64 for d in pieces)
+    assert (stats.split, stats.split_pieces, stats.truncated, stats.documents) == (1, expected_pieces, 0, 1 + expected_pieces)
+    assert stats.tokens == sum(len(d.input_ids) for d in pieces)
+
+
+def test_split_drops_pieces_without_loss_tokens(tmp_path, tokenizer_path):
+    messages = [{"role": "user", "content": "Please read this. " * 30}, {"role": "assistant", "content": "Done."}]
+    documents, stats = load_documents(DataConfig(_jsonl(tmp_path, {"messages": messages}), max_length=32, overflow="split"), tokenizer_path)
+    assert stats.dropped_no_loss == stats.split_pieces - len(documents) > 0
+    assert all(d.loss_mask.any() for d in documents) and documents[0].piece > 0
+
+
+def test_two_workers_equal_one(tokenizer_path):
+    inline, inline_stats = load_documents(DataConfig(CORPUS, max_length=256, overflow="split", workers=1), tokenizer_path)
+    parallel, parallel_stats = load_documents(DataConfig(CORPUS, max_length=256, overflow="split", workers=2), tokenizer_path)
+    assert inline_stats == parallel_stats and inline_stats.chat > 0 and inline_stats.text > 0
+    assert len(inline) == len(parallel)
+    for a, b in zip(inline, parallel):
+        assert (a.doc_id, a.piece) == (b.doc_id, b.piece)
+        assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.loss_mask, b.loss_mask)
+
+
+GOOD = {"text": "a good line"}
+BAD_LINES = {
+    "malformed JSON": ('{"text": "unterminated', "malformed JSON"),
+    "not an object": ('["text"]', "expected a JSON object"),
+    "neither key": ({"prompt": "hi"}, "neither"),
+    "both keys": ({"text": "hi", "messages": []}, "both"),
+    "empty text": ({"text": "  "}, "empty document"),
+    "text not a string": ({"text": 3}, '"text" must be a string'),
+    "messages not a list": ({"messages": "hi"}, "non-empty list"),
+    "empty messages": ({"messages": []}, "non-empty list"),
+    "message not an object": ({"messages": ["hi"]}, "message 0 must be an object"),
+    "content not a string": ({"messages": [{"role": "assistant", "content": None}]}, 'message 0 needs a string "content"'),
+    "no assistant turn": ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant turn"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_LINES)
+def test_bad_line_is_reported_with_its_line_number(tmp_path, tokenizer_path, case):
+    line, problem = BAD_LINES[case]
+    # A blank line counts: line numbers are those an editor shows.
+    path = _jsonl(tmp_path, GOOD, "", line, {"text": 7})
+    with pytest.raises(DflashError) as error:
+        load_documents(DataConfig(path), tokenizer_path)
+    assert "line 3: " in str(error.value) and problem in str(error.value)
+
+
+def test_invalid_utf8_is_reported_with_its_line_number(tmp_path, tokenizer_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(DflashError, match="line 2: not valid UTF-8"):
+        load_documents(DataConfig(path), tokenizer_path)
+
+
+@pytest.mark.parametrize("make, problem", [
+    (lambda tmp: tmp / "missing.jsonl", "does not exist"),
+    (lambda tmp: tmp, "does not exist or is not a file"),
+    (lambda tmp: _touch(tmp / "empty.jsonl", "\n\n"), "holds no documents"),
+])  # fmt: skip
+def test_missing_or_empty_file(tmp_path, tokenizer_path, make, problem):
+    with pytest.raises(DflashError, match=problem):
+        load_documents(DataConfig(make(tmp_path)), tokenizer_path)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
+def test_unreadable_file(tmp_path, tokenizer_path):
+    path = _touch(tmp_path / "locked.jsonl", json.dumps(GOOD))
+    path.chmod(0)
+    with pytest.raises(DflashError, match="cannot read data file"):
+        load_documents(DataConfig(path), tokenizer_path)
+
+
+def _touch(path, text):
+    path.write_text(text)
+    return path
+
+
+def test_bad_options_and_missing_chat_template(tmp_path, tokenizer_path):
+    path = _jsonl(tmp_path, {"messages": CONVERSATION})
+    with pytest.raises(DflashError, match="overflow must be one of truncate, split"):
+        load_documents(DataConfig(path, overflow="wrap"), tokenizer_path)
+    with pytest.raises(DflashError, match="max length"):
+        load_documents(DataConfig(path, max_length=0), tokenizer_path)
+    no_template = build_tokenizer()
+    no_template.chat_template = None
+    no_template.save_pretrained(tmp_path / "plain")
+    with pytest.raises(DflashError, match="no chat template"):
+        load_documents(DataConfig(path), str(tmp_path / "plain"))

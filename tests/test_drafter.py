@@ -1,0 +1,210 @@
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash.blocks import block_attention_mask, dense_block_mask, sample_anchors
+from dflash.drafter import DFlashDrafter, DrafterConfig, export_drafter, load_drafter
+from dflash.errors import DflashError
+from dflash.tiny import tiny_config
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+# The checkpoint names listed in ../shared/DFLASH.md, written out from the document.
+DFLASH_MD_LAYER_KEYS = [
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+    "input_layernorm.weight", "post_attention_layernorm.weight",
+]  # fmt: skip
+DFLASH_MD_TOP_KEYS = ["norm.weight", "fc.weight", "hidden_norm.weight"]
+
+
+def small_config(**overrides):
+    fields = dict(
+        hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_layers=2, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512, vocab_size=50,
+        block_size=4, mask_token_id=49, target_layer_ids=[1, 3, 5], num_target_layers=8,
+    )  # fmt: skip
+    fields.update(overrides)
+    return DrafterConfig(**fields)
+
+
+def make_drafter(cfg, seed=0):
+    torch.manual_seed(seed)
+    model = DFlashDrafter(cfg).double()
+    with torch.no_grad():  # norms start at 1: perturb them so that a missing or swapped norm shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
+def reference_drafter(params, cfg, embeds, features, q_pos, ctx_pos, visible):
+    """A straightforward float64 DFlash drafter with explicit dense attention; visible [R, Q, T + Q] bool."""
+    eps, D = cfg.rms_norm_eps, cfg.head_dim
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    def rope(x, pos):  # x [R, S, heads, D]
+        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+        angle = (pos.double()[..., None] * inv_freq)[:, :, None, :]
+        x1, x2 = x[..., : D // 2], x[..., D // 2 :]
+        return torch.cat([x1 * angle.cos() - x2 * angle.sin(), x2 * angle.cos() + x1 * angle.sin()], dim=-1)
+
+    R, Q, _ = embeds.shape
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    ctx = rms(features @ params["fc.weight"].T, params["hidden_norm.weight"])
+    x = embeds
+    for i in range(cfg.num_layers):
+        p = {k.removeprefix(f"layers.{i}."): v for k, v in params.items() if k.startswith(f"layers.{i}.")}
+        h = rms(x, p["input_layernorm.weight"])
+        q = rms((h @ p["self_attn.q_proj.weight"].T).view(R, Q, -1, D), p["self_attn.q_norm.weight"])
+        source = torch.cat([ctx, h], dim=1)  # keys and values: the fused context, then the block tokens
+        k = rms((source @ p["self_attn.k_proj.weight"].T).view(R, source.shape[1], -1, D), p["self_attn.k_norm.weight"])
+        v = (source @ p["self_attn.v_proj.weight"].T).view(R, source.shape[1], -1, D)
+        q, k = rope(q, q_pos), rope(k, torch.cat([ctx_pos, q_pos], dim=1))
+        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+        scores = torch.einsum("rqhd,rkhd->rhqk", q, k) / math.sqrt(D)
+        scores = scores.masked_fill(~visible[:, None], float("-inf"))
+        attn = torch.einsum("rhqk,rkhd->rqhd", scores.softmax(-1), v).reshape(R, Q, -1)
+        x = x + attn @ p["self_attn.o_proj.weight"].T
+        h = rms(x, p["post_attention_layernorm.weight"])
+        mlp = F.silu(h @ p["mlp.gate_proj.weight"].T) * (h @ p["mlp.up_proj.weight"].T)
+        x = x + mlp @ p["mlp.down_proj.weight"].T
+    return rms(x, params["norm.weight"])
+
+
+def training_batch(cfg, R=2, T=40, A=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    doc_ids = torch.zeros(R, T, dtype=torch.int32)
+    doc_ids[0, 17:] = 1
+    doc_ids[1, 35:] = -1  # padding
+    position_ids = torch.stack([torch.cat([torch.arange(17), torch.arange(T - 17)]), torch.arange(T)])
+    loss_mask = torch.ones(R, T, dtype=torch.uint8)
+    loss_mask[:, :3] = 0
+    anchors, valid = sample_anchors(loss_mask, doc_ids, A, cfg.block_size, torch.tensor(seed))
+    valid[1, -1] = False
+    Q = A * cfg.block_size
+    q_pos = (position_ids.gather(1, anchors)[:, :, None] + torch.arange(cfg.block_size)).view(R, Q)
+    embeds = torch.randn(R, Q, cfg.hidden_size, generator=g, dtype=torch.float64)
+    features = torch.randn(R, T, cfg.feature_dim, generator=g, dtype=torch.float64)
+    return embeds, features, q_pos, position_ids, anchors, valid, doc_ids
+
+
+# flex_attention; the CPU fallback under grad (the BlockMask's mask_mod, densely, with SDPA); a dense mask given
+@pytest.mark.parametrize("mode", ["flex", "cpu-grad", "dense"])
+def test_training_form_equals_reference(mode):
+    cfg = small_config()
+    model = make_drafter(cfg)
+    embeds, features, q_pos, ctx_pos, anchors, valid, doc_ids = training_batch(cfg)
+    visible = dense_block_mask(anchors, valid, doc_ids, cfg.block_size)
+    mask = visible[:, None] if mode == "dense" else block_attention_mask(anchors, valid, doc_ids, cfg.block_size)
+    with torch.set_grad_enabled(mode == "cpu-grad"):
+        out = model(embeds, features, q_pos, ctx_pos, mask)
+    params = {k: v.detach() for k, v in model.state_dict().items()}
+    want = reference_drafter(params, cfg, embeds, features, q_pos, ctx_pos, visible)
+    assert out.shape == embeds.shape
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+
+
+def test_inference_form_equals_training_form_with_one_anchor_at_the_end():
+    cfg = small_config()
+    model = make_drafter(cfg, seed=1)
+    s, B = 13, cfg.block_size
+    g = torch.Generator().manual_seed(1)
+    features = torch.randn(1, s + B, cfg.feature_dim, generator=g, dtype=torch.float64)
+    embeds = torch.randn(1, B, cfg.hidden_size, generator=g, dtype=torch.float64)
+    q_pos = torch.arange(s, s + B)[None]
+    anchors, valid = torch.tensor([[s]]), torch.tensor([[True]])
+    block_mask = block_attention_mask(anchors, valid, torch.zeros(1, s + B, dtype=torch.int32), B)
+    trained = model(embeds, features, q_pos, torch.arange(s + B)[None], block_mask)
+    inferred = model(embeds, features[:, :s], q_pos, torch.arange(s)[None], None)
+    torch.testing.assert_close(inferred, trained, rtol=1e-12, atol=1e-12)
+
+
+def test_compiled_fullgraph_forward_and_backward_match_eager():
+    cfg = small_config()
+    model = make_drafter(cfg)
+    embeds, features, q_pos, ctx_pos, anchors, valid, doc_ids = training_batch(cfg)
+    block_mask = block_attention_mask(anchors, valid, doc_ids, cfg.block_size)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    out = compiled(embeds, features, q_pos, ctx_pos, block_mask)
+    out.square().sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model(embeds, features, q_pos, ctx_pos, block_mask).square().sum().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-9, atol=1e-9, msg=n)
+
+
+def test_export_load_round_trip(tmp_path):
+    cfg = small_config()
+    model = make_drafter(cfg)
+    embeds, features, q_pos, ctx_pos, anchors, valid, doc_ids = training_batch(cfg)
+    block_mask = block_attention_mask(anchors, valid, doc_ids, cfg.block_size)
+    export_drafter(torch.compile(model), cfg, tmp_path)  # a compiled model exports its bare names
+
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    want = {f"layers.{i}.{k}" for i in range(cfg.num_layers) for k in DFLASH_MD_LAYER_KEYS} | set(DFLASH_MD_TOP_KEYS)
+    assert keys == want
+
+    loaded, loaded_cfg = load_drafter(tmp_path, "cpu")
+    assert loaded_cfg == cfg
+    assert torch.equal(
+        loaded(embeds, features, q_pos, ctx_pos, block_mask), model(embeds, features, q_pos, ctx_pos, block_mask)
+    )
+    assert all(p.requires_grad for p in loaded.parameters())  # can be trained further
+
+
+def test_config_json_is_a_public_dflash_config(tmp_path):
+    cfg = small_config()
+    export_drafter(make_drafter(cfg).to(torch.bfloat16), cfg, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+    assert config["block_size"] == 4 and config["num_target_layers"] == 8
+    assert config["dflash_config"]["target_layer_ids"] == [1, 3, 5]
+    assert config["dflash_config"]["mask_token_id"] == 49
+    assert config["num_hidden_layers"] == 2 and config["dtype"] == "bfloat16"
+
+    from transformers import Qwen3Config  # the public loaders read it as a Qwen3 config
+
+    qwen3 = Qwen3Config.from_dict(config)
+    assert (qwen3.hidden_size, qwen3.intermediate_size, qwen3.head_dim) == (32, 48, 8)
+    assert (qwen3.num_attention_heads, qwen3.num_key_value_heads, qwen3.num_hidden_layers) == (4, 2, 2)
+    assert qwen3.rope_parameters["rope_theta"] == 10000.0 and qwen3.vocab_size == 50
+    assert load_drafter(tmp_path, "cpu", torch.float32)[0].fc.weight.dtype == torch.float32
+
+
+def test_load_reads_public_configs_with_top_level_fields():
+    config = small_config().to_hf_config()
+    dflash = config.pop("dflash_config")
+    config.update(dflash)  # some public checkpoints keep the DFlash fields at the top level
+    assert DrafterConfig.from_hf_config(config) == small_config()
+    with pytest.raises(DflashError, match="target_layer_ids"):
+        DrafterConfig.from_hf_config({k: v for k, v in config.items() if k != "target_layer_ids"})
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5", "qwen3_5_moe", "llama"])
+def test_from_target_config(arch):
+    import transformers
+
+    target = tiny_config(arch, vocab_size=300, num_layers=12, hidden_size=64)
+    theta = target.rope_parameters["rope_theta"]
+    if arch == "qwen3_5":  # the released checkpoints nest the language model's config
+        target = transformers.Qwen3_5Config(text_config=target.to_dict())
+    if arch == "qwen3_5_moe":  # a plain dict, and an MoE config without a dense FFN width
+        target = {k: v for k, v in target.to_dict().items() if k != "intermediate_size"}
+    cfg = DrafterConfig.from_target_config(target, [1, 5, 9], mask_token_id=299, num_layers=3, block_size=8)
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (64, 4, 2, 16)
+    assert cfg.intermediate_size == (3 * 64 if arch == "qwen3_5_moe" else 128)
+    assert cfg.rope_theta == theta
+    assert (cfg.vocab_size, cfg.num_target_layers, cfg.num_layers, cfg.block_size) == (300, 12, 3, 8)
+    assert cfg.feature_dim == 3 * 64 and cfg.target_layer_ids == [1, 5, 9]
+    assert DrafterConfig.from_hf_config(cfg.to_hf_config()) == cfg

@@ -1,0 +1,353 @@
+"""End-to-end harvests of tiny real-architecture targets on CPU, checked against independent references.
+
+Hidden-state tolerance: the harvest here runs the target in float32 and stores bf16; the reference is a
+standalone float32 forward of each document through transformers' own model (`output_hidden_states`, layer k
+is index k+1), rounded to bf16. Batching changes float32 results only in the last bits, which can move a bf16
+rounding by one unit in the last place, so stored values must be within 1 bf16 ulp (2^-7 relative, plus 1e-6
+absolute near zero) of the reference, and almost all of them (>= 99 %) bit-identical.
+"""
+
+import errno
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from click.testing import CliRunner
+
+from cli.main import main
+from dflash.data import DataConfig, load_documents, load_tokenizer
+from dflash.harvest import HarvestConfig, run_harvest
+from dflash.store import ShardStore
+from dflash.tiny import CORPUS
+
+ROOT = Path(__file__).resolve().parent.parent
+BUDGET = 256
+OPTIONS = dict(token_budget=BUDGET, forward_tokens=2 * BUDGET, overflow="split", dtype="float32", workers=1, device="cpu")
+
+
+def cli_args(model, data, out, **overrides) -> list[str]:
+    options = {**OPTIONS, **overrides}
+    args = ["harvest", "--model", str(model), "--data", str(data), "--out", str(out)]
+    for key, value in options.items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
+    return args
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    """Corpus lines (chat and text) plus a 3-token document and a long one that splits into many pieces."""
+    lines = CORPUS.read_text().splitlines()[:100]
+    long_text = "\n\n".join(json.loads(line).get("text", "") for line in lines[:60])
+    lines += [json.dumps({"text": "Hi."}), json.dumps({"text": long_text})]
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def harvested(tiny_target, data_file, tmp_path_factory):
+    """Factory: a complete one-rank store of the data for a tiny target of `arch`, harvested in-process."""
+    stores = {}
+
+    def make(arch: str) -> Path:
+        if arch not in stores:
+            out = tmp_path_factory.mktemp(f"store-{arch}") / "store"
+            run_harvest(HarvestConfig(model=str(tiny_target(arch)), data=str(data_file), out=str(out), **OPTIONS))
+            stores[arch] = out
+        return stores[arch]
+
+    return make
+
+
+def stored_documents(path) -> dict[tuple[int, int], dict[str, np.ndarray]]:
+    """(doc_id, piece) -> that document's slice of every row array, located through the documents table."""
+    shards = ShardStore.open(path)
+    rows, documents = {}, {}
+    for doc_id, piece, row, start, length in shards.documents().tolist():
+        if row not in rows:
+            rows[row] = shards.read_row(row)
+        assert (doc_id, piece) not in documents, f"document {doc_id} piece {piece} stored twice"
+        documents[doc_id, piece] = {name: rows[row][name][start : start + length] for name in rows[row]}
+    return documents
+
+
+def bf16(bits: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float()
+
+
+def assert_hidden_close(stored: torch.Tensor, reference: torch.Tensor, what: str) -> float:
+    """Within one bf16 ulp; returns the bit-identical fraction."""
+    bound = reference.abs() * 2**-7 + 1e-6
+    worst = ((stored - reference).abs() - bound).max().item()
+    assert worst <= 0, f"{what}: stored hidden states differ from the reference by more than 1 bf16 ulp"
+    return (stored == reference).float().mean().item()
+
+
+def assert_same_content(path, reference_path):
+    """Same documents, same tokens, hidden states within the stated tolerance."""
+    got, expected = stored_documents(path), stored_documents(reference_path)
+    assert got.keys() == expected.keys()
+    identical = []
+    for key, doc in expected.items():
+        for name in ("input_ids", "position_ids", "doc_ids", "loss_mask"):
+            np.testing.assert_array_equal(got[key][name], doc[name], err_msg=f"{name} of document {key}")
+        identical.append(assert_hidden_close(bf16(got[key]["hidden"]), bf16(doc["hidden"]), f"document {key}"))
+    assert np.mean(identical) >= 0.99
+
+
+def subprocess_env() -> dict:
+    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+
+
+def run_cli(args: list[str]):
+    return CliRunner().invoke(main, args, catch_exceptions=False)
+
+
+# ------------------------------------------------------------------------------------------------- content
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_features_equal_a_standalone_forward_of_each_document(arch, harvested, tiny_target):
+    from transformers import AutoModelForCausalLM
+
+    documents = stored_documents(harvested(arch))
+    lengths = [len(doc["input_ids"]) for doc in documents.values()]
+    assert min(lengths) <= 4 and max(lengths) == BUDGET  # very different lengths share rows and batches
+    layers = ShardStore.open(harvested(arch)).manifest["layer_ids"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_target(arch), dtype=torch.float32).eval()
+    identical = []
+    with torch.no_grad():
+        for key, doc in documents.items():
+            states = model(torch.from_numpy(doc["input_ids"]).long()[None], output_hidden_states=True).hidden_states
+            reference = torch.cat([states[k + 1][0] for k in layers], dim=-1).to(torch.bfloat16).float()
+            identical.append(assert_hidden_close(bf16(doc["hidden"]), reference, f"{arch} document {key}"))
+    assert np.mean(identical) >= 0.99
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_stored_features_are_bit_exact_reruns_of_the_harvest_batches(device, tiny_target, data_file, tmp_path):
+    """Results depend on batch shapes on GPU (bf16 kernels), so the exact reference is the harvest's own forward
+    batches run again, with random tokens instead of zeros in the padding: every stored document must be
+    bit-identical to it (padding does not leak; scatter, streams and host copy move the exact values)."""
+    from dflash.harvest import PAD_MULTIPLE, PartPlan, forward_batches
+    from dflash.target import TappedTarget
+
+    model, out = str(tiny_target("qwen3_5")), tmp_path / "store"
+    dtype = "float32" if device == "cpu" else "bfloat16"
+    run_harvest(HarvestConfig(model=model, data=str(data_file), out=str(out), **{**OPTIONS, "device": device, "dtype": dtype}))
+    plan = PartPlan.build(load_documents(DataConfig(data_file, BUDGET, "split", 1), model)[0], 0, 1, BUDGET)
+    target = TappedTarget(model, None, device, getattr(torch, dtype))
+    stored = stored_documents(out)
+    rows_per_group, generator = OPTIONS["forward_tokens"] // BUDGET, torch.Generator().manual_seed(0)
+    for first in range(0, len(plan.rows), rows_per_group):
+        for batch in forward_batches(plan, first, min(first + rows_per_group, len(plan.rows)), OPTIONS["forward_tokens"]):
+            docs = [plan.docs[d] for _, d in batch]
+            width = -(-len(docs[0].input_ids) // PAD_MULTIPLE) * PAD_MULTIPLE
+            ids = torch.randint(0, 1000, (len(docs), width), generator=generator)
+            for b, doc in enumerate(docs):
+                ids[b, : len(doc.input_ids)] = torch.from_numpy(doc.input_ids)
+            features = target.features(ids).to(torch.bfloat16).cpu()
+            for b, doc in enumerate(docs):
+                got = torch.from_numpy(stored[doc.doc_id, doc.piece]["hidden"].view(np.int16)).view(torch.bfloat16)
+                assert torch.equal(got, features[b, : len(doc.input_ids)]), f"document {doc.doc_id} piece {doc.piece}"
+
+
+def test_every_document_once_in_exact_rows_with_padding_masked(harvested, tiny_target, data_file):
+    path = harvested("qwen3")
+    expected, _ = load_documents(DataConfig(data_file, BUDGET, "split", 1), str(tiny_target("qwen3")))
+    stored = stored_documents(path)
+    assert sorted(stored) == sorted((doc.doc_id, doc.piece) for doc in expected)
+    assert any(doc.piece > 0 for doc in expected)  # the long document was split
+    for doc in expected:
+        got = stored[doc.doc_id, doc.piece]
+        np.testing.assert_array_equal(got["input_ids"], doc.input_ids)
+        np.testing.assert_array_equal(got["loss_mask"], doc.loss_mask)
+        np.testing.assert_array_equal(got["position_ids"], np.arange(len(doc.input_ids)))
+        assert (got["doc_ids"] == doc.doc_id).all()
+
+    shards = ShardStore.open(path)
+    covered = np.zeros((shards.num_rows, BUDGET), np.int64)
+    for _, _, row, start, length in shards.documents().tolist():
+        covered[row, start : start + length] += 1
+    assert covered.max() == 1  # documents never overlap
+    for i in range(shards.num_rows):
+        row = shards.read_row(i)
+        assert row["hidden"].shape == (BUDGET, shards.feature_dim) and row["input_ids"].shape == (BUDGET,)
+        pad = covered[i] == 0
+        assert (row["doc_ids"][pad] == -1).all() and (row["doc_ids"][~pad] >= 0).all()
+        assert not row["loss_mask"][pad].any() and not row["input_ids"][pad].any() and not row["position_ids"][pad].any()
+        assert not row["hidden"][pad].any()
+    counts = shards.manifest["counts"]
+    assert counts["documents"] == len(expected) and counts["tokens"] == int((covered == 1).sum())
+    assert counts["padding_tokens"] == int((covered == 0).sum()) < 0.05 * covered.size  # tight packing
+
+
+def test_chat_loss_masks_cover_exactly_the_assistant_turns(harvested, tiny_target, data_file):
+    tokenizer = load_tokenizer(str(tiny_target("qwen3")))
+    stored = stored_documents(harvested("qwen3"))
+    records = [json.loads(line) for line in data_file.read_text().splitlines()]
+    checked = 0
+    for (doc_id, piece), doc in stored.items():
+        record = records[doc_id]
+        if (doc_id, 1) in stored:
+            continue  # split documents: their pieces cut turns anywhere
+        if "text" in record:
+            assert doc["loss_mask"].all()
+            continue
+        learned = tokenizer.decode(doc["input_ids"][doc["loss_mask"] == 1].tolist(), skip_special_tokens=False)
+        answers = "".join(m["content"] + "<|im_end|>" for m in record["messages"] if m["role"] == "assistant")
+        assert learned == answers, f"document {doc_id}"
+        checked += 1
+    assert checked >= 10
+
+
+# -------------------------------------------------------------------------------------- resume and ranks
+
+
+def test_killed_harvest_resumes_to_the_same_store(harvested, tiny_target, data_file, tmp_path):
+    out = tmp_path / "store"
+    # One row per forward group: many commits, so there is time to kill between the first and the last.
+    command = [sys.executable, "-m", "cli", *cli_args(tiny_target("qwen3"), data_file, out, forward_tokens=BUDGET)]
+    process = subprocess.Popen(command, cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    progress = out / "parts" / "rank00000" / "progress.json"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and process.poll() is None:
+        if progress.exists() and json.loads(progress.read_text())["rows_committed"] >= 1:
+            process.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    assert process.wait() == -signal.SIGKILL, process.stderr.read().decode()[-2000:]
+    state = json.loads(progress.read_text())
+    assert 1 <= state["rows_committed"] < state["rows"] and not (out / "manifest.json").exists()
+    result = run_cli(["inspect", str(out)])
+    assert result.exit_code == 2 and "incomplete store" in result.output
+
+    resumed = subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resuming after row {state['rows_committed']}" in resumed.stderr
+    assert not list(out.rglob("*.partial"))
+    assert_same_content(out, harvested("qwen3"))
+
+
+def test_two_ranks_make_one_store_equal_to_one_rank(harvested, tiny_target, data_file, tmp_path):
+    out = tmp_path / "store"
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "cli", *cli_args(tiny_target("qwen3"), data_file, out, rank=rank, world_size=2)],
+            cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        for rank in (0, 1)
+    ]
+    for process in processes:
+        _, stderr = process.communicate(timeout=300)
+        assert process.returncode == 0, stderr[-2000:]
+    manifest = ShardStore.open(out).manifest
+    assert [part["name"] for part in manifest["parts"]] == ["rank00000", "rank00001"]
+    assert all(part["documents"] > 0 for part in manifest["parts"])
+    assert_same_content(out, harvested("qwen3"))
+
+
+def test_disk_full_fails_cleanly_and_the_rerun_resumes(harvested, tiny_target, data_file, tmp_path, monkeypatch):
+    out = tmp_path / "store"
+    args = cli_args(tiny_target("qwen3"), data_file, out)
+    write = zarr.storage.LocalStore.set
+
+    async def fills_at_row_3(self, key, value):
+        if key.startswith("hidden/c/3/"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return await write(self, key, value)
+
+    monkeypatch.setattr(zarr.storage.LocalStore, "set", fills_at_row_3)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert "is full" in result.output and "free space and rerun the same command" in result.output
+    progress = json.loads((out / "parts" / "rank00000" / "progress.json").read_text())
+    assert progress["rows_committed"] == 2 and not (out / "manifest.json").exists()  # groups of 2 rows
+
+    monkeypatch.undo()
+    result = run_cli(args)
+    assert result.exit_code == 0, result.output
+    assert_same_content(out, harvested("qwen3"))
+
+
+# -------------------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "lines, extra, message",
+    [
+        (None, {}, r"cannot read data file .*missing.jsonl"),
+        (['{"text": "fine"}', '{"text": "broken'], {}, r"line 2: malformed JSON"),
+        (['{"text": "fine"}', '{"prompt": "no"}'], {}, r"line 2: the object has neither a \"messages\" and a \"text\""),
+        (['{"text": ""}'], {}, r"line 1: empty document"),
+        (['{"messages": [{"role": "user", "content": "hi"}]}'], {}, r"line 1: the conversation has no assistant turn"),
+        (['{"text": "fine"}'], {"layers": "1,99"}, r"\[99\] outside the target's 8 layers"),
+        (['{"text": "fine"}'], {"token_budget": 8}, r"token budget 8 is too small to hold a block of 16 tokens"),
+    ],
+    ids=["missing-file", "malformed-line", "neither-key", "empty-doc", "no-assistant", "layer-range", "small-budget"],
+)
+def test_bad_input_is_refused_before_anything_is_written(lines, extra, message, tiny_target, tmp_path):
+    data = tmp_path / "missing.jsonl"
+    if lines is not None:
+        data = tmp_path / "data.jsonl"
+        data.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "store"
+    result = CliRunner().invoke(main, cli_args(tiny_target("qwen3"), data, out, **extra))
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: ")
+    assert re.search(message, result.output), result.output
+    assert not out.exists()
+
+
+def test_folder_with_other_content_is_refused(tiny_target, data_file, tmp_path):
+    out = tmp_path / "busy"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    result = CliRunner().invoke(main, cli_args(tiny_target("qwen3"), data_file, out))
+    assert result.exit_code == 2 and "holds other content (notes.txt) and is not a dflash store" in result.output
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_other_options_into_an_existing_store_are_refused(harvested, tiny_target, data_file, tmp_path):
+    path = harvested("qwen3")
+    before = {p: p.stat().st_mtime_ns for p in path.rglob("*")}
+    result = CliRunner().invoke(
+        main, cli_args(tiny_target("qwen3"), data_file, path, token_budget=512, max_length=256, overflow="truncate")
+    )
+    assert result.exit_code == 2
+    assert "different settings (overflow: store has 'split', this run 'truncate'; token_budget: store has 256" in result.output
+    result = CliRunner().invoke(main, cli_args(tiny_target("qwen3_5"), data_file, path))
+    assert result.exit_code == 2 and "model: store has" in result.output
+    assert {p: p.stat().st_mtime_ns for p in path.rglob("*")} == before
+    result = run_cli(cli_args(tiny_target("qwen3"), data_file, path))  # the same command again: nothing to do
+    assert result.exit_code == 0
+    assert {p: p.stat().st_mtime_ns for p in path.rglob("*")} == before
+
+
+# ---------------------------------------------------------------------------------------------- inspect
+
+
+def test_inspect_summarises_and_verify_finds_flipped_bytes(harvested, tmp_path):
+    path = tmp_path / "store"
+    shutil.copytree(harvested("qwen3"), path)
+    result = run_cli(["inspect", str(path), "--verify"])
+    assert result.exit_code == 0, result.output
+    for expected in ("qwen3", "padding", "bytes per token", "every chunk present and its checksum correct"):
+        assert expected in result.output
+    chunk = path / "parts" / "rank00000" / "hidden" / "c" / "5" / "0" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[100:104] = bytes(b ^ 0x5A for b in data[100:104])
+    chunk.write_bytes(bytes(data))
+    result = run_cli(["inspect", str(path), "--verify"])
+    assert result.exit_code == 1
+    assert "1 damaged chunks" in result.output and "part rank00000 array hidden chunk (5, 0, 0) (row 5)" in result.output

@@ -1,0 +1,93 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash.loss import block_cross_entropy, block_stats, default_chunk_size
+
+
+def make_inputs(N=37, H=12, V=50, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=g, dtype=torch.float64, requires_grad=True)
+    head = torch.nn.Parameter(torch.randn(V, H, generator=g, dtype=torch.float64))  # requires grad on purpose
+    labels = torch.randint(0, V, (N,), generator=g)
+    weights = torch.rand(N, generator=g, dtype=torch.float64) * (torch.rand(N, generator=g) < 0.7)
+    return hidden, head, labels, weights
+
+
+def reference_loss(hidden, head, labels, weights):
+    """The formula with full logits: sum(w * CE) / sum(w)."""
+    ce = F.cross_entropy(hidden @ head.T, labels, reduction="none")
+    return (weights * ce).sum() / weights.sum()
+
+
+@pytest.mark.parametrize("chunk_size", [37, 8, 5, 100, None])  # one chunk, ragged last chunks, > N, default
+def test_loss_and_grad_equal_full_logits(chunk_size):
+    hidden, head, labels, weights = make_inputs()
+    loss, correct = block_cross_entropy(hidden, head, labels, weights, chunk_size)
+    loss.backward()
+    ref_hidden = hidden.detach().clone().requires_grad_()
+    ref = reference_loss(ref_hidden, head.detach(), labels, weights)
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(hidden.grad, ref_hidden.grad, rtol=1e-10, atol=1e-12)
+    assert torch.equal(correct, (hidden @ head.T).argmax(-1) == labels)
+    assert head.grad is None  # the frozen head never gets a weight gradient
+
+
+def test_loss_scales_with_upstream_gradient():
+    hidden, head, labels, weights = make_inputs()
+    loss, _ = block_cross_entropy(hidden, head, labels, weights, 8)
+    (3 * loss).backward()
+    ref_hidden = hidden.detach().clone().requires_grad_()
+    (3 * reference_loss(ref_hidden, head.detach(), labels, weights)).backward()
+    torch.testing.assert_close(hidden.grad, ref_hidden.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_zero_weights_give_zero_loss_and_gradient():
+    hidden, head, labels, weights = make_inputs()
+    loss, _ = block_cross_entropy(hidden, head, labels, torch.zeros_like(weights), 8)
+    loss.backward()
+    assert loss.item() == 0 and torch.isfinite(hidden.grad).all() and not hidden.grad.any()
+
+
+def test_no_grad_and_compiled_paths():
+    hidden, head, labels, weights = make_inputs()
+    with torch.no_grad():
+        eager, _ = block_cross_entropy(hidden, head, labels, weights, 8)
+    compiled = torch.compile(block_cross_entropy, fullgraph=True, backend="aot_eager")
+    loss, correct = compiled(hidden, head, labels, weights, 8)
+    loss.backward()
+    ref_hidden = hidden.detach().clone().requires_grad_()
+    reference_loss(ref_hidden, head.detach(), labels, weights).backward()
+    torch.testing.assert_close(loss, eager)
+    torch.testing.assert_close(hidden.grad, ref_hidden.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_default_chunk_size_bounds_the_logits():
+    assert default_chunk_size(248320) == default_chunk_size(151936) == 2048
+    assert default_chunk_size(50) * 50 <= 2**29 < default_chunk_size(50) * 100
+    assert default_chunk_size(2**31) == 1
+
+
+def test_block_stats_hand_checked():
+    B = 4
+    # 3 anchors; anchor 2 is invalid (all weights 0); anchor 1's position 3 is untrained (loss mask off).
+    correct = torch.tensor([1, 1, 1, 0, 0, 1, 0, 1, 1, 1, 1, 1], dtype=torch.bool)
+    weights = torch.tensor([0, 1, 0.9, 0.8, 0, 1, 0.9, 0, 0, 0, 0, 0])
+    stats = block_stats(correct, weights, B)
+    assert stats.correct.tolist() == [2, 1, 0] and stats.counted.tolist() == [2, 2, 1]
+    # anchor 0: right at k=1,2, wrong at k=3 -> 1 + 2; anchor 1: right at k=1, wrong at k=2 -> 1 + 1
+    assert stats.anchors.item() == 2 and stats.accepted.item() == 5
+    assert stats.acceptance_length().item() == 2.5
+    torch.testing.assert_close(stats.position_accuracy(), torch.tensor([1.0, 0.5, 0.0]))
+    assert stats.implied_acceptance_length().item() == 2.5  # 1 + 1 + 1 * 0.5 + 0
+    both = block_stats(correct.view(1, -1), weights.view(1, -1), B)  # [R, Q] input reads the same
+    assert all(torch.equal(a, b) for a, b in zip(stats, both))
+
+
+def test_block_stats_accepts_the_whole_block():
+    correct, weights = torch.ones(2, 16, dtype=torch.bool), torch.ones(2, 16)
+    stats = block_stats(correct, weights, 16)
+    assert stats.acceptance_length().item() == 16 and math.isclose(stats.implied_acceptance_length().item(), 16)

@@ -1,0 +1,107 @@
+"""`dflash regenerate`: harvestable output, equal to transformers' generate, resumable without duplicates."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dflash.data import DataConfig, load_documents
+from dflash.errors import DflashError
+from dflash.regenerate import Sampling, completed_count, encode_prompt, eos_token_ids, load_prompts, regenerate
+from dflash.speculative import load_target
+
+PROMPTS = [
+    {"messages": [{"role": "user", "content": "Explain what `uuid` in the Python standard library does."}]},
+    {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "What does io.IOBase do?"},
+            {"role": "assistant", "content": "an answer written by someone else, to be dropped"},
+        ]
+    },
+    {"text": "import os\n"},
+    {"messages": [{"role": "user", "content": "Tell me about the statistics.median_grouped function, in detail please."}]},
+]
+GREEDY = Sampling(max_new_tokens=10)
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    return write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+
+
+def read_lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_greedy_regenerate_matches_generate_and_is_harvestable(tiny_target, prompts_file, tmp_path):
+    target_path = tiny_target("qwen3_5")
+    out = tmp_path / "responses.jsonl"
+    stats = regenerate(target_path, prompts_file, out, GREEDY, batch_size=3, progress=False)
+    assert (stats.prompts, stats.already_done, stats.written) == (4, 0, 4)
+    lines = read_lines(out)
+    assert lines[1]["messages"][:2] == PROMPTS[1]["messages"][:2]  # the original answer was dropped
+    assert lines[2]["text"].startswith("import os\n")
+
+    # Each response is what transformers' generate says for that prompt alone (no padding, no batch).
+    model, tokenizer = load_target(target_path)
+    eos_ids = eos_token_ids(model, tokenizer)
+    for record, line in zip(load_prompts(prompts_file), lines):
+        ids = torch.tensor([encode_prompt(tokenizer, record)])
+        new = model.generate(ids, max_new_tokens=GREEDY.max_new_tokens, do_sample=False)[0, ids.shape[1] :].tolist()
+        new = new[: next((i for i, t in enumerate(new) if t in eos_ids), len(new))]
+        response = line["messages"][-1]["content"] if "messages" in line else line["text"][len(record["text"]) :]
+        assert response == tokenizer.decode(new, skip_special_tokens=False)
+
+    documents, data_stats = load_documents(DataConfig(out), str(target_path))
+    assert (data_stats.chat, data_stats.text) == (3, 1) and len(documents) == 4
+
+
+def test_resume_after_a_killed_run_adds_only_the_missing_prompts(tiny_target, prompts_file, tmp_path):
+    from cli.main import main
+
+    target_path = tiny_target("qwen3_5")
+    full = tmp_path / "full.jsonl"
+    regenerate(target_path, prompts_file, full, GREEDY, batch_size=2, progress=False)
+    complete = full.read_text().splitlines(keepends=True)
+
+    partial = tmp_path / "partial.jsonl"
+    partial.write_text(complete[0] + complete[1][:17])  # a run killed in the middle of writing line 2
+    args = ["regenerate", "--model", str(target_path), "--data", str(prompts_file), "--out", str(partial)]
+    result = CliRunner().invoke(main, args + ["--max-new-tokens", "10", "--batch-size", "2", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "3 responses written, 1 already there" in result.output
+    assert partial.read_text() == full.read_text()
+
+    again = CliRunner().invoke(main, args + ["--max-new-tokens", "10", "--device", "cpu"])
+    assert "0 responses written, 4 already there" in again.output
+    assert partial.read_text() == full.read_text()
+
+
+def test_resume_refuses_output_from_other_prompts(tmp_path):
+    out = write_jsonl(tmp_path / "out.jsonl", [{"messages": [{"role": "user", "content": "other"}, {"role": "assistant", "content": "x"}]}])
+    with pytest.raises(DflashError, match="out.jsonl line 1 does not answer prompt 1"):
+        completed_count(out, [{"messages": [{"role": "user", "content": "mine"}]}])
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("{not json", "line 2: not valid JSON"),
+        ('{"messages": [{"role": "assistant", "content": "hi"}]}', "line 2: the conversation must end with a user turn"),
+        ('{"messages": [{"role": "user"}]}', "line 2: every message needs string 'role' and 'content'"),
+        ('{"text": "a", "messages": []}', "line 2: expected an object with exactly one of"),
+        ('{"text": ""}', "line 2: 'text' must be a non-empty string"),
+    ],
+)
+def test_bad_prompts_name_the_line(tmp_path, line, message):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps(PROMPTS[0]) + "\n" + line + "\n")
+    with pytest.raises(DflashError, match=message):
+        load_prompts(path)

@@ -1,0 +1,253 @@
+"""Speculative decoding: exact greedy equivalence (dense and hybrid targets), tau and the acceptance rules."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dflash.drafter import DFlashDrafter, DrafterConfig
+from dflash.regenerate import encode_prompt, eos_token_ids
+from dflash.speculative import (
+    Draft,
+    DFlashProposer,
+    PromptLookupProposer,
+    SpeculativeMethod,
+    accept_greedy,
+    accept_sampled,
+    evaluate,
+    generate_prompt_lookup,
+    load_target,
+    plain_greedy,
+    speculative_generate,
+)
+
+PROMPTS = [
+    {"messages": [{"role": "user", "content": "Explain what `logging.NullHandler` in the Python standard library does."}]},
+    {"text": "def parse(line):\n    return"},
+]
+BLOCK = 8
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_target):
+    """arch -> (target, eos ids, encoded prompts)."""
+    cache = {}
+
+    def load(arch):
+        if arch not in cache:
+            target, tokenizer = load_target(tiny_target(arch))
+            prompts = [torch.tensor(encode_prompt(tokenizer, record)) for record in PROMPTS]
+            cache[arch] = (target, eos_token_ids(target, tokenizer), prompts, tokenizer)
+        return cache[arch]
+
+    return load
+
+
+class OracleProposer:
+    """Drafts the target's own greedy continuation for the first `right[r]` tokens of round r, then wrong ones."""
+
+    layer_ids: list[int] = []
+
+    def __init__(self, reference: torch.Tensor, right: list[int], vocab_size: int):
+        self.reference, self.right, self.vocab_size = reference, list(right), vocab_size
+        self.rounds = 0
+
+    def propose(self, committed, features, num_tokens, temperature, generator):
+        n = committed.numel()
+        assert torch.equal(committed, self.reference[:n]), "the loop committed a token greedy decoding would not"
+        right = self.right[min(self.rounds, len(self.right) - 1)]
+        self.rounds += 1
+        draft = self.reference[n : n + num_tokens].clone()
+        draft[right:] = (draft[right:] + 1) % self.vocab_size  # differs from the target's argmax there
+        return Draft(draft)
+
+
+def random_drafter(target, tokenizer):
+    config = DrafterConfig.from_target_config(
+        target.config, [1, 3, 5], tokenizer.convert_tokens_to_ids("<|MASK|>"), num_layers=1, block_size=BLOCK
+    )
+    torch.manual_seed(0)
+    return DFlashDrafter(config).eval(), config
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_greedy_speculative_equals_plain_greedy(loaded, arch):
+    target, eos_ids, prompts, tokenizer = loaded(arch)
+    drafter, config = random_drafter(target, tokenizer)
+    proposer = DFlashProposer(drafter, config, target)
+    for prompt in prompts:
+        plain = plain_greedy(target, prompt, 40, eos_ids)
+        speculative = speculative_generate(target, proposer, prompt, 40, eos_ids, max_drafts=BLOCK - 1)
+        assert speculative.tokens == plain.tokens
+        # A random drafter is rejected in (nearly) every round: many rollbacks happened.
+        assert len(speculative.accepted) >= len(plain.tokens) // 2
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_plain_greedy_equals_transformers_generate(loaded, arch):
+    target, eos_ids, prompts, _ = loaded(arch)
+    plain = plain_greedy(target, prompts[0], 30, eos_ids)
+    reference = target.generate(prompts[0][None], max_new_tokens=30, do_sample=False)[0, prompts[0].numel() :]
+    assert plain.tokens == reference.tolist()[: len(plain.tokens)]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_oracle_right_for_k_then_wrong(loaded, arch):
+    """Right for k = 3 tokens then wrong, blocks of 8: every round accepts exactly 3 mid-block, tau = 4."""
+    target, eos_ids, prompts, _ = loaded(arch)
+    rounds, k = 5, 3
+    max_new = 1 + rounds * (k + 1)
+    plain = plain_greedy(target, prompts[0], max_new, eos_ids)
+    assert len(plain.tokens) == max_new, "fixture prompt must not hit EOS early"
+    proposer = OracleProposer(torch.cat([prompts[0], torch.tensor(plain.tokens)]), [k], target.config.vocab_size)
+    method = SpeculativeMethod(proposer, max_drafts=BLOCK - 1, temperature=0.0)
+    run = method.run(target, prompts[0], max_new, plain, eos_ids, None)
+    assert run.mismatch_at is None
+    assert run.accepted == [k] * rounds
+    assert run.tau == k + 1 == SpeculativeMethod.overall_tau([run])
+    assert run.rounds == rounds and run.new_tokens == max_new
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_oracle_mixed_rejections_and_full_acceptance(loaded, arch):
+    """Rejections at varying depths, full blocks right after rollbacks (pending tokens re-fed), budget cut."""
+    target, eos_ids, prompts, _ = loaded(arch)
+    right = [0, 2, 7, 5, 7, 1, 6, 7]
+    max_new = 40
+    plain = plain_greedy(target, prompts[0], max_new, eos_ids)
+    assert len(plain.tokens) == max_new
+    proposer = OracleProposer(torch.cat([prompts[0], torch.tensor(plain.tokens)]), right, target.config.vocab_size)
+    out = speculative_generate(target, proposer, prompts[0], max_new, eos_ids, max_drafts=BLOCK - 1)
+    assert out.tokens == plain.tokens
+    expected, produced = [], 1
+    for k in right:  # drafts are capped so that the bonus token fits the budget
+        if produced >= max_new:
+            break
+        expected.append(min(k, BLOCK - 1, max_new - produced - 1))
+        produced += expected[-1] + 1
+    assert out.accepted == expected
+
+
+class FeatureCheckingOracle(OracleProposer):
+    """Also checks, every round, that the features it is given are the target's own for all committed tokens
+    but the last, as a fresh cache-free forward computes them."""
+
+    layer_ids = [1, 3, 5]
+
+    def __init__(self, target, *args):
+        super().__init__(*args)
+        self.target = target
+
+    def propose(self, committed, features, num_tokens, temperature, generator):
+        hidden = self.target(committed[None, :-1], output_hidden_states=True).hidden_states
+        expected = torch.cat([hidden[k + 1][0] for k in self.layer_ids], dim=-1)
+        assert features.shape == expected.shape
+        torch.testing.assert_close(features, expected, atol=1e-4, rtol=1e-4)
+        return super().propose(committed, features, num_tokens, temperature, generator)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_drafter_sees_the_target_features_of_all_committed_context(loaded, arch):
+    target, eos_ids, prompts, _ = loaded(arch)
+    plain = plain_greedy(target, prompts[1], 24, eos_ids)
+    reference = torch.cat([prompts[1], torch.tensor(plain.tokens)])
+    proposer = FeatureCheckingOracle(target, reference, [0, 3, 7, 2], target.config.vocab_size)
+    out = speculative_generate(target, proposer, prompts[1], 24, eos_ids, max_drafts=BLOCK - 1)
+    assert out.tokens == plain.tokens and proposer.rounds == len(out.accepted)
+
+
+def test_dflash_proposer_block_and_positions(loaded):
+    """Block [last committed, MASK x (B-1)] at the next absolute positions; context = positions 0..n-2."""
+    target, _, _, tokenizer = loaded("qwen3")
+    _, config = random_drafter(target, tokenizer)
+    seen = {}
+
+    def fake_drafter(block_embeds, features, q_positions, ctx_positions):
+        seen.update(embeds=block_embeds, features=features, q=q_positions, ctx=ctx_positions)
+        return torch.zeros(*block_embeds.shape)
+
+    committed = torch.tensor([11, 12, 13, 14, 15])
+    features = torch.randn(4, 3 * target.config.hidden_size)
+    draft = DFlashProposer(fake_drafter, config, target).propose(committed, features, 5, 0.0, None)
+    block = torch.tensor([15] + [config.mask_token_id] * (BLOCK - 1))
+    torch.testing.assert_close(seen["embeds"][0], target.get_input_embeddings()(block))
+    assert torch.equal(seen["features"][0], features)
+    assert seen["q"].tolist() == [list(range(4, 4 + BLOCK))] and seen["ctx"].tolist() == [[0, 1, 2, 3]]
+    assert draft.tokens.numel() == 5 and draft.probs is None
+
+
+def test_accept_greedy_hand_built():
+    vocab, target_choice = 10, torch.tensor([4, 1, 7, 7, 2])
+    logits = torch.nn.functional.one_hot(target_choice, vocab).float()
+    assert accept_greedy(Draft(torch.tensor([4, 1, 3, 7])), logits) == (2, 7)  # right for 2, then wrong
+    assert accept_greedy(Draft(torch.tensor([4, 1, 7, 7])), logits) == (4, 2)  # all right: bonus after the block
+    assert accept_greedy(Draft(torch.tensor([5, 1, 7, 7])), logits) == (0, 4)
+    assert accept_greedy(Draft(torch.tensor([], dtype=torch.long)), logits[:1]) == (0, 4)
+
+
+@pytest.mark.parametrize("point_mass", [False, True])
+def test_speculative_sampling_emits_the_target_distribution(point_mass):
+    """The first committed token follows the target's p whatever the drafter's q (Leviathan et al.)."""
+    generator = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]])
+    q = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
+    counts = torch.zeros(4)
+    trials = 6000
+    for _ in range(trials):
+        if point_mass:
+            draft = Draft(torch.tensor([2]))
+        else:
+            draft = Draft(torch.multinomial(q, 1, generator=generator)[:, 0], q)
+        accepted, bonus = accept_sampled(draft, p.log(), 1.0, generator)
+        counts[int(draft.tokens[0]) if accepted else bonus] += 1
+    assert torch.allclose(counts / trials, p[0], atol=0.02)
+
+
+def test_sampling_runs_on_hybrid_target(loaded):
+    target, eos_ids, prompts, tokenizer = loaded("qwen3_5")
+    drafter, config = random_drafter(target, tokenizer)
+    generator = torch.Generator().manual_seed(1)
+    out = speculative_generate(
+        target, DFlashProposer(drafter, config, target), prompts[0], 24, eos_ids, 1.0, generator, BLOCK - 1
+    )
+    assert 1 <= len(out.tokens) <= 24
+    assert all(0 <= t < target.config.vocab_size for t in out.tokens)
+    assert sum(a + 1 for a in out.accepted) == len(out.tokens) - 1
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_prompt_lookup_is_exact(loaded, arch):
+    target, eos_ids, prompts, _ = loaded(arch)
+    for prompt in prompts:
+        plain = plain_greedy(target, prompt, 40, eos_ids)
+        lookup = speculative_generate(target, PromptLookupProposer(5, eos_ids=eos_ids), prompt, 40, eos_ids, max_drafts=5)
+        assert lookup.tokens == plain.tokens
+    if arch == "qwen3":  # transformers refuses assisted generation on stateful (hybrid) models
+        generation, forwards = generate_prompt_lookup(target, prompts[1], 40, 5)
+        assert generation.tokens == plain.tokens
+        assert 1 <= forwards <= len(generation.tokens)
+
+
+def test_evaluate_report_and_cli(tiny_target, tmp_path):
+    target_path = tiny_target("qwen3_5")
+    report = evaluate(target_path, "untrained", PROMPTS, max_new_tokens=12, device="cpu", block_size=BLOCK, prompt_lookup_tokens=4)
+    assert set(report.methods) == {"untrained-dflash", "prompt-lookup"}
+    for method in report.methods.values():
+        assert method.mismatches == 0 and method.tau >= 1
+        assert sum(method.accepted_histogram) == method.rounds
+    assert len(report.prompts) == 2 and "untrained-dflash" in report.table()
+    assert json.loads(report.to_json())["methods"]["prompt-lookup"]["rounds"] == report.methods["prompt-lookup"].rounds
+
+    from cli.main import main
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    out = tmp_path / "report.json"
+    args = ["eval", "--model", str(target_path), "--untrained", "--block-size", "4", "--data", str(data)]
+    args += ["--num-prompts", "1", "--max-new-tokens", "6", "--device", "cpu", "--json", str(out)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "untrained-dflash" in result.output and json.loads(out.read_text())["methods"]["untrained-dflash"]["mismatches"] == 0
+    bad = CliRunner().invoke(main, ["eval", "--model", str(target_path), "--data", str(data), "--prompt-lookup", "0"])
+    assert bad.exit_code == 2 and "nothing to evaluate" in bad.output

@@ -1,0 +1,222 @@
+"""The store on its own, with synthetic rows: round trip across parts and chunks, resume bookkeeping, refusals,
+corruption detection. (End-to-end harvests are in test_harvest.py.)"""
+
+import json
+
+import numpy as np
+import pytest
+import zarr
+
+from dflash import store
+from dflash.errors import DflashError
+from dflash.harvest import first_fit_decreasing
+
+T, F = 32, 24
+
+
+def synthetic_part(rank: int, rows: int, seed: int):
+    """A PartSpec and row contents; each row holds one document filling `rank + 20` tokens."""
+    rng = np.random.default_rng(seed)
+    length = rank + 20
+    hidden = rng.integers(0, 2**16, size=(rows, T, F), dtype=np.uint16)
+    hidden[:, length:] = 0
+    tokens = {name: np.zeros((rows, T), dtype) for name, dtype in store.TOKEN_ARRAYS.items()}
+    tokens["input_ids"][:, :length] = rng.integers(0, 1000, size=(rows, length))
+    tokens["position_ids"][:, :length] = np.arange(length)
+    tokens["doc_ids"][:] = -1
+    tokens["doc_ids"][:, :length] = (np.arange(rows) * 2 + rank)[:, None]
+    tokens["loss_mask"][:, :length] = 1
+    documents = np.array([(r * 2 + rank, 0, r, 0, length) for r in range(rows)], np.int64).reshape(-1, 5)
+    counts = {"documents": rows, "tokens": rows * length, "loss_tokens": rows * length, "padding_tokens": rows * (T - length)}
+    return store.PartSpec(rank, rows, T, F, documents, counts), hidden, tokens
+
+
+def header(world_size: int = 2, **fingerprint) -> dict:
+    return {
+        "format_version": store.FORMAT_VERSION,
+        "fingerprint": {"model": "m", "token_budget": T, "world_size": world_size, **fingerprint},
+        "token_budget": T,
+        "feature_dim": F,
+    }
+
+
+def write_store(out, rows=(3, 2), chunk_bytes=None, monkeypatch=None):
+    """A complete two-part store; returns each part's (hidden, tokens)."""
+    if chunk_bytes is not None:
+        monkeypatch.setattr(store, "CHUNK_BYTES", chunk_bytes)
+    store.create_store(out, header(len(rows)))
+    contents = []
+    for rank, n in enumerate(rows):
+        spec, hidden, tokens = synthetic_part(rank, n, seed=rank)
+        part = store.PartWriter(out, spec)
+        part.write_rows(0, hidden, tokens)
+        part.commit(n)
+        contents.append((hidden, tokens))
+    assert store.finalize(out, len(rows), header(len(rows)))
+    return contents
+
+
+def test_round_trip_across_parts_and_chunks(tmp_path, monkeypatch):
+    out = tmp_path / "s"
+    contents = write_store(out, chunk_bytes=T * F * 2 // 4, monkeypatch=monkeypatch)  # 4 token slices per row
+    shards = store.ShardStore.open(out)
+    assert shards.parts[0]["hidden"].chunks == (1, T // 4, F)
+    assert (shards.num_rows, shards.token_budget, shards.feature_dim) == (5, T, F)
+    global_rows = [(0, r) for r in range(3)] + [(1, r) for r in range(2)]
+    for i, (rank, r) in enumerate(global_rows):
+        row = shards.read_row(i)
+        hidden, tokens = contents[rank]
+        np.testing.assert_array_equal(row["hidden"], hidden[r])
+        assert row["hidden"].dtype == np.uint16
+        for name, dtype in store.TOKEN_ARRAYS.items():
+            assert row[name].dtype == np.dtype(dtype)
+            np.testing.assert_array_equal(row[name], tokens[name][r])
+    documents = shards.documents()
+    np.testing.assert_array_equal(documents[:, 2], [0, 1, 2, 3, 4])  # global row numbers
+    np.testing.assert_array_equal(documents[:, 0], [0, 2, 4, 1, 3])
+    manifest = shards.manifest
+    assert manifest["counts"] == {"documents": 5, "tokens": 3 * 20 + 2 * 21, "loss_tokens": 102,
+                                  "padding_tokens": 3 * 12 + 2 * 11, "rows": 5}  # fmt: skip
+    assert [p["rows"] for p in manifest["parts"]] == [3, 2]
+    with pytest.raises(IndexError):
+        shards.read_row(5)
+    assert store.verify(shards) == []
+
+
+def test_plain_zarr_reads_what_the_format_doc_says(tmp_path):
+    """The reading recipe of docs/shard-format.md, with zarr alone."""
+    import torch
+
+    out = tmp_path / "s"
+    contents = write_store(out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    group = zarr.open_group(out, mode="r")
+    part = manifest["parts"][1]["name"]
+    hidden = group[f"parts/{part}/hidden"]
+    assert hidden.attrs["dtype"] == "bfloat16"
+    row = torch.from_numpy(hidden[1].view(np.int16)).view(torch.bfloat16)
+    expected = torch.from_numpy(contents[1][0][1].view(np.int16)).view(torch.bfloat16)
+    assert torch.equal(row.view(torch.int16), expected.view(torch.int16))
+    assert group[f"parts/{part}/documents"].attrs["columns"] == store.DOCUMENT_COLUMNS
+    codecs = json.loads((out / "parts" / part / "hidden" / "zarr.json").read_text())["codecs"]
+    assert [c["name"] for c in codecs] == ["bytes", "blosc", "crc32c"]
+
+
+def test_a_rank_without_documents_gives_an_empty_part(tmp_path):
+    out = tmp_path / "s"
+    write_store(out, rows=(2, 0))
+    shards = store.ShardStore.open(out)
+    assert shards.num_rows == 2 and len(shards.documents()) == 2 and store.verify(shards) == []
+
+
+def test_incomplete_store_is_refused_until_the_last_part_finishes(tmp_path):
+    out = tmp_path / "s"
+    store.create_store(out, header(2))
+    spec, hidden, tokens = synthetic_part(0, 2, seed=0)
+    part = store.PartWriter(out, spec)
+    part.write_rows(0, hidden[:1], {k: v[:1] for k, v in tokens.items()})
+    part.commit(1)
+    assert not store.finalize(out, 2, header(2))
+    with pytest.raises(DflashError, match="incomplete store .*0 of 2 parts done.*rerun the same harvest command"):
+        store.ShardStore.open(out)
+
+    resumed = store.PartWriter(out, spec)  # a rerun resumes after the committed row
+    assert resumed.rows_committed == 1
+    resumed.write_rows(1, hidden[1:], {k: v[1:] for k, v in tokens.items()})
+    resumed.commit(2)
+    assert not store.finalize(out, 2, header(2))  # rank 1 still missing
+    spec1, hidden1, tokens1 = synthetic_part(1, 1, seed=1)
+    other = store.PartWriter(out, spec1)
+    other.write_rows(0, hidden1, tokens1)
+    other.commit(1)
+    assert store.finalize(out, 2, header(2))
+    assert store.ShardStore.open(out).num_rows == 3
+
+
+def test_changed_plan_under_a_started_part_is_refused(tmp_path):
+    out = tmp_path / "s"
+    store.create_store(out, header(1))
+    spec, _, _ = synthetic_part(0, 2, seed=0)
+    store.PartWriter(out, spec)
+    changed, _, _ = synthetic_part(0, 3, seed=0)
+    with pytest.raises(DflashError, match="planned differently"):
+        store.PartWriter(out, changed)
+
+
+def test_corrupt_and_missing_chunks_are_named(tmp_path):
+    out = tmp_path / "s"
+    write_store(out)
+    chunk = out / "parts" / "rank00001" / "hidden" / "c" / "1" / "0" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    (out / "parts" / "rank00000" / "loss_mask" / "c" / "2" / "0").unlink()
+    shards = store.ShardStore.open(out)
+    with pytest.raises(DflashError, match=r"corrupt data .*row 4 \(part rank00001, array hidden, row 1\)"):
+        shards.read_row(4)
+    problems = store.verify(shards)
+    assert len(problems) == 2, problems
+    assert any("part rank00001 array hidden chunk (1, 0, 0) (row 4)" in p and "checksum" in p for p in problems)
+    assert any("part rank00000 array loss_mask chunk (2, 0) (row 2): chunk file missing" in p for p in problems)
+
+
+def test_all_padding_chunks_are_still_written(tmp_path):
+    """A chunk equal to the fill value is written too, so a missing chunk file always means damage."""
+    out = tmp_path / "s"
+    write_store(out)
+    assert (out / "parts" / "rank00000" / "position_ids" / "c" / "0" / "0").is_file()
+    assert store.verify(store.ShardStore.open(out)) == []
+
+
+def test_other_format_version_is_refused(tmp_path):
+    out = tmp_path / "s"
+    write_store(out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps({**manifest, "format_version": 99}))
+    with pytest.raises(DflashError, match="format version 99"):
+        store.ShardStore.open(out)
+
+
+def test_check_folder(tmp_path):
+    assert store.check_folder(tmp_path / "new", header()) == "new"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / f"{store.TMP_PREFIX}harvest.json.123").write_text("{")  # another rank's harvest.json on its way
+    assert store.check_folder(empty, header()) == "new"
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(DflashError, match=r"holds other content \(notes.txt\) and is not a dflash store"):
+        store.check_folder(other, header())
+    out = tmp_path / "s"
+    store.create_store(out, header(1))
+    assert store.check_folder(out, header(1)) == "resume"
+    with pytest.raises(DflashError, match="token_budget: store has 32, this run 64; world_size: store has 1, this run 2"):
+        store.check_folder(out, header(2, token_budget=64))
+    write_store(tmp_path / "done")
+    assert store.check_folder(tmp_path / "done", header(2)) == "complete"
+
+
+def test_not_a_store(tmp_path):
+    with pytest.raises(DflashError, match="not a dflash store"):
+        store.ShardStore.open(tmp_path)
+
+
+def test_first_fit_decreasing_matches_a_naive_reference():
+    rng = np.random.default_rng(0)
+    for capacity in (16, 100, 1000):
+        lengths = rng.integers(1, capacity + 1, size=300).tolist()
+        expected: list[list[int]] = []  # naive first fit over items sorted longest first
+        free: list[int] = []
+        for item in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+            row = next((r for r, room in enumerate(free) if room >= lengths[item]), len(free))
+            if row == len(free):
+                free.append(capacity)
+                expected.append([])
+            free[row] -= lengths[item]
+            expected[row].append(item)
+        rows = first_fit_decreasing(lengths, capacity)
+        assert rows == expected
+        assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
+        assert all(sum(lengths[i] for i in row) <= capacity for row in rows)
+    assert first_fit_decreasing([], 10) == []

@@ -1,0 +1,402 @@
+"""The trainer on the CPU: label alignment, compiled vs eager, resume, two gloo ranks, export, bad input.
+
+Every run trains from a real store: a tiny harvest of the bundled corpus (rows of 64 tokens) by the tiny Qwen3
+target; the alignment tests rewrite its arrays with features that make the labels knowable.
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from click.testing import CliRunner
+from torch.nn.attention.flex_attention import create_block_mask
+
+from cli.main import main
+from dflash import blocks, graph, reader
+from dflash.drafter import load_drafter
+from dflash.errors import DflashError
+from dflash.harvest import HarvestConfig, run_harvest
+from dflash.store import ShardStore
+from dflash.target import load_embedding_and_head
+from dflash.tiny import CORPUS
+from dflash.train import TrainConfig, latest_checkpoint, run_training, visible_pairs
+
+ROOT = Path(__file__).resolve().parent.parent
+B = 4  # block size of these tests: 3 drafted tokens fit the features of the tiny target (5 layers x 64)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target):
+    return tiny_target("qwen3")
+
+
+@pytest.fixture(scope="module")
+def store(target, tmp_path_factory):
+    out = tmp_path_factory.mktemp("train-store") / "store"
+    run_harvest(HarvestConfig(model=str(target), data=str(CORPUS), out=str(out), token_budget=64, workers=1))
+    return out
+
+
+def config(store, out, **overrides) -> TrainConfig:
+    base = dict(
+        shards=str(store), out=str(out), draft_layers=1, block_size=B, rows_per_step=2, max_steps=6, log_every=1,
+        val_fraction=0.05, tensorboard=False, export=False, reader_workers=2, device="cpu",
+    )
+    return TrainConfig(**{**base, **overrides})
+
+
+def train_records(out) -> list[dict]:
+    lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == "train"]
+
+
+# ---------------------------------------------------------------------------------------------- label alignment
+
+
+def write_knowable_store(src: Path, dst: Path, head: torch.Tensor, seed: int = 0):
+    """Rewrite a store so that the features at position j carry the ids of tokens j+1 .. j+B, as a perfect LM's
+    would: slot s (one tapped layer wide) holds the LM-head row of token j+1+s. Documents of 8-19 random tokens
+    (16 distinct ids), loss mask off on each document's first token (which has no context)."""
+    shutil.copytree(src, dst)
+    part = zarr.open_group(dst / "parts" / "rank00000", mode="r+")
+    rows, T, width = part["hidden"].shape
+    H = head.shape[1]
+    rng = np.random.default_rng(seed)
+    vocab = rng.choice(np.arange(4, head.shape[0]), 16, replace=False)
+    unit = (4 * head / head.norm(dim=1, keepdim=True)).numpy()
+    arrays = {
+        "input_ids": np.zeros((rows, T), np.int32),
+        "position_ids": np.zeros((rows, T), np.int32),
+        "doc_ids": np.full((rows, T), -1, np.int32),
+        "loss_mask": np.zeros((rows, T), np.uint8),
+    }
+    hidden = np.zeros((rows, T, width), np.float32)
+    for r in range(rows):
+        t, d = 0, 0
+        while T - t > B:
+            n = min(int(rng.integers(8, 20)), T - t)
+            tokens = rng.choice(vocab, n)
+            arrays["input_ids"][r, t : t + n] = tokens
+            arrays["position_ids"][r, t : t + n] = np.arange(n)
+            arrays["doc_ids"][r, t : t + n] = 100 * r + d
+            arrays["loss_mask"][r, t + 1 : t + n] = 1
+            for j in range(n):
+                for s in range(min(B, n - j - 1)):
+                    hidden[r, t + j, s * H : (s + 1) * H] = unit[tokens[j + 1 + s]]
+            t, d = t + n, d + 1
+    for name, value in arrays.items():
+        part[name][:] = value
+    part["hidden"][:] = torch.from_numpy(hidden).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+
+def inclusive_mask(anchors, valid, doc_ids, block_size):
+    """The historical bug: context visible up to and including the anchor (kv <= a)."""
+    R, A = anchors.shape
+    T = doc_ids.shape[1]
+    anchor_doc = doc_ids.gather(1, anchors)
+
+    def mask_mod(b, h, q, kv):
+        j = q // block_size
+        same_doc = doc_ids[b, kv.clamp(max=T - 1)] == anchor_doc[b, j]
+        context = (kv < T) & same_doc & (kv <= anchors[b, j]) & valid[b, j]
+        return context | ((kv >= T) & ((kv - T) // block_size == j))
+
+    return create_block_mask(mask_mod, R, None, A * block_size, T + A * block_size, device=anchors.device)
+
+
+def shifted_labels(block_inputs):
+    """The other historical bug: labels shifted once more (output k trained on token a+k+1)."""
+
+    def wrapped(input_ids, position_ids, loss_mask, anchors, valid, mask_token_id, block_size, gamma=None):
+        block_ids, q_positions, labels, weights = block_inputs(
+            input_ids, position_ids, loss_mask, anchors, valid, mask_token_id, block_size, gamma
+        )
+        k = torch.arange(block_size)
+        index = (anchors[:, :, None] + k + 1).clamp(max=input_ids.shape[1] - 1).flatten(1)
+        return block_ids, q_positions, input_ids.gather(1, index).long(), weights
+
+    return wrapped
+
+
+@torch.no_grad()
+def inference_accuracy(drafter_dir: Path, store_dir: Path, rows, embed, head) -> tuple[np.ndarray, float]:
+    """What speculative decoding would see, written from the rule alone: for every anchor a, the drafter gets the
+    features of its document strictly before a and the block [t_a, MASK...]; (accuracy per k, acceptance)."""
+    model, cfg = load_drafter(drafter_dir)
+    shards = ShardStore.open(store_dir)
+    hits, accepted = [], []
+    for r in rows:
+        row = shards.read_row(int(r))
+        hidden = torch.from_numpy(row["hidden"].view(np.int16)).view(torch.bfloat16).float()
+        ids, pos = torch.from_numpy(row["input_ids"]).long(), torch.from_numpy(row["position_ids"]).long()
+        doc, mask = row["doc_ids"], row["loss_mask"]
+        for a in range(len(ids) - B + 1):
+            if doc[a] < 0 or doc[a + B - 1] != doc[a] or not mask[a]:
+                continue
+            start = a - int(pos[a])
+            block = torch.full((B,), cfg.mask_token_id)
+            block[0] = ids[a]
+            out = model(embed[block][None], hidden[start:a][None], (pos[a] + torch.arange(B))[None], pos[start:a][None])
+            hit = ((out[0, 1:] @ head.T).argmax(-1) == ids[a + 1 : a + B]).numpy()
+            hits.append(hit)
+            accepted.append(1 + np.cumprod(hit).sum())
+    return np.mean(hits, axis=0), float(np.mean(accepted))
+
+
+@pytest.mark.parametrize("bug", [None, "shifted_labels", "inclusive_mask"])
+def test_label_alignment(bug, store, target, tmp_path, monkeypatch):
+    """Features at j make tokens j+1..j+B knowable, so a correct trainer learns every block position and the
+    acceptance it reports agrees with an independent inference-style evaluation. With labels shifted once
+    more the last position's label is nowhere in view (training itself fails); with `<=` visibility training
+    looks perfect but the drafter leans on the anchor's own features, which inference does not have."""
+    embed, head = (w.float() for w in load_embedding_and_head(str(target)))
+    write_knowable_store(store, tmp_path / "store", head)
+    if bug == "shifted_labels":
+        monkeypatch.setattr(blocks, "block_inputs", shifted_labels(blocks.block_inputs))
+    if bug == "inclusive_mask":
+        monkeypatch.setattr(blocks, "block_attention_mask", inclusive_mask)
+    cfg = config(
+        tmp_path / "store", tmp_path / "run", draft_layers=2, rows_per_step=4, max_steps=300, lr=5e-3,
+        log_every=100, val_fraction=0.1, export=True, export_dtype="float32",
+    )  # fmt: skip
+    result = run_training(cfg)
+    _, val_rows = reader.split_rows(ShardStore.open(tmp_path / "store").num_rows, cfg.val_fraction)
+    accuracy, acceptance = inference_accuracy(tmp_path / "run" / "drafter", tmp_path / "store", val_rows[:12], embed, head)
+    val = result["val"]
+    learned = min(accuracy) > 0.85 and acceptance > 3.5  # B = 4: at most 1 + 3 accepted
+    if bug is None:
+        assert min(val["acc"]) > 0.85, val
+        assert learned, (accuracy, acceptance)
+        assert abs(val["accept_len"] - acceptance) < 0.2  # the trainer's metric is what inference would see
+        implied = 1 + np.cumprod(val["acc"]).sum()
+        assert abs(val["accept_len"] - implied) < 0.2
+    else:
+        assert not learned, (bug, accuracy, acceptance)
+    if bug == "inclusive_mask":
+        assert min(val["acc"]) > 0.85  # the symptom of that bug: high training accuracy, low acceptance
+
+
+# ---------------------------------------------------------------------------------------------- compile, resume
+
+
+def test_compiled_step_matches_eager_without_recompiles(store, tmp_path):
+    """20 steps over different rows: compiled drafter + loss agree with eager, and nothing recompiles after
+    warmup (a recompile would raise). The BlockMask builder stays eager on the CPU (see Trainer.__init__)."""
+    eager = run_training(config(store, tmp_path / "eager", max_steps=20, compile=False))["records"]
+    compiled = run_training(config(store, tmp_path / "compiled", max_steps=20, compile=True))["records"]
+    assert [r["recompiles"] for r in compiled] == [0] * 20
+    np.testing.assert_allclose([r["loss"] for r in compiled], [r["loss"] for r in eager], rtol=1e-5)
+    np.testing.assert_allclose([r["grad_norm"] for r in compiled], [r["grad_norm"] for r in eager], rtol=1e-4)
+
+
+def test_visible_pairs_count_the_mask():
+    """The attention pairs that MFU counts are the pairs the BlockMask rule lets attend (valid blocks)."""
+    g = torch.Generator().manual_seed(0)
+    doc_ids = torch.tensor([[0] * 20 + [1] * 30 + [-1] * 14, [5] * 64])
+    loss_mask = (torch.rand(2, 64, generator=g) > 0.3).to(torch.uint8)
+    anchors, valid = blocks.sample_anchors(loss_mask, doc_ids, 12, B, torch.tensor([[7], [8]]))
+    dense = blocks.dense_block_mask(anchors, valid, doc_ids, B)
+    counted = dense * valid.repeat_interleave(B, dim=1)[:, :, None]
+    assert visible_pairs(anchors, valid, doc_ids, B) == counted.sum()
+
+
+def test_recompile_is_an_error_naming_the_cause():
+    f = graph.compile_fn(lambda x: x * 2, True)
+    f(torch.ones(3))
+    with pytest.raises(DflashError, match="size mismatch"):
+        with graph.no_recompiles():
+            f(torch.ones(4))
+
+
+def test_resume_reproduces_the_uninterrupted_run(store, tmp_path):
+    cfg = config(store, tmp_path / "run", max_steps=8, ckpt_every=3)
+    full = [r["loss"] for r in run_training(cfg)["records"]]
+    # Interrupted after step 6: its last checkpoint is step_6 (a half-written one would not be named step_N).
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_8")
+    (tmp_path / "run" / "checkpoints" / ".tmp-step_8").mkdir()
+    assert latest_checkpoint(tmp_path / "run").name == "step_6"
+    resumed = run_training(config(store, tmp_path / "run", max_steps=8, ckpt_every=3, resume=True))["records"]
+    assert [r["step"] for r in resumed] == [7, 8]
+    assert [r["loss"] for r in resumed] == full[6:]  # exact: same rows, anchors, weights and optimizer state
+
+
+def test_resume_with_other_options_names_them(store, tmp_path):
+    run_training(config(store, tmp_path / "run", max_steps=2))
+    with pytest.raises(DflashError, match=r"lr: checkpoint 0.0006, now 0.001.*max_steps"):
+        run_training(config(store, tmp_path / "run", max_steps=4, lr=1e-3, resume=True))
+
+
+# ---------------------------------------------------------------------------------------------- distributed
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_gloo_ranks_match_one_process(store, tmp_path):
+    """2 ranks x 1 row per step == 1 process x 2 micro-steps of 1 row: same global batches (strided epoch
+    order), same anchors (keyed by row), same normalisation (global weight sum), so the same weights."""
+    args = ["-m", "cli", "train", "--shards", str(store), "--draft-layers", "1", "--block-size", str(B),
+            "--max-steps", "4", "--log-every", "1", "--val-fraction", "0.05", "--no-tensorboard", "--no-export",
+            "--device", "cpu"]  # fmt: skip
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *args, "--out", str(tmp_path / "ranks"), "--rows-per-step", "1"],
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, cwd=ROOT, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        for rank in range(2)
+    ]
+    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs  # a divergence of the ranks' weights would fail here
+    single = run_training(config(store, tmp_path / "single", max_steps=4, rows_per_step=1, grad_accum=2))["records"]
+    two = train_records(tmp_path / "ranks")
+    np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in single], rtol=1e-6)
+    weights = [torch.load(tmp_path / run / "checkpoints" / "step_4" / "model.pt") for run in ("ranks", "single")]
+    for name, value in weights[0].items():
+        torch.testing.assert_close(value, weights[1][name], rtol=1e-6, atol=1e-7)
+
+
+def test_epoch_order_splits_rows_like_one_big_batch():
+    rows = np.arange(103)
+    one = reader.epoch_order(rows, seed=3, epoch=1, rank=0, world=1)
+    parts = [reader.epoch_order(rows, seed=3, epoch=1, rank=r, world=4) for r in range(4)]
+    assert len({len(p) for p in parts}) == 1 and len(parts[0]) == 25
+    assert not set(parts[0]) & set(parts[1])
+    # step s of every rank with k rows == step s of one process with 4k rows
+    k = 5
+    for s in range(len(parts[0]) // k):
+        assert sorted(np.concatenate([p[s * k : (s + 1) * k] for p in parts])) == sorted(one[4 * k * s : 4 * k * (s + 1)])
+    assert np.array_equal(one, reader.epoch_order(rows, 3, 1, 0, 1))
+    assert not np.array_equal(one, reader.epoch_order(rows, 3, 2, 0, 1))
+    train, val = reader.split_rows(1000, 0.01)
+    assert len(val) == 10 and not set(train) & set(val) and len(train) + len(val) == 1000
+
+
+# ---------------------------------------------------------------------------------------------- export, CLI
+
+
+def test_export_round_trip(store, tmp_path):
+    run_training(config(store, tmp_path / "run", max_steps=3))
+    runner = CliRunner()
+    for dtype in ("float32", "bfloat16"):
+        result = runner.invoke(main, ["export", str(tmp_path / "run"), "--out", str(tmp_path / dtype), "--dtype", dtype])
+        assert result.exit_code == 0, result.output
+    trained = torch.load(tmp_path / "run" / "checkpoints" / "step_3" / "model.pt")
+    exact, cfg = load_drafter(tmp_path / "float32")
+    halved, _ = load_drafter(tmp_path / "bfloat16")
+    g = torch.Generator().manual_seed(0)
+    T, Q = 24, 2 * B
+    inputs = (
+        torch.randn(1, Q, cfg.hidden_size, generator=g),
+        torch.randn(1, T, cfg.feature_dim, generator=g),
+        torch.arange(T, T + Q)[None],
+        torch.arange(T)[None],
+    )
+    reference = type(exact)(cfg)
+    reference.load_state_dict(trained)
+    with torch.no_grad():
+        assert torch.equal(exact(*inputs), reference(*inputs))
+        reference.to(torch.bfloat16)
+        assert torch.equal(halved(*(x.to(torch.bfloat16) if x.is_floating_point() else x for x in inputs)),
+                           reference(*(x.to(torch.bfloat16) if x.is_floating_point() else x for x in inputs)))  # fmt: skip
+
+
+def _train_cli(store, out, *extra):
+    args = ["train", "--shards", str(store), "--out", str(out), "--draft-layers", "1", "--block-size", str(B),
+            "--max-steps", "2", "--no-tensorboard", "--no-export", "--reader-workers", "1", "--device", "cpu",
+            *extra]  # fmt: skip
+    return CliRunner().invoke(main, args)
+
+
+def _copy_store(store, dst) -> Path:
+    shutil.copytree(store, dst)
+    return dst
+
+
+def test_cli_trains_and_exports(store, tmp_path):
+    result = _train_cli(store, tmp_path / "run", "--export", "--val-every", "1", "--log-every", "1", "--tensorboard")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "run" / "drafter" / "model.safetensors").exists()
+    assert list((tmp_path / "run" / "tb").glob("events.out.tfevents.*"))
+    kinds = [r["kind"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())]
+    assert kinds == ["val", "train", "train", "val"]
+
+
+def _manifest_edit(path, **fields):
+    manifest = json.loads((path / "manifest.json").read_text())
+    (path / "manifest.json").write_text(json.dumps({**manifest, **fields}))
+
+
+def _corrupt_first_row(path) -> int:
+    """Flip bytes in a hidden chunk of the first row the run reads; returns that row."""
+    shards = ShardStore.open(path)
+    train, _ = reader.split_rows(shards.num_rows, TrainConfig.val_fraction)
+    row = int(reader.epoch_order(train, 0, 0, 0, 1)[0])
+    chunk = path / "parts" / "rank00000" / "hidden" / "c" / str(row) / "0" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 16] = bytes(16)
+    chunk.write_bytes(bytes(data))
+    return row
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["incomplete", "format_version", "corrupt_chunk", "head_shape", "block_too_big", "too_many_anchors", "resume_options"],
+)
+def test_bad_input_is_a_clear_error(case, store, target, tiny_target, tmp_path):
+    extra, shards = [], store
+    if case == "incomplete":
+        shards = _copy_store(store, tmp_path / "store")
+        (shards / "manifest.json").unlink()
+        expected = "incomplete store"
+    elif case == "format_version":
+        shards = _copy_store(store, tmp_path / "store")
+        _manifest_edit(shards, format_version=99)
+        expected = "format version 99"
+    elif case == "corrupt_chunk":
+        shards = _copy_store(store, tmp_path / "store")
+        expected = f"row {_corrupt_first_row(shards)} "
+    elif case == "head_shape":
+        extra, expected = ["--target", str(tiny_target("qwen3", hidden_size=32))], "hidden size 64"
+    elif case == "block_too_big":
+        extra, expected = ["--block-size", "128"], "cannot hold a block of 128"
+    elif case == "too_many_anchors":
+        extra, expected = ["--anchors", "200"], "lower --anchors"
+    else:
+        assert _train_cli(store, tmp_path / "run").exit_code == 0
+        extra, expected = ["--resume", "--seed", "1"], "seed: checkpoint 0, now 1"
+    result = _train_cli(shards, tmp_path / "run", *extra)
+    assert result.exit_code == 2, result.output
+    assert expected in result.output, result.output
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_is_flat_and_matches_the_ungraphed_step(store, tmp_path):
+    """On a GPU: the captured step allocates nothing (allocated / reserved bytes identical at every record),
+    never recompiles, and computes what the same step computes without the graph."""
+    graphed = run_training(config(store, tmp_path / "graph", max_steps=12, device="cuda", cuda_graph=True))
+    plain = run_training(config(store, tmp_path / "plain", max_steps=12, device="cuda", cuda_graph=False))
+    assert graphed["allocated_spread"] == 0 and graphed["reserved_spread"] == 0
+    assert [r["recompiles"] for r in graphed["records"]] == [0] * 12
+    np.testing.assert_allclose([r["loss"] for r in graphed["records"]], [r["loss"] for r in plain["records"]], rtol=1e-3)
+
+
+def test_out_of_memory_at_capture_names_the_options():
+    def step():
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    runner = graph.GraphedStep(step, device=torch.device("cpu"), cuda_graph=True, hint="--anchors or --loss-chunk")
+    with pytest.raises(DflashError, match="out of memory during warmup of the step: lower --anchors or --loss-chunk"):
+        runner.warmup()
