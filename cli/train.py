@@ -44,7 +44,7 @@ def _number(raw: str):
 @click.option("--gamma", type=float, help="Loss decay exp(-(k-1)/gamma).  [default: 7 for B=16, 5 for 10, 4 for 8]")
 @click.option("--rows-per-step", default=1, type=int, help="Rows per micro-step on each rank.")
 @click.option("--grad-accum", default=1, type=int, help="Micro-steps per optimizer step.")
-@click.option("--loss-chunk", default=4096, type=int, help="Drafted tokens per LM-head chunk in the loss (memory vs. speed).")
+@click.option("--loss-chunk", default=None, type=int, help="Drafted tokens per LM-head chunk in the loss; default: the most that keep a chunk of logits under 2^29 (2048 rows for a 152 K-248 K vocabulary).")
 @click.option("--lr", default=6e-4, type=float, help="Peak learning rate.")
 @click.option("--min-lr-ratio", default=0.0, type=float, help="Final learning rate as a fraction of the peak.")
 @click.option("--warmup-ratio", default=0.04, type=float, help="Fraction of the steps with linear warmup.")

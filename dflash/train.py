@@ -50,7 +50,7 @@ class TrainConfig:
     gamma: float | None = None  # loss decay; None: 7 for B=16, 5 for 10, 4 for 8 (the paper)
     rows_per_step: int = 1  # rows per micro-step on each rank
     grad_accum: int = 1  # micro-steps per optimizer step
-    loss_chunk: int = 4096  # rows of logits alive at once in the loss
+    loss_chunk: int | None = None  # rows of logits alive at once in the loss; None: loss.default_chunk_size
     # optimizer and schedule (the paper's defaults; betas / weight decay are torch's AdamW defaults)
     lr: float = 6e-4
     min_lr_ratio: float = 0.0
@@ -388,22 +388,24 @@ class Trainer:
 
     def _inputs(self, m: int) -> dict:
         s, cfg = self.static, self.cfg
+        # Pieces of a split document share a doc id and may sit side by side: blocks must see one piece only.
+        segments = blocks.segment_ids(s["doc_ids"][m], s["position_ids"][m])
         anchors, valid = blocks.sample_anchors(
-            s["loss_mask"][m], s["doc_ids"][m], self.num_anchors, cfg.block_size, s["anchor_keys"][m][:, None]
+            s["loss_mask"][m], segments, self.num_anchors, cfg.block_size, s["anchor_keys"][m][:, None]
         )
         block_ids, q_positions, labels, weights = blocks.block_inputs(
             s["input_ids"][m], s["position_ids"][m], s["loss_mask"][m], anchors, valid,
             self.dcfg.mask_token_id, cfg.block_size, self.gamma,
         )  # fmt: skip
         return dict(
-            anchors=anchors, valid=valid, block_ids=block_ids, q_positions=q_positions, labels=labels, weights=weights
-        )
+            anchors=anchors, valid=valid, segments=segments, block_ids=block_ids, q_positions=q_positions,
+            labels=labels, weights=weights,
+        )  # fmt: skip
 
     def _micro(self, m: int, x: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(weighted-mean loss of micro-batch m, correct [N]) through drafter and frozen head."""
         s = self.static
-        doc_ids = s["doc_ids"][m]
-        mask = self.mask_fn(x["anchors"], x["valid"], doc_ids, self.cfg.block_size)
+        mask = self.mask_fn(x["anchors"], x["valid"], x["segments"], self.cfg.block_size)
         features = s["hidden"][m].to(self.mm_dtype)
         with self._autocast():
             embeds = F.embedding(x["block_ids"], self.embed)
@@ -416,14 +418,13 @@ class Trainer:
         B, slots = self.cfg.block_size, self.slots
         stats = loss.block_stats(correct, x["weights"], B)
         weight = x["weights"].sum()
-        doc_ids = self.static["doc_ids"][m]
         values = torch.zeros_like(acc)
         values[slots["loss_sum"]] = mean_loss.detach() * weight
         values[slots["weight_sum"]] = weight
         values[slots["accepted"]] = stats.accepted
         values[slots["blocks"]] = stats.anchors
-        values[slots["context_tokens"]] = (doc_ids >= 0).sum()
-        values[slots["pairs"]] = visible_pairs(x["anchors"], x["valid"], doc_ids, B)
+        values[slots["context_tokens"]] = (x["segments"] >= 0).sum()
+        values[slots["pairs"]] = visible_pairs(x["anchors"], x["valid"], x["segments"], B)
         values[slots.correct] = stats.correct
         values[slots.counted] = stats.counted
         acc += values
