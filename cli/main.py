@@ -2,6 +2,10 @@
 
 import click
 
+from cli.eval import eval_command, regenerate_command
+from cli.harvest import harvest, inspect
+from cli.smoke import smoke
+from cli.train import export, train
 from dflash import __version__
 
 
@@ -11,17 +15,5 @@ def main():
     """Train DFlash speculative-decoding drafters offline: harvest target hidden states, then train."""
 
 
-from cli.eval import eval_command, regenerate_command  # noqa: E402  (commands import the group's options)
-
-main.add_command(regenerate_command)
-main.add_command(eval_command)
-
-from cli.harvest import harvest, inspect  # noqa: E402
-
-main.add_command(harvest)
-main.add_command(inspect)
-
-from cli.train import export, train  # noqa: E402
-
-main.add_command(train)
-main.add_command(export)
+for command in (regenerate_command, harvest, inspect, train, export, eval_command, smoke):
+    main.add_command(command)
