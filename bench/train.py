@@ -35,11 +35,15 @@ import gc
 import json
 import logging
 import shutil
+import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repository's dflash
 
 from dflash import graph, loss, store
 from dflash import train as trainer_module
@@ -55,7 +59,7 @@ DRAFTERS = {
     "a": dict(hidden=5120, heads=24, kv_heads=4, head_dim=256, ffn=17408, target_layers=64, **ROW),
     "b": dict(hidden=2560, heads=16, kv_heads=4, head_dim=256, ffn=9216, target_layers=32, **ROW),
 }
-TINY_ROW = dict(doc_len=128, docs_per_row=4, anchors_per_doc=16, vocab=512)
+TINY_ROW = dict(doc_len=64, docs_per_row=4, anchors_per_doc=8, vocab=512)
 TINY = {
     "a": dict(hidden=128, heads=4, kv_heads=2, head_dim=32, ffn=256, target_layers=8, **TINY_ROW),
     "b": dict(hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128, target_layers=8, **TINY_ROW),
@@ -191,11 +195,11 @@ def time_ungraphed(trainer: Trainer, steps: int) -> dict:
 def summarise(name: str, s: dict, trainer: Trainer, records: list[dict], steps: int) -> dict:
     lo, hi = WINDOW[0], min(WINDOW[1], steps)
     window = [r for r in records if lo <= r["step"] <= hi] or records[-1:]
-    T = s["doc_len"] * s["docs_per_row"]
+    T, A = s["doc_len"] * s["docs_per_row"], trainer.num_anchors
     result = {
         "drafter": name,
-        "shape": {k: v for k, v in s.items()},
-        "row": {"context": T, "anchors": trainer.num_anchors, "block_tokens": trainer.num_anchors * trainer.cfg.block_size},
+        "shape": dict(s),
+        "row": {"context": T, "anchors": A, "block_tokens": A * trainer.cfg.block_size},
         "params_M": sum(p.numel() for p in trainer.params) / 1e6,
         "loss_chunk": trainer.cfg.loss_chunk or loss.default_chunk_size(s["vocab"]),
         "window": [window[0]["step"], window[-1]["step"]],
@@ -231,27 +235,35 @@ def bench_one(name: str, s: dict, args, device: torch.device) -> dict:
         max_steps=args.steps, val_fraction=0.0, log_every=1, ckpt_every=10**9, export=False, tensorboard=False,
         device=str(device), cuda_graph=True,
     )  # fmt: skip
-    if device.type == "cuda":
+    if device.type == "cuda":  # the peaks below count the trainer alone, not the data generation
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     trainer = Trainer(cfg, init_distributed(cfg.device))
     prep_s = trainer.prepare(None)
     log = MetricsLog(run, True, False)
     try:
-        result = trainer.fit(0, log)
+        with mock.patch.object(trainer_module, "save_checkpoint", lambda trainer, step: None):
+            result = trainer.fit(0, log)
     finally:
         log.close()
     summary = summarise(name, s, trainer, result["records"], args.steps)
     summary.update(data_build_s=build_s, warmup_capture_s=prep_s)
-    summary["ungraphed"] = time_ungraphed(trainer, args.ungraphed_steps)
-    if summary["mfu"] is not None:
+    try:
+        summary["ungraphed"] = time_ungraphed(trainer, args.ungraphed_steps)
+    except torch.OutOfMemoryError:  # keep the graphed numbers
+        summary["ungraphed"] = {"error": "out of memory"}
+    if summary["mfu"] is not None and "step_ms" in summary["ungraphed"]:
         summary["ungraphed"]["mfu"] = summary["mfu"] * summary["step_ms"] / summary["ungraphed"]["step_ms"]
     summary["records"] = result["records"]
-    del trainer
+    return summary
+
+
+def free_device(device: torch.device):
+    """Between drafters: drop compiled code and cached blocks so that the next one starts from a clean device."""
     gc.collect()
     torch._dynamo.reset()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return summary
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -275,8 +287,9 @@ def fmt(value, spec: str, scale: float = 1.0, unit: str = "") -> str:
 
 
 HEADER = (
-    "| drafter | context / anchors / block tokens | ctx tok/s | drafted tok/s | MFU | step ms | peak alloc / reserved GB "
-    "| alloc / reserved spread (B) | recompiles | data wait | ungraphed step ms | ungraphed MFU | ungraphed peak alloc GB |"
+    "| drafter | context / anchors / block tokens | ctx tok/s | drafted tok/s | MFU | step ms "
+    "| peak alloc / reserved GB | alloc / reserved spread (B) | recompiles | data wait "
+    "| ungraphed step ms | ungraphed MFU | ungraphed peak alloc GB |"
 )
 
 
@@ -289,8 +302,9 @@ def table_row(r: dict) -> str:
     return (
         f"| {r['drafter']} | {row['context']} / {row['anchors']} / {row['block_tokens']} "
         f"| {fmt(r['context_tok_s'], ',.0f')} | {fmt(r['drafted_tok_s'], ',.0f')} | {fmt(r['mfu'], '.1f', 100, ' %')} "
-        f"| {r['step_ms']:.1f} | {peak} | {spread} | {r['recompiles'] + u['recompiles']} "
-        f"| {fmt(r['data_wait'], '.2f', 100, ' %')} | {u['step_ms']:.1f} | {fmt(u.get('mfu'), '.1f', 100, ' %')} "
+        f"| {r['step_ms']:.1f} | {peak} | {spread} | {r['recompiles'] + u.get('recompiles', 0)} "
+        f"| {fmt(r['data_wait'], '.2f', 100, ' %')} "
+        f"| {fmt(u.get('step_ms'), '.1f')} | {fmt(u.get('mfu'), '.1f', 100, ' %')} "
         f"| {fmt(u.get('peak_allocated_GB'), '.1f')} |"
     )
 
@@ -301,9 +315,10 @@ def report(info: dict, results: list[dict], args):
     for r in results:
         if "error" not in r:
             print(
-                f"{r['drafter']}: {r['params_M']:.0f} M trainable parameters, loss chunk {r['loss_chunk']}, window steps "
-                f"{r['window'][0]}-{r['window'][1]}, data built in {r['data_build_s']:.1f} s, warmup + capture "
-                f"{r['warmup_capture_s']:.1f} s, loss {r['loss_first_last'][0]:.3f} -> {r['loss_first_last'][1]:.3f}"
+                f"{r['drafter']}: {r['params_M']:.1f} M trainable parameters, loss chunk {r['loss_chunk']}, "
+                f"window steps {r['window'][0]}-{r['window'][1]}, data built in {r['data_build_s']:.1f} s, "
+                f"warmup + capture {r['warmup_capture_s']:.1f} s, "
+                f"loss {r['loss_first_last'][0]:.3f} -> {r['loss_first_last'][1]:.3f}"
             )
     print("\n" + HEADER)
     print("|" + "---|" * HEADER.count(" |"))
@@ -314,17 +329,24 @@ def report(info: dict, results: list[dict], args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", choices=["a", "b", "both"], default="both")
-    parser.add_argument("--steps", type=int, default=60, help="graphed train steps per drafter (window: steps 10-50)")
-    parser.add_argument("--ungraphed-steps", type=int, default=10, help="timed steps of the step without the graph")
+    parser.add_argument("--steps", type=int, help="train steps per drafter (window: 10-50)  [default: 60, tiny 20]")
+    parser.add_argument("--ungraphed-steps", type=int, help="timed steps without the graph  [default: 10, tiny 3]")
     parser.add_argument("--tiny", action="store_true", help="toy shapes (runs on the CPU in well under a minute)")
     parser.add_argument("--rows", type=int, default=16, help="rows in the synthetic store (steps cycle through it)")
-    parser.add_argument("--loss-chunk", type=int, default=None, help="LM-head rows per loss chunk; default: the trainer's")
+    parser.add_argument("--loss-chunk", type=int, help="LM-head rows per loss chunk  [default: the trainer's]")
     parser.add_argument("--work", default="/tmp/dflash-bench-train", help="where the fake target, store and runs go")
     parser.add_argument("--json", help="also write the results (with every step's record) here")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if min(args.steps or 1, args.ungraphed_steps or 1, args.rows) < 1:
+        parser.error("--steps, --ungraphed-steps and --rows must be at least 1")
+    args.steps = args.steps or (20 if args.tiny else 60)
+    args.ungraphed_steps = args.ungraphed_steps or (3 if args.tiny else 10)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("dflash").setLevel(logging.INFO)  # the trainer's line per step
 
     device = init_distributed(None).device
+    if args.tiny and device.type == "cpu":
+        torch.set_num_threads(1)  # toy matmuls gain nothing from threads, and a busy machine makes them spin
     info = versions(device)
     print(", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
     shapes = TINY if args.tiny else DRAFTERS
@@ -335,12 +357,11 @@ def main():
         except (DflashError, torch.OutOfMemoryError) as exc:  # report it and go on with the other drafter
             logging.exception("drafter %s failed", name)
             results.append({"drafter": name, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"})
-            gc.collect()
-            torch._dynamo.reset()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    if args.json:
-        Path(args.json).write_text(json.dumps({"versions": info, "args": vars(args), "results": results}, indent=1))
+        free_device(device)  # here, after the except block has dropped the failed trainer's frames
+        # After each drafter, so that a run stopped at a time limit keeps the drafters that finished.
+        print(f"RESULT {table_row(results[-1])}", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"versions": info, "args": vars(args), "results": results}, indent=1))
     report(info, results, args)
     if any("error" in r for r in results):
         raise SystemExit(1)

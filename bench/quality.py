@@ -1,0 +1,754 @@
+"""The quality run of issue 4: does dflash train a drafter that works, on real text nobody here wrote?
+
+Real text: the Python source files of this machine's own standard library (`sysconfig` stdlib, `*.py`, no
+site-packages / dist-packages, files of at most 400 KB that decode as UTF-8), split BY FILE into a train and a
+held-out set by a hash of each file's relative path (10 % held out; deterministic on any machine).
+
+Stages, every one through the library entry points the CLI uses (except the fixture target's own training):
+  1. data      read the files, split them, train a byte-level BPE tokenizer on the train files (the special
+               tokens and chat template of dflash/tiny.py), tokenise the train / held-out files.
+  2. target    a small Qwen3.5 hybrid target (Qwen3_5TextConfig, 3 Gated-DeltaNet layers : 1 full-attention
+               layer) trained from scratch as a plain language model on the train files: random windows of the
+               concatenated files (EOS between files), AdamW, bf16 autocast on CUDA, cosine schedule over a
+               fixed time budget; saved with save_pretrained, so everything downstream loads it through
+               from_pretrained. It is only a fixture: small enough for one device call, good enough that its
+               greedy continuations of code are not trivial (its held-out loss and a sample are reported).
+  3. regenerate  `{"text": ...}` prompts (a few lines of code, cut at a line end) from TRAIN files, answered
+               greedily by the target with `dflash.regenerate.regenerate` (in chunks, resumable, within a time
+               budget): the drafter's training data is the target's own output.
+  4. harvest   `dflash.harvest.run_harvest` of the responses (text records: loss on every token).
+  5. drafter   `dflash.train.run_training` (5 layers, B = 16, the paper's optimiser settings), exported.
+  6. eval      prompts from HELD-OUT files (one per file). Per prompt, in one process: plain greedy decoding of
+               the target, then speculative decoding at temperature 0 with the trained drafter, the untrained
+               (random-init) drafter, and prompt lookup (transformers' PromptLookupCandidateGenerator n-gram
+               matcher, `prompt_lookup_num_tokens` = 10, verified by our loop: transformers' own
+               `generate(prompt_lookup_num_tokens=...)` refuses hybrid targets). The methods are
+               dflash.speculative's; every output is compared token for token with plain greedy decoding.
+               Prompts are taken in order until the eval's time budget is spent.
+
+Bar (issue 4): tau(trained) >= 1.5 x tau(prompt lookup), far above tau(untrained) (checked here as >= 2x), and
+0 mismatches against plain greedy decoding.
+
+On the H200 (from the repository root, `.device-wheels/` carried along), one device call:
+
+    source bench/device_setup.sh && python3 bench/quality.py --out $OUT/quality.json
+
+    .venv/bin/python bench/quality.py --tiny --out .quality-tiny/quality.json   # toy sizes, CPU, ~3 minutes
+
+Every stage prints its time budget and the time it took; the JSON (written after every stage, so a run cut
+short still leaves what it measured) holds the sizes, the stage times, the target's losses and a sample, and
+the full eval report (per prompt). A markdown table is printed last. `--work` holds the fixture target, the
+prompts, the responses, the store and the drafter run (by default a fresh folder under /tmp).
+"""
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import random
+import shutil
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+
+from dflash.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS  # noqa: E402
+
+logger = logging.getLogger("quality")
+
+
+@dataclass(frozen=True)
+class Scale:
+    name: str
+    # data
+    heldout_percent: int = 10
+    max_file_bytes: int = 400_000
+    corpus_chars: int | None = None  # cap on the train text used to train the target (None: all of it)
+    tokenizer_chars: int = 8_000_000  # train text the BPE trainer sees
+    vocab_size: int = 8192
+    # target (Qwen3.5 hybrid: full attention every 4th layer)
+    hidden: int = 512
+    layers: int = 8
+    heads: int = 8
+    kv_heads: int = 2
+    head_dim: int = 64
+    intermediate: int = 1408
+    linear_value_heads: int = 8
+    linear_key_heads: int = 4
+    linear_head_dim: int = 64
+    seq_len: int = 1024
+    batch: int = 32
+    lr: float = 2e-3
+    target_seconds: float = 120.0  # steady training time (after the first, autotuning steps)
+    # prompts and responses
+    prompt_chars: int = 400  # a prompt is whole lines of code, at least this many characters
+    train_prompts: int = 3072
+    new_tokens: int = 256  # response length of regenerate and of the eval
+    regen_batch: int = 512
+    regen_seconds: float = 75.0
+    # harvest and drafter
+    token_budget: int = 4096
+    rows_per_step: int = 2
+    drafter_epochs: int = 10
+    harvest_workers: int = 4
+    drafter_seconds: float = 120.0  # only printed: compile + capture + steps (no hard stop inside the trainer)
+    # eval
+    eval_prompts: int = 64
+    min_eval_prompts: int = 6
+    eval_seconds: float = 120.0
+    prompt_lookup_tokens: int = 10
+    # whole run: the eval budget shrinks to what is left of this
+    total_seconds: float = 480.0
+
+
+GPU = Scale("gpu")
+TINY = Scale(
+    "tiny", corpus_chars=3_000_000, tokenizer_chars=1_500_000, vocab_size=1024, hidden=64, layers=8, heads=4,
+    kv_heads=2, head_dim=16, intermediate=128, linear_value_heads=4, linear_key_heads=2, linear_head_dim=16,
+    seq_len=256, batch=8, lr=3e-3, target_seconds=45.0, prompt_chars=200, train_prompts=96, new_tokens=48,
+    regen_batch=32, regen_seconds=40.0, token_budget=1024, rows_per_step=1, drafter_epochs=4, harvest_workers=1,
+    drafter_seconds=40.0, eval_prompts=8, min_eval_prompts=4, eval_seconds=30.0, total_seconds=270.0,
+)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------- stages
+
+
+class Run:
+    """Stage timing against budgets, and the JSON results written after every stage."""
+
+    def __init__(self, out: Path, scale: Scale):
+        self.out, self.scale = out, scale
+        self.start = time.perf_counter()
+        self.results: dict = {"scale": asdict(scale), "stages": {}}
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def left(self) -> float:
+        return self.scale.total_seconds - self.elapsed()
+
+    def stage(self, name: str, budget: float | None, fn):
+        logger.info("== %s: budget %s (run at %.0f s of %.0f s)", name, f"{budget:.0f} s" if budget else "-",
+                    self.elapsed(), self.scale.total_seconds)  # fmt: skip
+        t0 = time.perf_counter()
+        result = fn()
+        seconds = time.perf_counter() - t0
+        self.results["stages"][name] = {"budget_s": budget, "seconds": round(seconds, 2)}
+        over = f" (OVER budget by {seconds - budget:.0f} s)" if budget and seconds > budget * 1.1 else ""
+        logger.info("-- %s done in %.1f s%s", name, seconds, over)
+        self.save()
+        return result
+
+    def save(self):
+        self.results["elapsed_s"] = round(self.elapsed(), 2)
+        self.out.write_text(json.dumps(self.results, indent=1, default=str))
+
+
+# ------------------------------------------------------------------------------------------------------ data
+
+
+def stdlib_files(scale: Scale) -> tuple[dict[str, str], dict[str, str], dict]:
+    """(train, held-out) {relative path: source}, split by a hash of the path; and counts."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    train, heldout, skipped = {}, {}, {"site_packages": 0, "too_big": 0, "not_utf8": 0, "empty": 0}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if {"site-packages", "dist-packages"} & set(rel.split("/")):
+            skipped["site_packages"] += 1
+            continue
+        if not path.is_file() or path.stat().st_size > scale.max_file_bytes:
+            skipped["too_big"] += 1
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            skipped["not_utf8"] += 1
+            continue
+        if not text.strip():
+            skipped["empty"] += 1
+            continue
+        held = int(hashlib.sha256(rel.encode()).hexdigest(), 16) % 100 < scale.heldout_percent
+        (heldout if held else train)[rel] = text
+    counts = {
+        "stdlib": str(root),
+        "train_files": len(train),
+        "heldout_files": len(heldout),
+        "train_chars": sum(map(len, train.values())),
+        "heldout_chars": sum(map(len, heldout.values())),
+        "skipped": skipped,
+    }
+    return train, heldout, counts
+
+
+def capped(texts: list[str], chars: int | None, seed: int) -> list[str]:
+    """A random subset of whole files holding about `chars` characters (all of them when None)."""
+    if chars is None:
+        return texts
+    order = list(range(len(texts)))
+    random.Random(seed).shuffle(order)
+    kept, total = [], 0
+    for i in order:
+        if total >= chars:
+            break
+        kept.append(texts[i])
+        total += len(texts[i])
+    return kept
+
+
+def build_tokenizer(texts: list[str], vocab_size: int):
+    """dflash/tiny.py's tokenizer (byte-level BPE, Qwen-style chat template, <|MASK|>), trained on `texts`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(texts, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|MASK|>"],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def token_stream(tokenizer, texts: list[str]) -> np.ndarray:
+    """Every text's tokens followed by EOS, concatenated (int32)."""
+    eos = tokenizer.eos_token_id
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return np.fromiter((t for doc in ids for t in (*doc, eos)), dtype=np.int32)
+
+
+def code_prompt(text: str, chars: int, rng: random.Random) -> str | None:
+    """Whole lines of `text` from a random non-blank line, at least `chars` long, without the final newline
+    (a prompt ending mid-line-break would split the tokenizer's newline + indentation tokens)."""
+    lines = text.splitlines(keepends=True)
+    starts = [i for i, line in enumerate(lines) if line.strip()]
+    ends = np.cumsum([len(line) for line in lines])
+    total = int(ends[-1]) if len(ends) else 0
+    starts = [i for i in starts if total - (ends[i] - len(lines[i])) >= chars]
+    if not starts:
+        return None
+    first = rng.choice(starts)
+    out, size = [], 0
+    for line in lines[first:]:
+        out.append(line)
+        size += len(line)
+        if size >= chars:
+            break
+    prompt = "".join(out).rstrip("\n")
+    return prompt if prompt.strip() else None
+
+
+def make_prompts(files: dict[str, str], count: int, chars: int, seed: int, one_per_file: bool) -> list[dict]:
+    rng = random.Random(seed)
+    names = [n for n in sorted(files) if len(files[n]) >= 2 * chars]
+    prompts = []
+    if one_per_file:
+        rng.shuffle(names)
+        for name in names:
+            if len(prompts) == count:
+                break
+            prompt = code_prompt(files[name], chars, rng)
+            if prompt:
+                prompts.append({"text": prompt, "file": name})
+        return prompts
+    while len(prompts) < count and names:
+        name = rng.choice(names)
+        prompt = code_prompt(files[name], chars, rng)
+        if prompt:
+            prompts.append({"text": prompt, "file": name})
+    return prompts
+
+
+def write_jsonl(path: Path, records: list[dict]):
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+
+
+# ---------------------------------------------------------------------------------------------------- target
+
+
+def target_config(scale: Scale, tokenizer):
+    from transformers import Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(
+        vocab_size=len(tokenizer), hidden_size=scale.hidden, intermediate_size=scale.intermediate,
+        num_hidden_layers=scale.layers, num_attention_heads=scale.heads, num_key_value_heads=scale.kv_heads,
+        head_dim=scale.head_dim, max_position_embeddings=4096, tie_word_embeddings=False,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(scale.layers)],
+        linear_num_value_heads=scale.linear_value_heads, linear_num_key_heads=scale.linear_key_heads,
+        linear_key_head_dim=scale.linear_head_dim, linear_value_head_dim=scale.linear_head_dim,
+        linear_conv_kernel_dim=4,
+    )  # fmt: skip
+    config.eos_token_id = tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    return config
+
+
+def windows(tokens: torch.Tensor, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
+    starts = torch.randint(0, tokens.numel() - length - 1, (batch, 1), generator=generator, device="cpu")
+    index = (starts + torch.arange(length + 1)).to(tokens.device)
+    return tokens[index].long()
+
+
+def train_target(scale: Scale, tokenizer, train_ids: np.ndarray, heldout_ids: np.ndarray, folder: Path,
+                 device: torch.device, sample_prompt: str, seed: int) -> dict:  # fmt: skip
+    """Plain language modelling from scratch for `scale.target_seconds` of steady steps; save_pretrained."""
+    from transformers import AutoModelForCausalLM
+
+    cuda = device.type == "cuda"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(target_config(scale, tokenizer), dtype=torch.float32).to(device)
+    model.train()
+    params = sum(p.numel() for p in model.parameters())
+    embed = model.get_input_embeddings().weight.numel() + model.get_output_embeddings().weight.numel()
+    logger.info("target: %.1f M parameters (%.1f M without embedding / LM head), %d train tokens, %d held-out",
+                params / 1e6, (params - embed) / 1e6, train_ids.size, heldout_ids.size)  # fmt: skip
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=scale.lr, betas=(0.9, 0.95), fused=cuda,
+    )  # fmt: skip
+    train = torch.from_numpy(train_ids).to(device)
+    heldout = torch.from_numpy(heldout_ids).to(device)
+    generator = torch.Generator().manual_seed(seed)
+    use_autocast = cuda
+
+    def loss_of(batch: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_autocast):
+            logits = model(input_ids=batch[:, :-1], use_cache=False).logits
+        return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+
+    def schedule(fraction: float) -> float:
+        warm = 0.03
+        if fraction < warm:
+            return scale.lr * max(fraction / warm, 0.02)
+        progress = min(1.0, (fraction - warm) / (1 - warm))
+        return scale.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    def step(lr: float) -> torch.Tensor:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss = loss_of(windows(train, scale.batch, scale.seq_len, generator))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        return loss.detach()
+
+    # The first steps pay for Triton autotuning (fla) and allocations: outside the steady time budget.
+    t0 = time.perf_counter()
+    try:
+        step(scale.lr * 0.02)
+    except Exception as exc:  # noqa: BLE001 -- one device call: prefer a slower fixture to no run at all
+        if not use_autocast:
+            raise
+        logger.warning("target step under bf16 autocast failed (%s: %s); training in float32 instead",
+                       type(exc).__name__, exc)  # fmt: skip
+        use_autocast = False
+        step(scale.lr * 0.02)
+    step(scale.lr * 0.02)
+    _sync(device)
+    warmup_s = time.perf_counter() - t0
+    logger.info("target: first 2 steps (autotuning, allocation) %.1f s", warmup_s)
+
+    steps, losses, start = 0, [], time.perf_counter()
+    log_every = 50 if cuda else 10
+    while True:
+        elapsed = time.perf_counter() - start
+        if elapsed >= scale.target_seconds:
+            break
+        loss = step(schedule(elapsed / scale.target_seconds))
+        steps += 1
+        if steps % 10 == 0:
+            losses.append(float(loss))  # one host sync per 10 steps
+        if steps % log_every == 0:
+            logger.info("target step %d: loss %.3f, %.0f s, %.0f tokens/s", steps, losses[-1],
+                        elapsed, steps * scale.batch * scale.seq_len / max(elapsed, 1e-9))  # fmt: skip
+    _sync(device)
+    seconds = time.perf_counter() - start
+
+    model.eval()
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed + 1)
+        heldout_loss = float(torch.stack([loss_of(windows(heldout, scale.batch, scale.seq_len, g)) for _ in range(8)]).mean())
+        g = torch.Generator().manual_seed(seed + 1)
+        train_loss = float(torch.stack([loss_of(windows(train, scale.batch, scale.seq_len, g)) for _ in range(8)]).mean())
+        ids = torch.tensor([tokenizer(sample_prompt)["input_ids"]], device=device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=min(96, scale.new_tokens),
+                             do_sample=False, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        sample = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=False)
+    logger.info("target: %d steps in %.0f s; train loss %.3f, held-out loss %.3f (nats/token)",
+                steps, seconds, train_loss, heldout_loss)  # fmt: skip
+    logger.info("target sample (held-out prompt, greedy):\n%s\n>>>>>>>>\n%s\n<<<<<<<<", sample_prompt[-300:], sample)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    del model, optimizer, train, heldout
+    if cuda:
+        torch.cuda.empty_cache()
+    return {
+        "parameters": params,
+        "non_embedding_parameters": params - embed,
+        "config": {k: getattr(scale, k) for k in ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate",
+                                                   "linear_value_heads", "linear_key_heads", "linear_head_dim")},
+        "vocab_size": len(tokenizer),
+        "autocast_bf16": use_autocast,
+        "warmup_s": round(warmup_s, 2),
+        "steps": steps,
+        "tokens_seen": steps * scale.batch * scale.seq_len,
+        "train_tokens": int(train_ids.size),
+        "epochs": steps * scale.batch * scale.seq_len / max(train_ids.size, 1),
+        "tokens_per_s": steps * scale.batch * scale.seq_len / max(seconds, 1e-9),
+        "loss_curve_every_10_steps": [round(x, 4) for x in losses],
+        "train_loss": train_loss,
+        "heldout_loss": heldout_loss,
+        "sample_prompt": sample_prompt,
+        "sample_continuation": sample,
+    }
+
+
+def _sync(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------------------------------------ regenerate
+
+
+def regenerate_within(scale: Scale, target: Path, prompts: list[dict], work: Path, device: str, budget: float) -> dict:
+    """`regenerate` on growing prefixes of the prompts (it resumes after the answered ones) until the budget."""
+    from dflash.regenerate import Sampling, regenerate
+
+    out = work / "responses.jsonl"
+    start, done, batch_seconds = time.perf_counter(), 0, 0.0
+    while done < len(prompts):
+        elapsed = time.perf_counter() - start
+        if done and elapsed + batch_seconds > budget:
+            break
+        upto = min(len(prompts), done + scale.regen_batch)
+        chunk = work / "prompts_train_upto.jsonl"
+        write_jsonl(chunk, [{"text": p["text"]} for p in prompts[:upto]])
+        t0 = time.perf_counter()
+        regenerate(str(target), chunk, out, Sampling(max_new_tokens=scale.new_tokens), batch_size=scale.regen_batch,
+                   device=device, dtype="float32", progress=False)  # fmt: skip
+        batch_seconds = time.perf_counter() - t0
+        done = upto
+        logger.info("regenerate: %d / %d prompts answered, last chunk %.1f s", done, len(prompts), batch_seconds)
+    return {"prompts": len(prompts), "answered": done, "file": str(out)}
+
+
+def response_stats(tokenizer, prompts: list[dict], responses: Path) -> dict:
+    """Response lengths, how many stopped at EOS, and distinct 4-grams (a looping target scores low)."""
+    lengths, distinct = [], []
+    for prompt, line in zip(prompts, responses.read_text().splitlines()):
+        response = json.loads(line)["text"][len(prompt["text"]) :]
+        ids = tokenizer(response, add_special_tokens=False)["input_ids"]
+        lengths.append(len(ids))
+        grams = [tuple(ids[i : i + 4]) for i in range(len(ids) - 3)]
+        if grams:
+            distinct.append(len(set(grams)) / len(grams))
+    first = json.loads(responses.read_text().splitlines()[0])["text"][len(prompts[0]["text"]) :]
+    return {
+        "responses": len(lengths),
+        "response_tokens": int(sum(lengths)),
+        "mean_response_tokens": float(np.mean(lengths)) if lengths else 0.0,
+        "distinct_4gram_ratio": float(np.mean(distinct)) if distinct else 0.0,
+        "sample_response": first[:600],
+    }
+
+
+# ------------------------------------------------------------------------------------------------------ eval
+
+
+def evaluate_all(scale: Scale, target_path: Path, drafter_path: Path, prompts: list[dict], device: str,
+                 budget: float, seed: int):  # fmt: skip
+    """dflash.speculative.evaluate for three methods at once: one plain greedy decoding per prompt is the
+    reference (tokens/s and the mismatch check) for the trained drafter, the untrained one and prompt lookup."""
+    from dflash.drafter import load_drafter
+    from dflash.regenerate import encode_prompt, eos_token_ids
+    from dflash.speculative import (
+        DFlashProposer, EvalReport, PromptLookupProposer, SpeculativeMethod, _summarise, load_target, plain_greedy,
+        untrained_drafter,
+    )  # fmt: skip
+
+    target, tokenizer = load_target(target_path, device, "float32")
+    eos_ids = eos_token_ids(target, tokenizer)
+    drafter, config = load_drafter(drafter_path, target.device, target.dtype)
+    random_drafter, random_config = untrained_drafter(target, tokenizer, config.block_size, seed)
+    methods = {
+        "dflash": SpeculativeMethod(DFlashProposer(drafter.eval(), config, target), config.block_size - 1, 0.0),
+        "untrained-dflash": SpeculativeMethod(
+            DFlashProposer(random_drafter, random_config, target), random_config.block_size - 1, 0.0
+        ),
+        "prompt-lookup": SpeculativeMethod(
+            PromptLookupProposer(scale.prompt_lookup_tokens, eos_ids=eos_ids), scale.prompt_lookup_tokens, 0.0
+        ),
+    }
+    generator = torch.Generator(target.device).manual_seed(seed)
+    encoded = [torch.tensor(encode_prompt(tokenizer, {"text": p["text"]}), device=target.device) for p in prompts]
+
+    def run_all(prompt, budget_tokens):
+        plain = plain_greedy(target, prompt, budget_tokens, eos_ids)
+        return plain, {n: m.run(target, prompt, budget_tokens, plain, eos_ids, generator) for n, m in methods.items()}
+
+    t0 = time.perf_counter()
+    run_all(encoded[0], min(scale.new_tokens, 8))  # allocations and kernel autotuning out of the timings
+    logger.info("eval: warmup %.1f s", time.perf_counter() - t0)
+    start, rows = time.perf_counter(), []
+    for index, prompt in enumerate(encoded):
+        if len(rows) >= scale.min_eval_prompts and time.perf_counter() - start > budget:
+            break
+        plain, runs = run_all(prompt, scale.new_tokens)
+        rows.append((index, prompt.numel(), plain, runs))
+        logger.info("eval prompt %d (%s, %d tokens): %d new tokens; tau %s", index, prompts[index]["file"],
+                    prompt.numel(), len(plain.tokens),
+                    ", ".join(f"{n} {r.tau:.2f}" if r.tau else f"{n} -" for n, r in runs.items()))  # fmt: skip
+    plain_tokens = sum(len(p.tokens) for _, _, p, _ in rows)
+    plain_seconds = sum(p.seconds for _, _, p, _ in rows)
+    plain_tokens_per_s = plain_tokens / plain_seconds if plain_seconds else 0.0
+    return EvalReport(
+        target=str(target_path),
+        drafter=str(drafter_path),
+        temperature=0.0,
+        max_new_tokens=scale.new_tokens,
+        device=str(target.device),
+        dtype=str(target.dtype).removeprefix("torch."),
+        plain_tokens_per_s=plain_tokens_per_s,
+        methods={
+            name: _summarise(name, method, [runs[name] for *_, runs in rows], plain_tokens_per_s)
+            for name, method in methods.items()
+        },
+        prompts=[
+            {"index": i, "file": prompts[i]["file"], "prompt_tokens": n,
+             "plain": {"new_tokens": len(p.tokens), "seconds": p.seconds}, "runs": runs}
+            for i, n, p, runs in rows
+        ],  # fmt: skip
+    )
+
+
+def bar(report) -> dict:
+    tau = {name: m.tau for name, m in report.methods.items()}
+    trained, lookup, untrained = tau.get("dflash"), tau.get("prompt-lookup"), tau.get("untrained-dflash")
+    mismatches = {name: m.mismatches for name, m in report.methods.items()}
+    checks = {
+        "trained_vs_prompt_lookup": trained / lookup if trained and lookup else None,
+        "trained_vs_untrained": trained / untrained if trained and untrained else None,
+    }
+    checks["pass_1.5x_prompt_lookup"] = bool(checks["trained_vs_prompt_lookup"] and checks["trained_vs_prompt_lookup"] >= 1.5)
+    checks["pass_2x_untrained"] = bool(checks["trained_vs_untrained"] and checks["trained_vs_untrained"] >= 2.0)
+    checks["pass_0_mismatches"] = all(v == 0 for v in mismatches.values())
+    checks["pass"] = checks["pass_1.5x_prompt_lookup"] and checks["pass_2x_untrained"] and checks["pass_0_mismatches"]
+    return {"tau": tau, "mismatches": mismatches, **checks}
+
+
+def markdown(results: dict, report) -> str:
+    s, t = results["scale"], results.get("target", {})
+    lines = [
+        f"quality run ({s['name']} sizes{', TOY NUMBERS' if s['name'] == 'tiny' else ''}): "
+        f"{len(report.prompts)} held-out prompts, {report.max_new_tokens} new tokens, temperature 0, "
+        f"{report.device} {report.dtype}",
+        "",
+        "| method | tau | tokens/s | speedup | mismatches | accepted drafts per round (0, 1, ...) |",
+        "|---|---|---|---|---|---|",
+        f"| plain greedy | - | {report.plain_tokens_per_s:.1f} | 1.00x | - | - |",
+    ]
+    for m in report.methods.values():
+        tau = f"{m.tau:.2f}" if m.tau is not None else "-"
+        lines.append(f"| {m.name} | {tau} | {m.tokens_per_s:.1f} | {m.speedup:.2f}x | {m.mismatches} | "
+                     f"{' '.join(map(str, m.accepted_histogram))} |")  # fmt: skip
+    b = results["bar"]
+    ratio = lambda x: f"{x:.2f}x" if x else "-"  # noqa: E731
+    lines += [
+        "",
+        f"bar: trained / prompt lookup {ratio(b['trained_vs_prompt_lookup'])} (>= 1.5x: "
+        f"{'pass' if b['pass_1.5x_prompt_lookup'] else 'FAIL'}), trained / untrained "
+        f"{ratio(b['trained_vs_untrained'])} (>= 2x: {'pass' if b['pass_2x_untrained'] else 'FAIL'}), "
+        f"mismatches {b['mismatches']} ({'pass' if b['pass_0_mismatches'] else 'FAIL'}) -> "
+        f"{'PASS' if b['pass'] else 'FAIL'}",
+        "",
+        "| stage | budget s | seconds |",
+        "|---|---|---|",
+    ]
+    for name, st in results["stages"].items():
+        lines.append(f"| {name} | {st['budget_s'] if st['budget_s'] is not None else '-'} | {st['seconds']:.1f} |")
+    d, r, h, dr = results["data"], results.get("regenerate", {}), results.get("harvest", {}), results.get("drafter", {})
+    lines += [
+        "",
+        f"data: {d['train_files']} train / {d['heldout_files']} held-out stdlib files "
+        f"({d['train_chars'] / 1e6:.1f} / {d['heldout_chars'] / 1e6:.1f} M chars), vocab {t.get('vocab_size')}",
+        f"target: {t.get('parameters', 0) / 1e6:.1f} M params, {t.get('steps')} steps, "
+        f"{t.get('tokens_seen', 0) / 1e6:.1f} M tokens ({t.get('epochs', 0):.1f} epochs), "
+        f"loss train {t.get('train_loss', float('nan')):.3f} / held-out {t.get('heldout_loss', float('nan')):.3f}",
+        f"regenerate: {r.get('responses')} responses, {r.get('response_tokens')} tokens, "
+        f"distinct 4-grams {r.get('distinct_4gram_ratio', 0):.2f}",
+        f"harvest: {h.get('tokens')} tokens in {h.get('rows')} rows, {h.get('store_mb', 0):.0f} MB",
+        f"drafter: {dr.get('steps')} steps, final train loss {dr.get('train_loss')}, "
+        f"val accept {dr.get('val_accept_len')}",
+    ]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------------ main
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="JSON results (rewritten after every stage); a .log beside it")
+    parser.add_argument("--tiny", action="store_true", help="toy sizes for a CPU check (minutes); numbers are meaningless")
+    parser.add_argument("--work", help="working folder (target, prompts, store, run); default: a new one under /tmp")
+    parser.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--target-seconds", type=float, help="override the target's steady training time")
+    parser.add_argument("--eval-seconds", type=float, help="override the eval's time budget")
+    parser.add_argument("--total-seconds", type=float, help="override the whole run's budget (bounds the eval)")
+    args = parser.parse_args(argv)
+
+    scale = TINY if args.tiny else GPU
+    overrides = {"target_seconds": args.target_seconds, "eval_seconds": args.eval_seconds,
+                 "total_seconds": args.total_seconds}  # fmt: skip
+    scale = dataclasses.replace(scale, **{k: v for k, v in overrides.items() if v is not None})
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S",
+        handlers=[logging.StreamHandler(sys.stdout), logging.FileHandler(out.with_suffix(".log"), mode="w")],
+    )  # fmt: skip
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)  # fmt: skip
+    if device.type == "cuda":
+        import fla  # noqa: F401 -- fail now, not after minutes of training, if the Triton kernels are missing
+    elif not args.tiny:
+        logger.warning("GPU sizes on the CPU: this will take hours; use --tiny")
+    else:
+        torch.set_num_threads(min(2, torch.get_num_threads()))
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="dflash-quality-"))
+    if work.exists():
+        for stale in ("target", "shards", "run", "responses.jsonl"):
+            shutil.rmtree(work / stale, ignore_errors=True) if (work / stale).is_dir() else (work / stale).unlink(missing_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+
+    import transformers
+
+    run = Run(out, scale)
+    run.results.update(
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        versions={"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__},
+        work=str(work),
+    )
+    logger.info("quality run, %s sizes, on %s; work folder %s", scale.name, run.results["device"], work)
+
+    # 1. data
+    def data():
+        train, heldout, counts = stdlib_files(scale)
+        run.results["data"] = counts
+        train_texts = capped([train[n] for n in sorted(train)], scale.corpus_chars, args.seed)
+        tokenizer = build_tokenizer(capped(train_texts, scale.tokenizer_chars, args.seed + 1), scale.vocab_size)
+        train_ids = token_stream(tokenizer, train_texts)
+        heldout_ids = token_stream(tokenizer, [heldout[n] for n in sorted(heldout)])
+        counts.update(target_train_chars=sum(map(len, train_texts)), train_tokens=int(train_ids.size),
+                      heldout_tokens=int(heldout_ids.size),
+                      chars_per_token=sum(map(len, train_texts)) / max(train_ids.size, 1))  # fmt: skip
+        logger.info("data: %s", counts)
+        return train, heldout, tokenizer, train_ids, heldout_ids
+
+    train, heldout, tokenizer, train_ids, heldout_ids = run.stage("data", 30 if not args.tiny else 20, data)
+    eval_prompts = make_prompts(heldout, scale.eval_prompts, scale.prompt_chars, args.seed + 2, one_per_file=True)
+    train_prompts = make_prompts(train, scale.train_prompts, scale.prompt_chars, args.seed + 3, one_per_file=False)
+    write_jsonl(work / "prompts_eval.jsonl", eval_prompts)
+    write_jsonl(work / "prompts_train.jsonl", train_prompts)
+
+    # 2. target
+    target = work / "target"
+    run.results["target"] = run.stage("target", scale.target_seconds + (30 if device.type == "cuda" else 5), lambda: train_target(
+        scale, tokenizer, train_ids, heldout_ids, target, device, eval_prompts[0]["text"], args.seed
+    ))  # fmt: skip
+
+    # 3. regenerate
+    def regen():
+        info = regenerate_within(scale, target, train_prompts, work, device.type, scale.regen_seconds)
+        info.update(response_stats(tokenizer, train_prompts, Path(info["file"])))
+        logger.info("regenerate: %s", {k: v for k, v in info.items() if k != "sample_response"})
+        logger.info("sample response:\n%s", info["sample_response"][:400])
+        return info
+
+    run.results["regenerate"] = run.stage("regenerate", scale.regen_seconds + 10, regen)
+
+    # 4. harvest
+    def harvest():
+        from dflash.harvest import HarvestConfig, run_harvest
+        from dflash.store import ShardStore, disk_bytes
+
+        shards = run_harvest(HarvestConfig(
+            model=str(target), data=run.results["regenerate"]["file"], out=str(work / "shards"),
+            token_budget=scale.token_budget, workers=scale.harvest_workers, device=str(device), dtype="float32",
+        ))  # fmt: skip
+        counts = ShardStore.open(shards).manifest["counts"]
+        return {**counts, "store_mb": disk_bytes(shards) / 1e6, "path": str(shards)}
+
+    run.results["harvest"] = run.stage("harvest", 30 if device.type == "cuda" else 20, harvest)
+
+    # 5. drafter
+    def drafter():
+        from dflash.train import TrainConfig, run_training
+
+        result = run_training(TrainConfig(
+            shards=run.results["harvest"]["path"], out=str(work / "run"), draft_layers=5, block_size=16,
+            rows_per_step=scale.rows_per_step, epochs=scale.drafter_epochs, log_every=50 if device.type == "cuda" else 10,
+            ckpt_every=10**9, device=str(device), tensorboard=False, seed=args.seed,
+        ))  # fmt: skip
+        last, val = result["records"][-1], result.get("val") or {}
+        return {
+            "export": result["export"],
+            "steps": last["step"],
+            "train_loss": round(last["loss"], 4),
+            "train_accept_len": round(last["accept_len"], 3),
+            "val_loss": round(val["loss"], 4) if val else None,
+            "val_accept_len": round(val["accept_len"], 3) if val else None,
+            "step_ms": round(last["step_ms"], 2),
+            "records": result["records"],
+        }
+
+    run.results["drafter"] = run.stage("drafter", scale.drafter_seconds, drafter)
+
+    # 6. eval
+    budget = max(0.0, min(scale.eval_seconds, run.left() - 10))
+    report = run.stage("eval", budget, lambda: evaluate_all(
+        scale, target, Path(run.results["drafter"]["export"]), eval_prompts, device.type, budget, args.seed
+    ))  # fmt: skip
+    run.results["eval"] = asdict(report)
+    run.results["bar"] = bar(report)
+    table = markdown(run.results, report)
+    run.results["table"] = table
+    run.save()
+    logger.info("wrote %s (%.0f s in all)", out, run.elapsed())
+    print("\n" + table, flush=True)
+    out.with_suffix(".md").write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
