@@ -128,9 +128,16 @@ def create_store(out: Path, header: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if not (out / HARVEST_FILE).exists():
         write_json_atomic(out / HARVEST_FILE, header)
-    root = zarr.open_group(out, mode="a", zarr_format=3)
-    if "parts" not in root:
-        root.create_group("parts")
+    _ensure_group(out)
+    _ensure_group(out / "parts")
+
+
+def _ensure_group(path: Path) -> zarr.Group:
+    """Open or create a Zarr v3 group. Ranks race to create the shared groups: the loser opens the winner's."""
+    try:
+        return zarr.open_group(path, mode="a", zarr_format=3)
+    except zarr.errors.ContainsGroupError:
+        return zarr.open_group(path, mode="r+", zarr_format=3)
 
 
 @dataclass
@@ -165,7 +172,7 @@ class PartWriter:
         self.arrays = {name: group[name].with_config(_array_config(read=False)) for name in ARRAYS}
 
     def _create(self, out: Path, spec: PartSpec) -> None:
-        group = zarr.open_group(out, mode="a").require_group(f"parts/{part_name(spec.rank)}")
+        group = _ensure_group(self.folder)
         T, F = spec.token_budget, spec.feature_dim
         write = dict(overwrite=True, config=_array_config(read=False))
         group.create_array(

@@ -220,3 +220,27 @@ def test_first_fit_decreasing_matches_a_naive_reference():
         assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
         assert all(sum(lengths[i] for i in row) <= capacity for row in rows)
     assert first_fit_decreasing([], 10) == []
+
+
+def test_ranks_racing_to_create_the_store_all_succeed(tmp_path):
+    """Every rank creates the shared root groups on start; the ones that lose the race must open them instead."""
+    import threading
+
+    for attempt in range(10):
+        out = tmp_path / f"store{attempt}"
+        barrier, errors = threading.Barrier(4), []
+
+        def start():
+            barrier.wait()
+            try:
+                store.create_store(out, {"format": "dflash-harvest"})
+            except Exception as exc:  # noqa: BLE001 - collected and asserted below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=start) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert (out / "zarr.json").exists() and (out / "parts" / "zarr.json").exists()
