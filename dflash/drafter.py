@@ -279,8 +279,9 @@ class DFlashDrafter(nn.Module):
         ctx_rope = rope_tables(ctx_positions, cfg.head_dim, cfg.rope_theta, block_embeds.dtype)
         kv_rope = tuple(torch.cat([c, q], dim=1) for c, q in zip(ctx_rope, q_rope))
         mask = block_mask
-        if isinstance(block_mask, BlockMask) and features.device.type == "cpu" and torch.is_grad_enabled():
-            # flex_attention has no CPU backward: evaluate the same mask_mod densely, once, and use SDPA.
+        if isinstance(block_mask, BlockMask) and features.device.type == "cpu":
+            # On the CPU flex_attention has no backward and, uncompiled, materialises the scores anyway:
+            # evaluate the same mask_mod densely, once, and use SDPA.
             R, (Q, KV) = features.shape[0], block_mask.seq_lengths
             mask = create_mask(block_mask.mask_mod, R, 1, Q, KV, device=features.device)
         x = block_embeds
