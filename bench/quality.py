@@ -26,6 +26,13 @@ Stages, every one through the library entry points the CLI uses (except the fixt
                dflash.speculative's; every output is compared token for token with plain greedy decoding.
                Prompts are taken in order until the eval's time budget is spent.
 
+Default (H200) sizes: target hidden 512, 8 layers (6 GDN + 2 full attention), 8 / 2 heads of 64, FFN 1408,
+vocabulary 8192 (33.9 M parameters, 25.5 M without embedding and LM head), 100 s of steady training on windows
+of 512 tokens x 64; 3072 train prompts answered with 256 new tokens (within 60 s); store rows of 4096 tokens;
+drafter 5 layers (15.4 M parameters), B = 16, 10 epochs (at most 2000 steps of 2 rows); eval 256 new tokens per
+held-out prompt, prompts until 120 s are spent (at least 6), the target in float32. The whole script is
+budgeted at 450 s: the eval's budget shrinks to what is left.
+
 Bar (issue 4): tau(trained) >= 1.5 x tau(prompt lookup), far above tau(untrained) (checked here as >= 2x), and
 0 mismatches against plain greedy decoding.
 
@@ -33,7 +40,7 @@ On the H200 (from the repository root, `.device-wheels/` carried along), one dev
 
     source bench/device_setup.sh && python3 bench/quality.py --out $OUT/quality.json
 
-    .venv/bin/python bench/quality.py --tiny --out .quality-tiny/quality.json   # toy sizes, CPU, ~3 minutes
+    .venv/bin/python bench/quality.py --tiny --out /tmp/quality-tiny/quality.json   # toy sizes, CPU, ~3 minutes
 
 Every stage prints its time budget and the time it took; the JSON (written after every stage, so a run cut
 short still leaves what it measured) holds the sizes, the stage times, the target's losses and a sample, and
@@ -47,6 +54,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import random
 import shutil
 import sys
@@ -56,13 +64,19 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
-import torch
-import torch.nn.functional as F
+# fp32 dots in Triton kernels (fla's, at the fp32 eval) in IEEE rather than TF32: plain greedy decoding (one
+# token per forward, fla's recurrent kernel) and the verify forwards (chunk kernel) then differ by fp32 rounding
+# only, so a mismatch can only come from a true near-tie (its logit margin is reported) or a bug. fla still uses
+# TF32 in one explicitly marked triangular solve of its chunk kernel.
+os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-from dflash.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS  # noqa: E402
+from dflash.tiny import build_tokenizer  # noqa: E402
 
 logger = logging.getLogger("quality")
 
@@ -86,20 +100,21 @@ class Scale:
     linear_value_heads: int = 8
     linear_key_heads: int = 4
     linear_head_dim: int = 64
-    seq_len: int = 1024
-    batch: int = 32
+    seq_len: int = 512  # an eval sequence is a ~120-token prompt + 256 new tokens
+    batch: int = 64
     lr: float = 2e-3
-    target_seconds: float = 120.0  # steady training time (after the first, autotuning steps)
+    target_seconds: float = 100.0  # steady training time (after the first, autotuning steps)
     # prompts and responses
     prompt_chars: int = 400  # a prompt is whole lines of code, at least this many characters
     train_prompts: int = 3072
     new_tokens: int = 256  # response length of regenerate and of the eval
     regen_batch: int = 512
-    regen_seconds: float = 75.0
+    regen_seconds: float = 60.0
     # harvest and drafter
     token_budget: int = 4096
     rows_per_step: int = 2
     drafter_epochs: int = 10
+    drafter_max_steps: int = 2000
     harvest_workers: int = 4
     drafter_seconds: float = 120.0  # only printed: compile + capture + steps (no hard stop inside the trainer)
     # eval
@@ -108,16 +123,17 @@ class Scale:
     eval_seconds: float = 120.0
     prompt_lookup_tokens: int = 10
     # whole run: the eval budget shrinks to what is left of this
-    total_seconds: float = 480.0
+    total_seconds: float = 450.0
 
 
 GPU = Scale("gpu")
 TINY = Scale(
     "tiny", corpus_chars=3_000_000, tokenizer_chars=1_500_000, vocab_size=1024, hidden=64, layers=8, heads=4,
     kv_heads=2, head_dim=16, intermediate=128, linear_value_heads=4, linear_key_heads=2, linear_head_dim=16,
-    seq_len=256, batch=8, lr=3e-3, target_seconds=45.0, prompt_chars=200, train_prompts=96, new_tokens=48,
-    regen_batch=32, regen_seconds=40.0, token_budget=1024, rows_per_step=1, drafter_epochs=4, harvest_workers=1,
-    drafter_seconds=40.0, eval_prompts=8, min_eval_prompts=4, eval_seconds=30.0, total_seconds=270.0,
+    seq_len=256, batch=8, lr=3e-3, target_seconds=45.0, prompt_chars=200, train_prompts=256, new_tokens=48,
+    regen_batch=64, regen_seconds=30.0, token_budget=512, rows_per_step=1, drafter_epochs=8, drafter_max_steps=300,
+    harvest_workers=1, drafter_seconds=100.0, eval_prompts=12, min_eval_prompts=4, eval_seconds=25.0,
+    total_seconds=270.0,
 )  # fmt: skip
 
 
@@ -204,31 +220,6 @@ def capped(texts: list[str], chars: int | None, seed: int) -> list[str]:
         kept.append(texts[i])
         total += len(texts[i])
     return kept
-
-
-def build_tokenizer(texts: list[str], vocab_size: int):
-    """dflash/tiny.py's tokenizer (byte-level BPE, Qwen-style chat template, <|MASK|>), trained on `texts`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    core.train_from_iterator(texts, trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>", "<|MASK|>"],
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
 
 
 def token_stream(tokenizer, texts: list[str]) -> np.ndarray:
@@ -482,69 +473,20 @@ def response_stats(tokenizer, prompts: list[dict], responses: Path) -> dict:
 
 
 def evaluate_all(scale: Scale, target_path: Path, drafter_path: Path, prompts: list[dict], device: str,
-                 budget: float, seed: int):  # fmt: skip
-    """dflash.speculative.evaluate for three methods at once: one plain greedy decoding per prompt is the
-    reference (tokens/s and the mismatch check) for the trained drafter, the untrained one and prompt lookup."""
-    from dflash.drafter import load_drafter
-    from dflash.regenerate import encode_prompt, eos_token_ids
-    from dflash.speculative import (
-        DFlashProposer, EvalReport, PromptLookupProposer, SpeculativeMethod, _summarise, load_target, plain_greedy,
-        untrained_drafter,
+                 budget: float, seed: int, on_prompt=None):  # fmt: skip
+    """Trained drafter, untrained drafter and prompt lookup in one `dflash.speculative.evaluate` run: one plain
+    greedy decoding per prompt is the reference (tokens/s and the mismatch check) for all three."""
+    from dflash.speculative import evaluate
+
+    report = evaluate(
+        target_path, [str(drafter_path), "untrained"], [{"text": p["text"]} for p in prompts],
+        max_new_tokens=scale.new_tokens, temperature=0.0, device=device, dtype="float32",
+        prompt_lookup_tokens=scale.prompt_lookup_tokens, seed=seed, time_budget=budget,
+        min_prompts=scale.min_eval_prompts, on_prompt=on_prompt,
     )  # fmt: skip
-
-    target, tokenizer = load_target(target_path, device, "float32")
-    eos_ids = eos_token_ids(target, tokenizer)
-    drafter, config = load_drafter(drafter_path, target.device, target.dtype)
-    random_drafter, random_config = untrained_drafter(target, tokenizer, config.block_size, seed)
-    methods = {
-        "dflash": SpeculativeMethod(DFlashProposer(drafter.eval(), config, target), config.block_size - 1, 0.0),
-        "untrained-dflash": SpeculativeMethod(
-            DFlashProposer(random_drafter, random_config, target), random_config.block_size - 1, 0.0
-        ),
-        "prompt-lookup": SpeculativeMethod(
-            PromptLookupProposer(scale.prompt_lookup_tokens, eos_ids=eos_ids), scale.prompt_lookup_tokens, 0.0
-        ),
-    }
-    generator = torch.Generator(target.device).manual_seed(seed)
-    encoded = [torch.tensor(encode_prompt(tokenizer, {"text": p["text"]}), device=target.device) for p in prompts]
-
-    def run_all(prompt, budget_tokens):
-        plain = plain_greedy(target, prompt, budget_tokens, eos_ids)
-        return plain, {n: m.run(target, prompt, budget_tokens, plain, eos_ids, generator) for n, m in methods.items()}
-
-    t0 = time.perf_counter()
-    run_all(encoded[0], min(scale.new_tokens, 8))  # allocations and kernel autotuning out of the timings
-    logger.info("eval: warmup %.1f s", time.perf_counter() - t0)
-    start, rows = time.perf_counter(), []
-    for index, prompt in enumerate(encoded):
-        if len(rows) >= scale.min_eval_prompts and time.perf_counter() - start > budget:
-            break
-        plain, runs = run_all(prompt, scale.new_tokens)
-        rows.append((index, prompt.numel(), plain, runs))
-        logger.info("eval prompt %d (%s, %d tokens): %d new tokens; tau %s", index, prompts[index]["file"],
-                    prompt.numel(), len(plain.tokens),
-                    ", ".join(f"{n} {r.tau:.2f}" if r.tau else f"{n} -" for n, r in runs.items()))  # fmt: skip
-    plain_tokens = sum(len(p.tokens) for _, _, p, _ in rows)
-    plain_seconds = sum(p.seconds for _, _, p, _ in rows)
-    plain_tokens_per_s = plain_tokens / plain_seconds if plain_seconds else 0.0
-    return EvalReport(
-        target=str(target_path),
-        drafter=str(drafter_path),
-        temperature=0.0,
-        max_new_tokens=scale.new_tokens,
-        device=str(target.device),
-        dtype=str(target.dtype).removeprefix("torch."),
-        plain_tokens_per_s=plain_tokens_per_s,
-        methods={
-            name: _summarise(name, method, [runs[name] for *_, runs in rows], plain_tokens_per_s)
-            for name, method in methods.items()
-        },
-        prompts=[
-            {"index": i, "file": prompts[i]["file"], "prompt_tokens": n,
-             "plain": {"new_tokens": len(p.tokens), "seconds": p.seconds}, "runs": runs}
-            for i, n, p, runs in rows
-        ],  # fmt: skip
-    )
+    for row in report.prompts:
+        row["file"] = prompts[row["index"]]["file"]
+    return report
 
 
 def bar(report) -> dict:
@@ -644,11 +586,14 @@ def main(argv=None) -> int:
     elif not args.tiny:
         logger.warning("GPU sizes on the CPU: this will take hours; use --tiny")
     else:
-        torch.set_num_threads(min(2, torch.get_num_threads()))
+        # One thread: on a small shared CPU, two spinning OpenMP threads next to another busy process run many
+        # times slower than one.
+        torch.set_num_threads(1)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="dflash-quality-"))
     if work.exists():
-        for stale in ("target", "shards", "run", "responses.jsonl"):
-            shutil.rmtree(work / stale, ignore_errors=True) if (work / stale).is_dir() else (work / stale).unlink(missing_ok=True)
+        for stale in ("target", "shards", "run"):  # every stage reruns from scratch
+            shutil.rmtree(work / stale, ignore_errors=True)
+        (work / "responses.jsonl").unlink(missing_ok=True)
     work.mkdir(parents=True, exist_ok=True)
 
     import transformers
@@ -657,6 +602,7 @@ def main(argv=None) -> int:
     run.results.update(
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         versions={"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__},
+        triton_f32_default=os.environ.get("TRITON_F32_DEFAULT"),
         work=str(work),
     )
     logger.info("quality run, %s sizes, on %s; work folder %s", scale.name, run.results["device"], work)
@@ -666,9 +612,10 @@ def main(argv=None) -> int:
         train, heldout, counts = stdlib_files(scale)
         run.results["data"] = counts
         train_texts = capped([train[n] for n in sorted(train)], scale.corpus_chars, args.seed)
-        tokenizer = build_tokenizer(capped(train_texts, scale.tokenizer_chars, args.seed + 1), scale.vocab_size)
+        tokenizer = build_tokenizer(scale.vocab_size, capped(train_texts, scale.tokenizer_chars, args.seed + 1))
         train_ids = token_stream(tokenizer, train_texts)
-        heldout_ids = token_stream(tokenizer, [heldout[n] for n in sorted(heldout)])
+        heldout_texts = capped([heldout[n] for n in sorted(heldout)], scale.corpus_chars, args.seed)
+        heldout_ids = token_stream(tokenizer, heldout_texts)
         counts.update(target_train_chars=sum(map(len, train_texts)), train_tokens=int(train_ids.size),
                       heldout_tokens=int(heldout_ids.size),
                       chars_per_token=sum(map(len, train_texts)) / max(train_ids.size, 1))  # fmt: skip
@@ -683,7 +630,8 @@ def main(argv=None) -> int:
 
     # 2. target
     target = work / "target"
-    run.results["target"] = run.stage("target", scale.target_seconds + (30 if device.type == "cuda" else 5), lambda: train_target(
+    target_budget = scale.target_seconds + (30 if device.type == "cuda" else 5)  # + first steps, loss, save
+    run.results["target"] = run.stage("target", target_budget, lambda: train_target(
         scale, tokenizer, train_ids, heldout_ids, target, device, eval_prompts[0]["text"], args.seed
     ))  # fmt: skip
 
@@ -715,10 +663,18 @@ def main(argv=None) -> int:
     def drafter():
         from dflash.train import TrainConfig, run_training
 
+        from dflash.reader import split_rows
+
+        val_fraction = 0.01
+        train_rows, _ = split_rows(run.results["harvest"]["rows"], val_fraction)
+        steps = min(scale.drafter_epochs * (len(train_rows) // scale.rows_per_step), scale.drafter_max_steps)
+        logger.info("drafter: %d train rows, %d rows per step, %d steps (%.1f epochs)", len(train_rows),
+                    scale.rows_per_step, steps, steps * scale.rows_per_step / max(len(train_rows), 1))  # fmt: skip
         result = run_training(TrainConfig(
             shards=run.results["harvest"]["path"], out=str(work / "run"), draft_layers=5, block_size=16,
-            rows_per_step=scale.rows_per_step, epochs=scale.drafter_epochs, log_every=50 if device.type == "cuda" else 10,
-            ckpt_every=10**9, device=str(device), tensorboard=False, seed=args.seed,
+            rows_per_step=scale.rows_per_step, max_steps=max(steps, 1), val_fraction=val_fraction,
+            log_every=50 if device.type == "cuda" else 10, ckpt_every=10**9, device=str(device), tensorboard=False,
+            seed=args.seed,
         ))  # fmt: skip
         last, val = result["records"][-1], result.get("val") or {}
         return {
@@ -736,8 +692,12 @@ def main(argv=None) -> int:
 
     # 6. eval
     budget = max(0.0, min(scale.eval_seconds, run.left() - 10))
+    def partial(totals: dict):
+        run.results["eval_so_far"] = totals
+        run.save()
+
     report = run.stage("eval", budget, lambda: evaluate_all(
-        scale, target, Path(run.results["drafter"]["export"]), eval_prompts, device.type, budget, args.seed
+        scale, target, Path(run.results["drafter"]["export"]), eval_prompts, device.type, budget, args.seed, partial
     ))  # fmt: skip
     run.results["eval"] = asdict(report)
     run.results["bar"] = bar(report)

@@ -635,14 +635,18 @@ def evaluate(
     seed: int = 0,
     warmup: bool = True,
     progress: bool = False,
+    time_budget: float | None = None,
+    min_prompts: int = 1,
+    on_prompt=None,
 ) -> EvalReport:
     """Plain greedy decoding, then each method, prompt by prompt, in one run; tokens/s and speedups compare
-    measurements of the same process.
+    measurements of the same process, and plain greedy is every method's reference.
 
     `drafter`: an exported drafter folder, "untrained" (random init from the target's config with
-    `block_size`, the baseline), a `(model, config)` pair, or None (prompt lookup only).
+    `block_size`, the baseline), a `(model, config)` pair, None (prompt lookup only), or a list of these.
     `prompt_lookup_tokens`: prompt lookup's draft length (0 = skip it). `prompts`: a JSONL path or records
-    as `load_prompts` returns them.
+    as `load_prompts` returns them. `time_budget`: seconds after which no further prompt is started (at least
+    `min_prompts` run). `on_prompt(totals)`: called after each prompt with the running tau and mismatches.
     """
     from tqdm import tqdm
 
@@ -652,7 +656,8 @@ def evaluate(
     eos_ids = eos_token_ids(target, tokenizer)
     records = load_prompts(prompts) if isinstance(prompts, (str, Path)) else prompts
     encoded = [torch.tensor(encode_prompt(tokenizer, r), device=target.device) for r in records]
-    methods = _methods(target, tokenizer, drafter, temperature, prompt_lookup_tokens, block_size, seed, eos_ids)
+    drafters = drafter if isinstance(drafter, list) else [] if drafter is None else [drafter]
+    methods = _methods(target, tokenizer, drafters, temperature, prompt_lookup_tokens, block_size, seed, eos_ids)
     generator = torch.Generator(target.device).manual_seed(seed)
 
     def run_all(prompt: torch.Tensor, budget: int) -> tuple[Generation, dict[str, Run]]:
@@ -662,16 +667,24 @@ def evaluate(
     if warmup:
         # First calls pay for allocations and kernel selection: keep them out of the timings.
         run_all(encoded[0], min(max_new_tokens, 8))
-    rows = []
+    start, rows = time.perf_counter(), []
     for index, prompt in enumerate(tqdm(encoded, desc="eval", unit="prompt", disable=not progress)):
+        if time_budget is not None and len(rows) >= min_prompts and time.perf_counter() - start > time_budget:
+            break
         plain, runs = run_all(prompt, max_new_tokens)
         rows.append((index, prompt.numel(), plain, runs))
+        if on_prompt is not None:
+            on_prompt({
+                "prompts": len(rows),
+                "tau": {n: m.overall_tau([r[n] for *_, r in rows]) for n, m in methods.items()},
+                "mismatches": {n: sum(r[n].mismatch_at is not None for *_, r in rows) for n in methods},
+            })  # fmt: skip
     plain_tokens = sum(len(plain.tokens) for _, _, plain, _ in rows)
     plain_seconds = sum(plain.seconds for _, _, plain, _ in rows)
     plain_tokens_per_s = plain_tokens / plain_seconds if plain_seconds else 0.0
     return EvalReport(
         target=str(target_path),
-        drafter=str(drafter) if isinstance(drafter, (str, Path)) else None if drafter is None else "in-memory",
+        drafter=", ".join(_drafter_label(d) for d in drafters) or None,
         temperature=temperature,
         max_new_tokens=max_new_tokens,
         device=str(target.device),
@@ -688,11 +701,17 @@ def evaluate(
     )
 
 
-def _methods(target, tokenizer, drafter, temperature, prompt_lookup_tokens, block_size, seed, eos_ids) -> dict:
+def _drafter_label(drafter) -> str:
+    return str(drafter) if isinstance(drafter, (str, Path)) else "in-memory"
+
+
+def _methods(target, tokenizer, drafters: list, temperature, prompt_lookup_tokens, block_size, seed, eos_ids) -> dict:
     methods = {}
-    if drafter is not None:
+    for drafter in drafters:
         model, config = _drafter_and_config(drafter, target, tokenizer, block_size, seed)
         name = "untrained-dflash" if drafter == "untrained" else "dflash"
+        if name in methods:
+            raise DflashError(f"two drafters would both be reported as {name!r}; evaluate them in separate runs")
         methods[name] = SpeculativeMethod(DFlashProposer(model, config, target), config.block_size - 1, temperature)
     if prompt_lookup_tokens:
         proposer = PromptLookupProposer(prompt_lookup_tokens, eos_ids=eos_ids)

@@ -30,7 +30,9 @@ def corpus_texts(path: Path = CORPUS) -> list[str]:
     return texts
 
 
-def build_tokenizer(vocab_size: int = 1024):
+def build_tokenizer(vocab_size: int = 1024, texts: list[str] | None = None):
+    """A byte-level BPE tokenizer trained on `texts` (default: the bundled corpus), with a Qwen-style chat
+    template and the special tokens of SPECIAL_TOKENS."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -43,7 +45,7 @@ def build_tokenizer(vocab_size: int = 1024):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    core.train_from_iterator(corpus_texts(), trainer=trainer)
+    core.train_from_iterator(corpus_texts() if texts is None else texts, trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
         eos_token="<|im_end|>",
