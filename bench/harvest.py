@@ -77,7 +77,7 @@ def bare_forward(plan: harvest.PartPlan, target: TappedTarget, cfg: harvest.Harv
         for g in range(groups):
             for batch in harvest.forward_batches(plan, g * rows_per_group, (g + 1) * rows_per_group, cfg.forward_tokens):
                 ids = np.stack([plan.docs[d].input_ids for _, d in batch]).astype(np.int64)
-                target.features(torch.from_numpy(ids).to(target.device))
+                target.features(torch.from_numpy(ids).pin_memory().to(target.device, non_blocking=True))
 
     return timed(run)
 
