@@ -17,7 +17,6 @@ import argparse
 import json
 import shutil
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -136,7 +135,7 @@ def main():
         "codec": [c.to_dict() for c in store.hidden_compressors()],
     }  # fmt: skip
     shutil.rmtree(args.out, ignore_errors=True)
-    print(f"\n| depth | layers run | bare tok/s | bare MFU | harvest tok/s | harvest MFU | harvest/bare | features GB/s | on-disk GB/s | ratio | peak GB |")
+    print("\n| depth | layers run | bare tok/s | bare MFU | harvest tok/s | harvest MFU | harvest/bare | features GB/s | on-disk GB/s | ratio | peak GB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     r = result
     print(
