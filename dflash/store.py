@@ -20,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import google_crc32c
+import numcodecs
 import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
@@ -42,9 +44,12 @@ HIDDEN_ATTRIBUTES = {
 }
 
 
+HIDDEN_BLOSC = {"cname": "lz4", "clevel": 5}  # with bit shuffle, typesize 2
+
+
 def hidden_compressors():
     """Blosc-LZ4 with bit shuffle: chosen by bench/codecs.py (numbers in docs/shard-format.md); CRC32C last."""
-    return [BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle", typesize=2), Crc32cCodec()]
+    return [BloscCodec(**HIDDEN_BLOSC, shuffle="bitshuffle", typesize=2), Crc32cCodec()]
 
 
 def token_compressors():
@@ -170,6 +175,7 @@ class PartWriter:
                 leftover.unlink(missing_ok=True)
         group = zarr.open_group(self.folder, mode="r+")
         self.arrays = {name: group[name].with_config(_array_config(read=False)) for name in ARRAYS}
+        self.hidden = HiddenChunkWriter(self.arrays["hidden"], self.folder / "hidden")
 
     def _create(self, out: Path, spec: PartSpec) -> None:
         group = _ensure_group(self.folder)
@@ -200,7 +206,7 @@ class PartWriter:
     def write_rows(self, first_row: int, hidden: np.ndarray, tokens: dict[str, np.ndarray]) -> None:
         """Write rows [first_row, first_row + len(hidden)): hidden uint16 [r, T, F] and TOKEN_ARRAYS [r, T]."""
         rows = slice(first_row, first_row + len(hidden))
-        self.arrays["hidden"][rows] = hidden
+        self.hidden.write_rows(first_row, hidden)
         for name in TOKEN_ARRAYS:
             self.arrays[name][rows] = tokens[name]
 
@@ -208,6 +214,43 @@ class PartWriter:
         """Record rows as durable; call only once write_rows for them has returned."""
         self.progress = {**self.progress, "rows_committed": rows_committed}
         write_json_atomic(self.folder / PROGRESS_FILE, self.progress)
+
+
+class HiddenChunkWriter:
+    """Writes hidden-state chunks byte for byte as zarr's codec chain would (blosc bit shuffle, then crc32c),
+    from a thread pool whose work releases the GIL: blosc, crc32c and file writes.
+
+    Zarr's own write path holds the GIL for much of its work, and in a harvest it shares the process with the
+    thread that launches the target's kernels (docs/benchmarks.md). Files are written under a `.partial` name
+    and renamed, as zarr does, so a killed write never leaves a half chunk.
+    """
+
+    def __init__(self, array: zarr.Array, folder: Path, threads: int | None = None):
+        self.array, self.folder = array, folder
+        threads = threads or max(1, min(8, (os.cpu_count() or 2) - 1))  # leave a core to the launching thread
+        self.chunk_tokens = array.chunks[1]
+        self.codec = numcodecs.Blosc(**HIDDEN_BLOSC, shuffle=numcodecs.Blosc.BITSHUFFLE)
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="dflash-chunks")
+
+    def write_rows(self, first_row: int, hidden: np.ndarray) -> None:
+        slices = range(0, hidden.shape[1], self.chunk_tokens)
+        jobs = [(first_row + i, j) for i in range(len(hidden)) for j in range(len(slices))]
+        for done in self.pool.map(lambda job: self._write_chunk(*job, hidden[job[0] - first_row]), jobs):
+            del done  # map re-raises the first failure (a full disk, say) here, in the writer's thread
+
+    def _write_chunk(self, row: int, j: int, row_data: np.ndarray) -> None:
+        chunk = row_data[j * self.chunk_tokens : (j + 1) * self.chunk_tokens]
+        if len(chunk) < self.chunk_tokens:  # the grid's edge chunk is stored whole, padded with the fill value
+            chunk = np.concatenate([chunk, np.zeros((self.chunk_tokens - len(chunk), chunk.shape[1]), chunk.dtype)])
+        encoded = self.codec.encode(np.ascontiguousarray(chunk))
+        checksum = np.uint32(google_crc32c.value(encoded)).tobytes()
+        path = self.folder / self.array.metadata.encode_chunk_key((row, j, 0))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{uuid.uuid4().hex}.partial")
+        with open(partial, "wb") as f:
+            f.write(encoded)
+            f.write(checksum)
+        os.replace(partial, path)
 
 
 def part_progress(out: Path, world_size: int) -> list[dict | None]:

@@ -21,12 +21,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import zarr
 from click.testing import CliRunner
 
 from cli.main import main
 from dflash.data import DataConfig, load_documents, load_tokenizer
 from dflash.harvest import HarvestConfig, run_harvest
+from dflash import store
 from dflash.store import ShardStore
 from dflash.tiny import CORPUS
 
@@ -260,14 +260,12 @@ def test_two_ranks_make_one_store_equal_to_one_rank(harvested, tiny_target, data
 def test_disk_full_fails_cleanly_and_the_rerun_resumes(harvested, tiny_target, data_file, tmp_path, monkeypatch):
     out = tmp_path / "store"
     args = cli_args(tiny_target("qwen3"), data_file, out)
-    write = zarr.storage.LocalStore.set
-
-    async def fills_at_row_3(self, key, value):
-        if key.startswith("hidden/c/3/"):
+    def fills_at_row_3(path, *args, **kwargs):  # the store's own chunk files: the disk fills at row 3
+        if "/hidden/c/3/" in str(path):
             raise OSError(errno.ENOSPC, "No space left on device")
-        return await write(self, key, value)
+        return open(path, *args, **kwargs)
 
-    monkeypatch.setattr(zarr.storage.LocalStore, "set", fills_at_row_3)
+    monkeypatch.setattr(store, "open", fills_at_row_3, raising=False)
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2, result.output
     assert "is full" in result.output and "free space and rerun the same command" in result.output

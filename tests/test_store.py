@@ -244,3 +244,28 @@ def test_ranks_racing_to_create_the_store_all_succeed(tmp_path):
             t.join()
         assert errors == []
         assert (out / "zarr.json").exists() and (out / "parts" / "zarr.json").exists()
+
+
+def test_chunk_writer_writes_the_bytes_zarr_would(tmp_path, monkeypatch):
+    """The store writes hidden chunks itself (outside zarr's GIL-heavy path): the files must be exactly zarr's,
+    ragged edge chunk included, so that plain zarr reads them and checks their checksums."""
+    monkeypatch.setattr(store, "CHUNK_BYTES", 1000)  # 50 tokens x 24 features: chunks of 17, 17 and a ragged 16
+    rows, T, F = 2, 50, 24
+    counts = {"documents": 0, "tokens": 0, "loss_tokens": 0, "padding_tokens": 0}
+    hidden = np.random.default_rng(0).integers(0, 2**16, (rows, T, F), dtype=np.uint16)
+    tokens = {name: np.ones((rows, T), dtype) for name, dtype in store.TOKEN_ARRAYS.items()}
+    store.create_store(tmp_path / "ours", {"format": "dflash-harvest"})
+    part = store.PartWriter(tmp_path / "ours", store.PartSpec(0, rows, T, F, np.zeros((0, 5), np.int64), counts))
+    part.write_rows(0, hidden, tokens)
+    ours = zarr.open_array(part.hidden.folder, mode="r")
+    assert ours.chunks == (1, 17, F)
+    reference = zarr.create_array(
+        tmp_path / "reference", shape=(rows, T, F), chunks=ours.chunks, dtype="uint16",
+        compressors=store.hidden_compressors(), fill_value=0, config={"write_empty_chunks": True},
+    )  # fmt: skip
+    reference[:] = hidden
+    files = sorted(path.relative_to(tmp_path / "reference") for path in (tmp_path / "reference").rglob("c/*/*/*"))
+    assert len(files) == rows * 3
+    for relative in files:
+        assert (part.hidden.folder / relative).read_bytes() == (tmp_path / "reference" / relative).read_bytes()
+    np.testing.assert_array_equal(ours[:], hidden)
