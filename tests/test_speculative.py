@@ -7,6 +7,7 @@ import torch
 from click.testing import CliRunner
 
 from dflash.drafter import DFlashDrafter, DrafterConfig
+from dflash.errors import DflashError
 from dflash.regenerate import encode_prompt, eos_token_ids
 from dflash.speculative import (
     Draft,
@@ -251,3 +252,23 @@ def test_evaluate_report_and_cli(tiny_target, tmp_path):
     assert "untrained-dflash" in result.output and json.loads(out.read_text())["methods"]["untrained-dflash"]["mismatches"] == 0
     bad = CliRunner().invoke(main, ["eval", "--model", str(target_path), "--data", str(data), "--prompt-lookup", "0"])
     assert bad.exit_code == 2 and "nothing to evaluate" in bad.output
+
+
+def test_evaluate_several_drafters_against_one_plain_run_within_a_time_budget(tiny_target, tmp_path):
+    from dflash.drafter import export_drafter
+    from dflash.speculative import untrained_drafter
+
+    target_path = tiny_target("qwen3_5")
+    target, tokenizer = load_target(target_path, "cpu", "float32")
+    model, config = untrained_drafter(target, tokenizer, BLOCK, seed=1)
+    folder = export_drafter(model, config, tmp_path / "drafter")
+    totals = []
+    report = evaluate(
+        target_path, [str(folder), "untrained"], PROMPTS * 3, max_new_tokens=8, device="cpu", block_size=BLOCK,
+        prompt_lookup_tokens=0, time_budget=0.0, min_prompts=2, on_prompt=totals.append,
+    )  # fmt: skip
+    assert set(report.methods) == {"dflash", "untrained-dflash"}
+    assert len(report.prompts) == 2  # the budget is spent at once: exactly min_prompts run
+    assert [t["prompts"] for t in totals] == [1, 2] and all(t["mismatches"]["dflash"] == 0 for t in totals)
+    with pytest.raises(DflashError, match="both be reported"):
+        evaluate(target_path, ["untrained", "untrained"], PROMPTS, max_new_tokens=4, device="cpu", prompt_lookup_tokens=0)
