@@ -42,6 +42,13 @@ On the H200 (from the repository root, `.device-wheels/` carried along), one dev
 
     .venv/bin/python bench/quality.py --tiny --out /tmp/quality-tiny/quality.json   # toy sizes, CPU, ~3 minutes
 
+Split over two calls on one machine (a warm device machine keeps /tmp between calls): the stages target,
+regenerate, harvest and drafter are kept in --work when they finish, and a call with the same --work, sizes
+and seed skips the finished ones:
+
+    source bench/device_setup.sh && python3 bench/quality.py --work /tmp/q --stop-after harvest --out $OUT/q1.json
+    source bench/device_setup.sh && python3 bench/quality.py --work /tmp/q --out $OUT/quality.json
+
 Every stage prints its time budget and the time it took; the JSON (written after every stage, so a run cut
 short still leaves what it measured) holds the sizes, the stage times, the target's losses and a sample, and
 the full eval report (per prompt). A markdown table is printed last. `--work` holds the fixture target, the
@@ -142,12 +149,35 @@ TINY = Scale(
 
 
 class Run:
-    """Stage timing against budgets, and the JSON results written after every stage."""
+    """Stage timing against budgets, and the JSON results written after every stage.
 
-    def __init__(self, out: Path, scale: Scale):
+    A finished stage's result is also kept as `WORK/stages/NAME.json`, written last (tmp + rename), so that a
+    later call with the same --work, scale and seed skips it: the run can be split over several device calls
+    on one machine (--stop-after).
+    """
+
+    RESUMABLE = {"target": ["target"], "regenerate": ["responses.jsonl"], "harvest": ["shards"], "drafter": ["run"]}
+
+    def __init__(self, out: Path, scale: Scale, work: Path, seed: int):
         self.out, self.scale = out, scale
         self.start = time.perf_counter()
         self.results: dict = {"scale": asdict(scale), "stages": {}}
+        self.stages = work / "stages"
+        self._forget_other_runs(work, {"scale": asdict(scale), "seed": seed})
+
+    def _forget_other_runs(self, work: Path, identity: dict):
+        """Keep the finished stages of an earlier call with the same sizes and seed; drop every other output."""
+        marker = self.stages / "identity.json"
+        if marker.exists() and json.loads(marker.read_text()) != identity:
+            logger.info("work folder %s holds a run of other sizes or seed: starting over", work)
+            shutil.rmtree(self.stages)
+        self.stages.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps(identity))
+        for name, outputs in self.RESUMABLE.items():
+            if not (self.stages / f"{name}.json").exists():
+                for output in outputs:
+                    path = work / output
+                    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -156,6 +186,12 @@ class Run:
         return self.scale.total_seconds - self.elapsed()
 
     def stage(self, name: str, budget: float | None, fn):
+        done = self.stages / f"{name}.json"
+        if name in self.RESUMABLE and done.exists():
+            saved = json.loads(done.read_text())
+            self.results["stages"][name] = {**saved["timing"], "resumed": True}
+            logger.info("-- %s: finished by an earlier call (%s), skipped", name, done)
+            return saved["result"]
         logger.info("== %s: budget %s (run at %.0f s of %.0f s)", name, f"{budget:.0f} s" if budget else "-",
                     self.elapsed(), self.scale.total_seconds)  # fmt: skip
         t0 = time.perf_counter()
@@ -164,6 +200,10 @@ class Run:
         self.results["stages"][name] = {"budget_s": budget, "seconds": round(seconds, 2)}
         over = f" (OVER budget by {seconds - budget:.0f} s)" if budget and seconds > budget * 1.1 else ""
         logger.info("-- %s done in %.1f s%s", name, seconds, over)
+        if name in self.RESUMABLE:
+            tmp = done.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"timing": self.results["stages"][name], "result": result}, default=str))
+            tmp.rename(done)
         self.save()
         return result
 
@@ -547,7 +587,8 @@ def markdown(results: dict, report) -> str:
         "|---|---|---|",
     ]
     for name, st in results["stages"].items():
-        lines.append(f"| {name} | {st['budget_s'] if st['budget_s'] is not None else '-'} | {st['seconds']:.1f} |")
+        earlier = " (earlier call)" if st.get("resumed") else ""
+        lines.append(f"| {name} | {st['budget_s'] if st['budget_s'] is not None else '-'} | {st['seconds']:.1f}{earlier} |")
     d, r, h, dr = results["data"], results.get("regenerate", {}), results.get("harvest", {}), results.get("drafter", {})
     lines += [
         "",
@@ -568,6 +609,22 @@ def markdown(results: dict, report) -> str:
 # ------------------------------------------------------------------------------------------------------ main
 
 
+def scale_with_overrides(scale: Scale, assignments: list[str], parser: argparse.ArgumentParser) -> Scale:
+    """`FIELD=VALUE` strings applied to a Scale, each value parsed as the field's type."""
+    types = {f.name: type(getattr(scale, f.name)) for f in dataclasses.fields(scale) if f.name != "name"}
+    changes = {}
+    for assignment in assignments:
+        field, _, value = assignment.partition("=")
+        if field not in types or not value:
+            parser.error(f"--set {assignment}: expected FIELD=VALUE with FIELD one of {', '.join(sorted(types))}")
+        kind = int if types[field] is type(None) else types[field]  # (corpus_chars, a count, defaults to None)
+        try:
+            changes[field] = kind(value)
+        except ValueError:
+            parser.error(f"--set {assignment}: {field} takes a {kind.__name__}")
+    return dataclasses.replace(scale, **changes)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON results (rewritten after every stage); a .log beside it")
@@ -575,15 +632,13 @@ def main(argv=None) -> int:
     parser.add_argument("--work", help="working folder (target, prompts, store, run); default: a new one under /tmp")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--target-seconds", type=float, help="override the target's steady training time")
-    parser.add_argument("--eval-seconds", type=float, help="override the eval's time budget")
-    parser.add_argument("--total-seconds", type=float, help="override the whole run's budget (bounds the eval)")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override a size or budget of the scale (repeatable), e.g. --set regen_seconds=120")
+    parser.add_argument("--stop-after", choices=list(Run.RESUMABLE),
+                        help="end after this stage; a later call with the same --work goes on from there")
     args = parser.parse_args(argv)
 
-    scale = TINY if args.tiny else GPU
-    overrides = {"target_seconds": args.target_seconds, "eval_seconds": args.eval_seconds,
-                 "total_seconds": args.total_seconds}  # fmt: skip
-    scale = dataclasses.replace(scale, **{k: v for k, v in overrides.items() if v is not None})
+    scale = scale_with_overrides(TINY if args.tiny else GPU, args.set, parser)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(
@@ -604,15 +659,11 @@ def main(argv=None) -> int:
         # times slower than one.
         torch.set_num_threads(1)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="dflash-quality-"))
-    if work.exists():
-        for stale in ("target", "shards", "run"):  # every stage reruns from scratch
-            shutil.rmtree(work / stale, ignore_errors=True)
-        (work / "responses.jsonl").unlink(missing_ok=True)
     work.mkdir(parents=True, exist_ok=True)
 
     import transformers
 
-    run = Run(out, scale)
+    run = Run(out, scale, work, args.seed)
     run.results.update(
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         versions={"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__},
@@ -620,6 +671,13 @@ def main(argv=None) -> int:
         work=str(work),
     )
     logger.info("quality run, %s sizes, on %s; work folder %s", scale.name, run.results["device"], work)
+
+    def stop_here(name: str) -> bool:
+        if args.stop_after != name:
+            return False
+        logger.info("stopped after %s as asked; rerun with --work %s to go on from there", name, work)
+        run.save()
+        return True
 
     # 1. data
     def data():
@@ -648,6 +706,8 @@ def main(argv=None) -> int:
     run.results["target"] = run.stage("target", target_budget, lambda: train_target(
         scale, tokenizer, train_ids, heldout_ids, target, device, eval_prompts[0]["text"], args.seed
     ))  # fmt: skip
+    if stop_here("target"):
+        return 0
 
     # 3. regenerate
     def regen():
@@ -658,6 +718,8 @@ def main(argv=None) -> int:
         return info
 
     run.results["regenerate"] = run.stage("regenerate", scale.regen_seconds + 10, regen)
+    if stop_here("regenerate"):
+        return 0
 
     # 4. harvest
     def harvest():
@@ -672,6 +734,8 @@ def main(argv=None) -> int:
         return {**counts, "store_mb": disk_bytes(shards) / 1e6, "path": str(shards)}
 
     run.results["harvest"] = run.stage("harvest", 30 if device.type == "cuda" else 20, harvest)
+    if stop_here("harvest"):
+        return 0
 
     # 5. drafter
     def drafter():
@@ -703,6 +767,8 @@ def main(argv=None) -> int:
         }
 
     run.results["drafter"] = run.stage("drafter", scale.drafter_seconds, drafter)
+    if stop_here("drafter"):
+        return 0
 
     # 6. eval
     budget = max(0.0, min(scale.eval_seconds, run.left() - 10))
