@@ -14,6 +14,7 @@ the machine); attention FLOPs are not counted, as in the baseline of shared/DEVI
 """
 
 import argparse
+import dataclasses
 import json
 import shutil
 import time
@@ -81,15 +82,18 @@ def bare_forward(plan: harvest.PartPlan, target: TappedTarget, cfg: harvest.Harv
     return timed(run)
 
 
-def harvest_rows(plan, target, cfg, out: Path) -> float:
-    """Seconds for the real pipeline over every row of the plan, until the last row is committed on disk."""
+def harvest_rows(plan, target, cfg, out: Path) -> tuple[float, harvest.PipelineStalls]:
+    """Seconds for the real pipeline over every row of the plan, until the last row is committed on disk, and
+    where its forward thread waited."""
     shutil.rmtree(out, ignore_errors=True)
     store.create_store(out, {"bench": True})
     part = store.PartWriter(out, store.PartSpec(
         0, len(plan.rows), cfg.token_budget, len(target.layer_ids) * target.info.hidden_size,
         plan.documents_table(), plan.counts(),
     ))  # fmt: skip
-    return timed(lambda: harvest._run_rows(cfg, plan, target, part))
+    stalls = []
+    seconds = timed(lambda: stalls.append(harvest._run_rows(cfg, plan, target, part)))
+    return seconds, stalls[0]
 
 
 def main():
@@ -120,7 +124,7 @@ def main():
     warm = bare_forward(plan, target, cfg, 1)  # Triton autotuning happens here; never timed
     bare = bare_forward(plan, target, cfg, min(3, args.groups)) / (min(3, args.groups) * group_tokens)
     torch.cuda.reset_peak_memory_stats()
-    seconds = harvest_rows(plan, target, cfg, Path(args.out))  # every row of the plan, all shapes already warm
+    seconds, stalls = harvest_rows(plan, target, cfg, Path(args.out))  # every row of the plan, all shapes already warm
     tokens = plan.counts()["tokens"]
     written = tokens * len(target.layer_ids) * target.info.hidden_size * 2
     on_disk = store.disk_bytes(Path(args.out))
@@ -132,7 +136,8 @@ def main():
         "harvest_vs_bare": (tokens / seconds) * bare, "tokens": tokens,
         "GB_s_features": written / seconds / 1e9, "compression_ratio": written / on_disk,
         "GB_s_disk": on_disk / seconds / 1e9, "peak_mem_GB": torch.cuda.max_memory_allocated() / 1e9,
-        "codec": [c.to_dict() for c in store.hidden_compressors()],
+        "codec": [c.to_dict() for c in store.hidden_compressors()], "harvest_s": seconds,
+        "stalls": dataclasses.asdict(stalls),
     }  # fmt: skip
     shutil.rmtree(args.out, ignore_errors=True)
     print("\n| depth | layers run | bare tok/s | bare MFU | harvest tok/s | harvest MFU | harvest/bare | features GB/s | on-disk GB/s | ratio | peak GB |")
@@ -143,6 +148,7 @@ def main():
         f"{r['harvest_tok_s']:,.0f} | {100 * r['harvest_mfu']:.1f} % | {100 * r['harvest_vs_bare']:.1f} % | "
         f"{r['GB_s_features']:.2f} | {r['GB_s_disk']:.2f} | {r['compression_ratio']:.3f} | {r['peak_mem_GB']:.1f} |"
     )
+    print(f"harvest: {seconds:.1f} s, {stalls.describe()}")
     print(json.dumps(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

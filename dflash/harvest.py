@@ -5,7 +5,9 @@ which rank, row and offset; the store's arrays are preallocated from it, so a re
 rows. Per row group, the main thread runs forward batches (documents sorted by length, one per batch row,
 right-padded to a multiple of 64, no attention mask), scatters the real tokens into a device row buffer and
 starts one copy into pinned host memory on a side stream; a writer thread (compression and disk only, no GPU
-work) writes finished groups behind a bounded queue, so in steady state the GPU never waits for I/O.
+work) writes finished groups behind a bounded queue, so in steady state the GPU never waits for I/O. The run
+ends with a log line of how long the forward thread was blocked and on what (`PipelineStalls`): a harvest
+slower than the bare forward either shows the wait there or loses its time elsewhere (the GIL, the CPU).
 """
 
 import errno
@@ -275,7 +277,8 @@ def _harvest(cfg: HarvestConfig) -> Path:
         100 * counts["padding_tokens"] / max(1, len(plan.rows) * cfg.token_budget),
         f"; resuming after row {part.rows_committed}" if part.rows_committed else "",
     )  # fmt: skip
-    _run_rows(cfg, plan, target, part)
+    stalls = _run_rows(cfg, plan, target, part)
+    logger.info("rank %d: %s", cfg.rank, stalls.describe())
     _finish(out, cfg)
     return out
 
@@ -317,6 +320,23 @@ def _finish(out: Path, cfg: HarvestConfig) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the pipeline
+
+
+@dataclass
+class PipelineStalls:
+    """Seconds the main thread (the one launching the target's kernels) spent blocked, by cause."""
+
+    groups: int = 0
+    buffer_wait_s: float = 0.0  # no free pinned buffer: writing fell behind the forward
+    copy_wait_s: float = 0.0  # the previous group's device-to-host copy was not done yet
+    drain_s: float = 0.0  # after the last forward, until the writer had committed everything
+
+    def describe(self) -> str:
+        return (
+            f"{self.groups} row groups; the forward thread waited {self.buffer_wait_s:.1f} s for free host buffers "
+            f"(writing behind), {self.copy_wait_s:.1f} s for device-to-host copies, {self.drain_s:.1f} s for the "
+            "last writes"
+        )
 
 
 @dataclass
@@ -378,7 +398,7 @@ class Progress:
         self.bar.close()
 
 
-def _run_rows(cfg: HarvestConfig, plan: PartPlan, target: TappedTarget, part: store.PartWriter) -> None:
+def _run_rows(cfg: HarvestConfig, plan: PartPlan, target: TappedTarget, part: store.PartWriter) -> PipelineStalls:
     device, T = torch.device(cfg.device), cfg.token_budget
     F = len(target.layer_ids) * target.info.hidden_size
     rows_per_group = max(1, cfg.forward_tokens // T)
@@ -394,12 +414,15 @@ def _run_rows(cfg: HarvestConfig, plan: PartPlan, target: TappedTarget, part: st
     progress = Progress(plan, part.rows_committed, row_bytes, cfg.rank)
     writer = RowWriter(part, free, progress.commit)
     writer.start()
-    pending = None
+    pending, stalls = None, PipelineStalls()
     try:
         for step, first in enumerate(range(part.rows_committed, len(plan.rows), rows_per_group)):
             last = min(first + rows_per_group, len(plan.rows))
             writer.check()
+            t0 = time.perf_counter()
             host = free.get()  # blocks only when writing falls behind the forward
+            stalls.buffer_wait_s += time.perf_counter() - t0
+            stalls.groups += 1
             k = step % len(device_rows)
             if copied[k] is not None:
                 torch.cuda.current_stream(device).wait_event(copied[k])
@@ -408,15 +431,18 @@ def _run_rows(cfg: HarvestConfig, plan: PartPlan, target: TappedTarget, part: st
             copied[k] = _copy_to_host(rows[: last - first], host[: last - first], copy_stream)
             group = RowGroup(first, last, host, plan.token_arrays(first, last), copied[k])
             if pending is not None:  # hand over the previous group once its copy is done: one group of lag
-                _submit(writer, pending)
+                stalls.copy_wait_s += _submit(writer, pending)
             pending = group
+        t0 = time.perf_counter()
         if pending is not None:
             _submit(writer, pending)
     finally:
         writer.jobs.put(None)
         writer.join()
         progress.close()
+    stalls.drain_s = time.perf_counter() - t0
     writer.check()
+    return stalls
 
 
 def _fill_rows(rows: torch.Tensor, plan: PartPlan, first: int, last: int, target: TappedTarget, forward_tokens: int):
@@ -450,7 +476,11 @@ def _copy_to_host(rows: torch.Tensor, host: torch.Tensor, copy_stream) -> torch.
     return done
 
 
-def _submit(writer: RowWriter, group: RowGroup) -> None:
+def _submit(writer: RowWriter, group: RowGroup) -> float:
+    """Queue a group for writing once its host copy is complete; returns the seconds spent waiting for that."""
+    t0 = time.perf_counter()
     if group.ready is not None:
         group.ready.synchronize()
+    waited = time.perf_counter() - t0
     writer.jobs.put(group)
+    return waited

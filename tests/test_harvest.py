@@ -349,3 +349,32 @@ def test_inspect_summarises_and_verify_finds_flipped_bytes(harvested, tmp_path):
     result = run_cli(["inspect", str(path), "--verify"])
     assert result.exit_code == 1
     assert "1 damaged chunks" in result.output and "part rank00000 array hidden chunk (5, 0, 0) (row 5)" in result.output
+
+
+def test_a_slow_writer_shows_up_as_forward_thread_waiting(tiny_target, data_file, tmp_path, monkeypatch):
+    """The stall accounting the harvest logs (and bench/harvest.py reports) measures where time went: with
+    writes slowed to SLOW seconds a group, the forward thread must wait for free host buffers once the
+    HOST_BUFFERS in circulation are used up, and for the last write after its last forward."""
+    from dflash import harvest
+
+    SLOW = 0.3
+    write_rows = store.PartWriter.write_rows
+
+    def slow_write_rows(self, *args):
+        time.sleep(SLOW)
+        return write_rows(self, *args)
+
+    monkeypatch.setattr(store.PartWriter, "write_rows", slow_write_rows)
+    stalls = []
+    run_rows = harvest._run_rows
+    monkeypatch.setattr(harvest, "_run_rows", lambda *args: stalls.append(run_rows(*args)) or stalls[-1])
+    out, options = tmp_path / "store", {**OPTIONS, "forward_tokens": 8 * BUDGET}  # 8 rows a group: fewer groups
+    run_harvest(HarvestConfig(model=str(tiny_target("qwen3")), data=str(data_file), out=str(out), **options))
+    rows = ShardStore.open(out).num_rows
+    groups = -(-rows // 8)
+    (s,) = stalls
+    assert s.groups == groups
+    # Group g > HOST_BUFFERS waits for the write of group g - HOST_BUFFERS; half the write time covers the forward.
+    assert s.buffer_wait_s >= 0.5 * SLOW * (groups - harvest.HOST_BUFFERS - 1) > 0
+    assert SLOW <= s.drain_s
+    assert s.copy_wait_s < SLOW  # on the CPU the host copy is synchronous: nothing to wait for
