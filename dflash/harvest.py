@@ -327,15 +327,19 @@ class PipelineStalls:
     """Seconds the main thread (the one launching the target's kernels) spent blocked, by cause."""
 
     groups: int = 0
+    setup_s: float = 0.0  # allocating the device row buffers and the pinned host buffers, once per run
     buffer_wait_s: float = 0.0  # no free pinned buffer: writing fell behind the forward
-    copy_wait_s: float = 0.0  # the previous group's device-to-host copy was not done yet
-    drain_s: float = 0.0  # after the last forward, until the writer had committed everything
+    # Waiting for the GPU to finish the previous group (and its host copy). Expected: the thread queues one group
+    # ahead of the GPU. Near zero means the thread cannot stay ahead and the GPU idles between its kernels.
+    gpu_wait_s: float = 0.0
+    drain_s: float = 0.0  # after the last group's host copy, until the writer had committed everything
 
     def describe(self) -> str:
         return (
-            f"{self.groups} row groups; the forward thread waited {self.buffer_wait_s:.1f} s for free host buffers "
-            f"(writing behind), {self.copy_wait_s:.1f} s for device-to-host copies, {self.drain_s:.1f} s for the "
-            "last writes"
+            f"{self.groups} row groups after {self.setup_s:.1f} s of buffer setup; the forward thread waited "
+            f"{self.buffer_wait_s:.1f} s for free host buffers "
+            f"(writing behind) and {self.gpu_wait_s:.1f} s for the GPU (running a group ahead of it); "
+            f"{self.drain_s:.1f} s of writes after the last forward"
         )
 
 
@@ -399,6 +403,7 @@ class Progress:
 
 
 def _run_rows(cfg: HarvestConfig, plan: PartPlan, target: TappedTarget, part: store.PartWriter) -> PipelineStalls:
+    setup_start = time.perf_counter()
     device, T = torch.device(cfg.device), cfg.token_budget
     F = len(target.layer_ids) * target.info.hidden_size
     rows_per_group = max(1, cfg.forward_tokens // T)
@@ -414,7 +419,7 @@ def _run_rows(cfg: HarvestConfig, plan: PartPlan, target: TappedTarget, part: st
     progress = Progress(plan, part.rows_committed, row_bytes, cfg.rank)
     writer = RowWriter(part, free, progress.commit)
     writer.start()
-    pending, stalls = None, PipelineStalls()
+    pending, stalls = None, PipelineStalls(setup_s=time.perf_counter() - setup_start)
     try:
         for step, first in enumerate(range(part.rows_committed, len(plan.rows), rows_per_group)):
             last = min(first + rows_per_group, len(plan.rows))
@@ -431,16 +436,16 @@ def _run_rows(cfg: HarvestConfig, plan: PartPlan, target: TappedTarget, part: st
             copied[k] = _copy_to_host(rows[: last - first], host[: last - first], copy_stream)
             group = RowGroup(first, last, host, plan.token_arrays(first, last), copied[k])
             if pending is not None:  # hand over the previous group once its copy is done: one group of lag
-                stalls.copy_wait_s += _submit(writer, pending)
+                stalls.gpu_wait_s += _submit(writer, pending)
             pending = group
-        t0 = time.perf_counter()
         if pending is not None:
-            _submit(writer, pending)
+            _submit(writer, pending)  # waits for the last forward and its copy
+        writes_left = time.perf_counter()
     finally:
         writer.jobs.put(None)
         writer.join()
         progress.close()
-    stalls.drain_s = time.perf_counter() - t0
+    stalls.drain_s = time.perf_counter() - writes_left
     writer.check()
     return stalls
 
