@@ -27,15 +27,13 @@ from tqdm import tqdm
 from dflash import __version__, store
 from dflash.data import DataConfig, Document, load_documents, load_tokenizer
 from dflash.errors import DflashError
-from dflash.target import TappedTarget, check_layer_ids, default_layer_ids
+from dflash.target import DTYPES, MASK_TOKEN, TappedTarget, check_layer_ids, default_layer_ids, load_config
 
 logger = logging.getLogger("dflash")
 
 BLOCK_SIZE = 16  # a row must hold at least one DFlash block
 PAD_MULTIPLE = 64  # forward lengths are rounded up to this: few distinct shapes for the kernels
 HOST_BUFFERS = 3  # pinned row-group buffers: one being filled, up to two queued or being written
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-MASK_TOKEN = "<|MASK|>"
 
 
 @dataclass
@@ -197,12 +195,7 @@ def _file_identity(path: str) -> dict:
 
 def _fingerprint(cfg: HarvestConfig) -> dict:
     """What decides the store's content: a store is only ever resumed by a run with the same fingerprint."""
-    from transformers import AutoConfig
-
-    try:
-        num_layers = AutoConfig.from_pretrained(cfg.model).get_text_config().num_hidden_layers
-    except (OSError, ValueError) as exc:
-        raise DflashError(f"cannot load a model config from {cfg.model}: {exc}; pass --model a checkpoint folder") from exc
+    num_layers = load_config(cfg.model).get_text_config().num_hidden_layers
     layers = default_layer_ids(num_layers) if cfg.layers is None else check_layer_ids(cfg.layers, num_layers)
     model = str(Path(cfg.model).resolve()) if Path(cfg.model).exists() else cfg.model
     return {

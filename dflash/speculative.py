@@ -34,8 +34,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 from dflash.errors import DflashError
-
-MASK_TOKEN = "<|MASK|>"
+from dflash.target import DTYPES, MASK_TOKEN
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -401,10 +400,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         return dtype
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if dtype not in names:
-        raise DflashError(f"unknown dtype {dtype!r}; choose auto, {', '.join(names)}")
-    return names[dtype]
+    if dtype not in DTYPES:
+        raise DflashError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
 
 
 def load_target(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32"):
@@ -559,14 +557,17 @@ class SpeculativeMethod:
             target, self.proposer, prompt, budget, eos_ids, self.temperature, generator, self.max_drafts
         )
         accepted = generation.accepted
-        tau = sum(a + 1 for a in accepted) / len(accepted) if accepted else None
-        run = Run(len(generation.tokens), generation.seconds, len(accepted), tau, accepted)
+        run = Run(len(generation.tokens), generation.seconds, len(accepted), _tau(accepted), accepted)
         return _compare(run, generation.tokens, plain) if self.checks_greedy else run
 
     @staticmethod
     def overall_tau(runs: list[Run]) -> float | None:
-        accepted = [a for r in runs for a in r.accepted]
-        return sum(a + 1 for a in accepted) / len(accepted) if accepted else None
+        return _tau([a for r in runs for a in r.accepted])
+
+
+def _tau(accepted: list[int]) -> float | None:
+    """Mean tokens committed per verify round: the accepted drafts plus the bonus token."""
+    return sum(a + 1 for a in accepted) / len(accepted) if accepted else None
 
 
 @dataclass

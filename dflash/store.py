@@ -26,7 +26,7 @@ import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
-from dflash.errors import DflashError
+from dflash.errors import DflashError, describe_differences
 
 FORMAT_VERSION = 1
 HARVEST_FILE = "harvest.json"
@@ -117,10 +117,8 @@ def check_folder(out: Path, header: dict) -> str:
             f"{out} is a dflash store of format version {existing.get('format_version')}, this dflash writes "
             f"version {FORMAT_VERSION}; harvest into a new folder"
         )
-    old, new = existing["fingerprint"], header["fingerprint"]
-    differing = [key for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
-    if differing:
-        details = "; ".join(f"{key}: store has {old.get(key)!r}, this run {new.get(key)!r}" for key in differing)
+    details = describe_differences(existing["fingerprint"], header["fingerprint"], "store has", "this run")
+    if details:
         raise DflashError(
             f"{out} holds a harvest made with different settings ({details}); rerun with the store's settings "
             f"to resume it, or choose a new --out folder"
@@ -370,7 +368,7 @@ def verify(store: ShardStore, progress=None, threads: int = 8) -> list[str]:
         where = f"part {store.part_names[part]} array {name} chunk {coords}"
         if name != "documents":
             where += f" (row {store.part_starts[part] + coords[0]})"
-        chunk_file = store.path / "parts" / store.part_names[part] / name / "c" / "/".join(map(str, coords))
+        chunk_file = store.path / "parts" / store.part_names[part] / name / array.metadata.encode_chunk_key(coords)
         try:
             if not chunk_file.is_file():
                 return f"{where}: chunk file missing"

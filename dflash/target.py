@@ -29,6 +29,8 @@ HEAD_KEYS = ("lm_head.weight", "model.lm_head.weight")
 # look up at call time: patching them changes the kernel a layer runs.
 GATED_DELTA_RULE = "torch_chunk_gated_delta_rule"
 CAUSAL_CONV1D = "causal_conv1d_fn"
+MASK_TOKEN = "<|MASK|>"  # the token of the target's vocabulary that fills a drafter block after its first slot
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,7 @@ class TappedTarget:
     """Frozen, eval, only layers 0..max(layer_ids) kept; features() concatenates the tapped layers' outputs."""
 
     def __init__(self, path: str, layer_ids: list[int] | None, device, dtype, allow_slow_kernels: bool = False):
-        config = _load_config(path)
+        config = load_config(path)
         text_config = config.get_text_config()
         num_layers = text_config.num_hidden_layers
         layer_ids = default_layer_ids(num_layers) if layer_ids is None else check_layer_ids(layer_ids, num_layers)
@@ -162,7 +164,7 @@ def load_embedding_and_head(path: str) -> tuple[torch.Tensor, torch.Tensor]:
     file_of = _tensor_files(path)
     embed_key = _find_key(file_of, EMBEDDING_KEYS, "embed_tokens.weight", path)
     # Tying is a property of the whole checkpoint, so the top-level config decides (not a VL text_config).
-    tied = bool(getattr(_load_config(path), "tie_word_embeddings", False))
+    tied = bool(getattr(load_config(path, "--target"), "tie_word_embeddings", False))
     head_key = embed_key if tied else _find_key(file_of, HEAD_KEYS, "lm_head.weight", path)
     tensors = {}
     for key in {embed_key, head_key}:
@@ -200,13 +202,14 @@ def _find_key(file_of: dict[str, str], preferred: tuple[str, ...], suffix: str, 
 # ---- loading ------------------------------------------------------------------------------------------------
 
 
-def _load_config(path: str):
+def load_config(path: str, flag: str = "--model"):
+    """The checkpoint's transformers config; `flag` names the option that takes the checkpoint, for the error."""
     from transformers import AutoConfig
 
     try:
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
-        raise DflashError(f"cannot load a model config from {path}: {exc}; pass --model a transformers checkpoint folder") from exc
+        raise DflashError(f"cannot load a model config from {path}: {exc}; pass {flag} a transformers checkpoint folder") from exc
 
 
 def _checkpoint_file(path: str, filename: str) -> str | None:

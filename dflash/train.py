@@ -29,7 +29,8 @@ import torch.nn.functional as F
 
 from dflash import blocks, graph, loss, reader
 from dflash.drafter import DFlashDrafter, DrafterConfig, export_drafter
-from dflash.errors import DflashError
+from dflash.errors import DflashError, describe_differences
+from dflash.target import MASK_TOKEN, load_config, load_embedding_and_head
 
 logger = logging.getLogger("dflash")
 
@@ -221,35 +222,22 @@ def _target_path(cfg: TrainConfig, manifest: dict) -> str:
     return path
 
 
-def _target_config(path: str):
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        raise DflashError(
-            f"cannot read the target config at {path}: {exc}; pass --target the target checkpoint folder"
-        ) from exc
-
-
 def drafter_config(cfg: TrainConfig, manifest: dict, target_path: str) -> DrafterConfig:
     """The drafter shaped like the target recorded in the store; --draft-layers and overrides on top."""
     overrides = {"block_size": cfg.block_size, **cfg.drafter_overrides}
     mask = overrides.pop("mask_token_id", manifest["tokenizer"]["special_ids"].get("mask"))
     if mask is None:
         raise DflashError(
-            "the target's tokenizer has no <|MASK|> token and no mask token id was given; "
+            f"the target's tokenizer has no {MASK_TOKEN} token and no mask token id was given; "
             "pass --drafter-option mask_token_id=ID (a token id of the target's vocabulary)"
         )
     return DrafterConfig.from_target_config(
-        _target_config(target_path), manifest["layer_ids"], mask, num_layers=cfg.draft_layers, **overrides
+        load_config(target_path, "--target"), manifest["layer_ids"], mask, num_layers=cfg.draft_layers, **overrides
     )
 
 
 def load_frozen(path: str, manifest: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's embedding and LM head, checked against the vocabulary and width the store was made with."""
-    from dflash.target import load_embedding_and_head
-
     embed, head = load_embedding_and_head(path)
     want = (manifest["target"]["vocab_size"], manifest["target"]["hidden_size"])
     for name, w in (("embedding", embed), ("LM head", head)):
@@ -774,11 +762,8 @@ def read_state(path: Path) -> dict:
 
 def check_resumable(cfg: TrainConfig, world: int, path: Path):
     """A resume must continue the same run: every option that shapes the trajectory must be unchanged."""
-    saved = read_state(path)["fingerprint"]
-    now = fingerprint(cfg, world)
-    differing = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
-    if differing:
-        details = "; ".join(f"{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}" for k in differing)
+    details = describe_differences(read_state(path)["fingerprint"], fingerprint(cfg, world), "checkpoint", "now")
+    if details:
         raise DflashError(
             f"cannot resume {path}: the run was made with other options ({details}); "
             "rerun with the original options or train into a new --out"
