@@ -378,3 +378,53 @@ def test_a_slow_writer_shows_up_as_forward_thread_waiting(tiny_target, data_file
     assert s.buffer_wait_s >= 0.5 * SLOW * (groups - harvest.HOST_BUFFERS - 1) > 0
     assert SLOW <= s.drain_s
     assert s.gpu_wait_s < SLOW  # on the CPU the forward and the host copy are synchronous: nothing to wait for
+
+
+def test_pinning_host_buffers_overlaps_the_first_forwards(tiny_target, data_file, tmp_path, monkeypatch):
+    """Pinning the host buffers takes seconds on a GPU machine (7.5 GB for the 27B-class shapes); it happens on
+    a helper thread, so the first forward starts before the buffers exist and setup stays short."""
+    from dflash import harvest
+    from dflash.target import TappedTarget
+
+    SLOW = 0.3
+    allocated, forwards = [], []
+    allocate = harvest.HostBuffers.allocate
+    features = TappedTarget.features
+
+    def slow_allocate(self):
+        time.sleep(SLOW)
+        allocated.append(time.perf_counter())
+        return allocate(self)
+
+    def timed_features(self, ids):
+        forwards.append(time.perf_counter())
+        return features(self, ids)
+
+    monkeypatch.setattr(harvest.HostBuffers, "allocate", slow_allocate)
+    monkeypatch.setattr(TappedTarget, "features", timed_features)
+    stalls = []
+    run_rows = harvest._run_rows
+    monkeypatch.setattr(harvest, "_run_rows", lambda *args: stalls.append(run_rows(*args)) or stalls[-1])
+    out = tmp_path / "store"
+    run_harvest(HarvestConfig(model=str(tiny_target("qwen3")), data=str(data_file), out=str(out), **OPTIONS))
+    assert len(allocated) == harvest.HOST_BUFFERS
+    assert forwards[0] < allocated[0]  # the first forward ran while the first buffer was being pinned
+    assert stalls[0].setup_s < SLOW
+    assert ShardStore.open(out).manifest["counts"]["documents"] > 0
+
+
+def test_a_failed_host_buffer_allocation_stops_the_harvest_resumably(tiny_target, data_file, tmp_path, monkeypatch):
+    from dflash import harvest
+
+    def failing_allocate(self):
+        raise RuntimeError("CUDA error: out of memory (pinned host memory)")
+
+    monkeypatch.setattr(harvest.HostBuffers, "allocate", failing_allocate)
+    out = tmp_path / "store"
+    cfg = HarvestConfig(model=str(tiny_target("qwen3")), data=str(data_file), out=str(out), **OPTIONS)
+    with pytest.raises(RuntimeError, match="pinned host memory"):
+        run_harvest(cfg)
+    assert not (out / store.MANIFEST_FILE).exists()
+    monkeypatch.undo()
+    run_harvest(cfg)
+    assert ShardStore.open(out).manifest["counts"]["documents"] > 0
