@@ -354,6 +354,8 @@ class HostBuffers(threading.Thread):
 
     def __init__(self, count: int, shape: tuple[int, ...], device: torch.device):
         super().__init__(daemon=True, name="dflash-pin")
+        if device.type == "cuda" and device.index is None:  # "cuda" means the caller's current device
+            device = torch.device("cuda", torch.cuda.current_device())
         self.count, self.shape, self.device = count, shape, device
         self.free: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
