@@ -4,8 +4,7 @@ Before any forward, every input is validated and a deterministic packing plan fi
 which rank, row and offset; the store's arrays are preallocated from it, so a rerun resumes after the committed
 rows. Per row group, the main thread runs forward batches (documents sorted by length, one per batch row,
 right-padded to a multiple of 64, no attention mask), scatters the real tokens into a device row buffer and
-starts one copy into pinned host memory on a side stream (a helper thread pins those buffers while the first
-forwards run); a writer thread (compression and disk only, no GPU
+starts one copy into pinned host memory on a side stream; a writer thread (compression and disk only, no GPU
 work) writes finished groups behind a bounded queue, so in steady state the GPU never waits for I/O. The run
 ends with a log line of how long the forward thread was blocked and on what (`PipelineStalls`): a harvest
 slower than the bare forward either shows the wait there or loses its time elsewhere (the GIL, the CPU).
@@ -321,10 +320,8 @@ class PipelineStalls:
     """Seconds the main thread (the one launching the target's kernels) spent blocked, by cause."""
 
     groups: int = 0
-    setup_s: float = 0.0  # allocating the device row buffers, once per run
-    # No free pinned buffer after launching a group's forward: writing fell behind the forward, or the helper
-    # thread is still pinning the first buffers (which the first forwards normally hide).
-    buffer_wait_s: float = 0.0
+    setup_s: float = 0.0  # allocating the device row buffers and the pinned host buffers, once per run
+    buffer_wait_s: float = 0.0  # no free pinned buffer: writing fell behind the forward
     # Waiting for the GPU to finish the previous group (and its host copy). Expected: the thread queues one group
     # ahead of the GPU. Near zero means the thread cannot stay ahead and the GPU idles between its kernels.
     gpu_wait_s: float = 0.0
@@ -348,48 +345,12 @@ class RowGroup:
     ready: torch.cuda.Event | None  # the host copy is complete once this fires
 
 
-class HostBuffers(threading.Thread):
-    """The pinned row-group buffers in circulation. A helper thread allocates them: pinning gigabytes takes
-    seconds, which the first forwards hide. get() one to copy a group into; the writer put()s it back."""
-
-    def __init__(self, count: int, shape: tuple[int, ...], device: torch.device):
-        super().__init__(daemon=True, name="dflash-pin")
-        if device.type == "cuda" and device.index is None:  # "cuda" means the caller's current device
-            device = torch.device("cuda", torch.cuda.current_device())
-        self.count, self.shape, self.device = count, shape, device
-        self.free: queue.Queue = queue.Queue()
-        self.error: BaseException | None = None
-        self.start()
-
-    def run(self):
-        try:
-            if self.device.type == "cuda":  # pin through this rank's GPU, not the thread's default device 0
-                torch.cuda.set_device(self.device)
-            for _ in range(self.count):
-                self.free.put(self.allocate())
-        except BaseException as exc:  # handed to the main thread, which raises it
-            self.error = exc
-            self.free.put(None)
-
-    def allocate(self) -> torch.Tensor:
-        return torch.empty(self.shape, dtype=torch.int16, pin_memory=self.device.type == "cuda")
-
-    def get(self) -> torch.Tensor:
-        host = self.free.get()
-        if host is None:
-            raise self.error
-        return host
-
-    def put(self, host: torch.Tensor):
-        self.free.put(host)
-
-
 class RowWriter(threading.Thread):
     """Writes finished row groups and commits them; CPU only. An error stops writing and is raised later."""
 
-    def __init__(self, part: store.PartWriter, buffers: "HostBuffers", on_commit):
+    def __init__(self, part: store.PartWriter, free: queue.Queue, on_commit):
         super().__init__(daemon=True, name="dflash-writer")
-        self.part, self.buffers, self.on_commit = part, buffers, on_commit
+        self.part, self.free, self.on_commit = part, free, on_commit
         self.jobs: queue.Queue = queue.Queue()  # bounded in effect by the HOST_BUFFERS buffers in circulation
         self.error: BaseException | None = None
 
@@ -403,7 +364,7 @@ class RowWriter(threading.Thread):
                     self.on_commit(group)
                 except BaseException as exc:  # handed to the main thread, which raises it
                     self.error = exc
-            self.buffers.put(group.host)  # keep buffers circulating so that the main thread never blocks for ever
+            self.free.put(group.host)  # keep buffers circulating so that the main thread never blocks for ever
 
     def check(self):
         if self.error is not None:
@@ -444,25 +405,27 @@ def _run_rows(cfg: HarvestConfig, plan: PartPlan, target: TappedTarget, part: st
     # Two device buffers on CUDA: the next group fills one while the other is still being copied to the host.
     device_rows = [torch.zeros(rows_per_group, T, F, dtype=torch.bfloat16, device=device) for _ in range(1 + cuda)]
     copied = [None] * len(device_rows)  # event: device buffer k may be overwritten
-    buffers = HostBuffers(HOST_BUFFERS, (rows_per_group, T, F), device)
+    free: queue.Queue = queue.Queue()
+    for _ in range(HOST_BUFFERS):
+        free.put(torch.empty(rows_per_group, T, F, dtype=torch.int16, pin_memory=cuda))
     row_bytes = T * (2 * F + sum(np.dtype(d).itemsize for d in store.TOKEN_ARRAYS.values()))
     progress = Progress(plan, part.rows_committed, row_bytes, cfg.rank)
-    writer = RowWriter(part, buffers, progress.commit)
+    writer = RowWriter(part, free, progress.commit)
     writer.start()
     pending, stalls = None, PipelineStalls(setup_s=time.perf_counter() - setup_start)
     try:
         for step, first in enumerate(range(part.rows_committed, len(plan.rows), rows_per_group)):
             last = min(first + rows_per_group, len(plan.rows))
             writer.check()
+            t0 = time.perf_counter()
+            host = free.get()  # blocks only when writing falls behind the forward
+            stalls.buffer_wait_s += time.perf_counter() - t0
             stalls.groups += 1
             k = step % len(device_rows)
             if copied[k] is not None:
                 torch.cuda.current_stream(device).wait_event(copied[k])
             rows = device_rows[k]
             _fill_rows(rows, plan, first, last, target, cfg.forward_tokens)
-            t0 = time.perf_counter()
-            host = buffers.get()  # with the forward launched: the GPU computes while this waits
-            stalls.buffer_wait_s += time.perf_counter() - t0
             copied[k] = _copy_to_host(rows[: last - first], host[: last - first], copy_stream)
             group = RowGroup(first, last, host, plan.token_arrays(first, last), copied[k])
             if pending is not None:  # hand over the previous group once its copy is done: one group of lag
