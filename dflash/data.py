@@ -17,6 +17,7 @@ loss token (for example a split-off prompt) are dropped, since they could hold n
 import json
 import multiprocessing
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -120,18 +121,33 @@ def _read_records(path: Path) -> list[tuple[int, str, object]]:
         raw = path.read_bytes()
     except OSError as exc:
         raise DflashError(f"cannot read data file {path}: {exc.strerror}; check that it is readable") from exc
-    # Split bytes, not str: str.splitlines would also break at U+2028 and friends inside JSON strings.
-    records = [
-        (index, *_parse_line(line, f"{path} line {index + 1}"))
-        for index, line in enumerate(raw.splitlines())
-        if line.strip()
-    ]
+    records = [(number - 1, *_parse_document(line, f"{path} line {number}")) for number, line in jsonl_lines(raw)]
     if not records:
         raise DflashError(f"data file {path} holds no documents; write one {LINE_EXAMPLE} per line")
     return records
 
 
-def _parse_line(line: bytes, where: str) -> tuple[str, object]:
+def jsonl_lines(raw: bytes) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, line) for every non-blank line of a JSONL file's bytes.
+
+    Splits bytes, not str: str.splitlines would also break at U+2028, U+2029 and U+0085, which
+    json.dumps(ensure_ascii=False) writes raw inside strings.
+    """
+    for number, line in enumerate(raw.splitlines(), start=1):
+        if line.strip():
+            yield number, line
+
+
+def _parse_document(line: bytes, where: str) -> tuple[str, object]:
+    """parse_line, plus what training needs: a conversation with an assistant turn to learn from."""
+    kind, payload = parse_line(line, where)
+    if kind == "chat" and not any(message["role"] == "assistant" for message in payload):
+        raise DflashError(f"{where}: the conversation has no assistant turn, so nothing to train on; add one or remove the line")
+    return kind, payload
+
+
+def parse_line(line: bytes, where: str) -> tuple[str, object]:
+    """One JSONL line as ("chat", messages) or ("text", text), checked for shape; errors name `where`."""
     try:
         record = json.loads(line.decode("utf-8"))
     except UnicodeDecodeError as exc:
@@ -166,8 +182,6 @@ def _check_messages(messages, where: str) -> list[dict]:
         for key in ("role", "content"):
             if not isinstance(message.get(key), str):
                 raise DflashError(f"{where}: message {number} needs a string \"{key}\", got {message.get(key)!r:.60}")
-    if not any(message["role"] == "assistant" for message in messages):
-        raise DflashError(f"{where}: the conversation has no assistant turn, so nothing to train on; add one or remove the line")
     return messages
 
 

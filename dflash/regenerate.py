@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash.data import jsonl_lines, parse_line
 from dflash.errors import DflashError
 
 
@@ -29,36 +30,23 @@ def load_prompts(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise DflashError(f"prompt file {path} does not exist; pass a JSONL file of chat or text prompts")
-    records = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if line.strip():
-            records.append(_prompt_record(line, f"{path} line {number}"))
+    records = [_prompt_record(line, f"{path} line {number}") for number, line in jsonl_lines(path.read_bytes())]
     if not records:
         raise DflashError(f"{path} holds no prompts; expected JSONL lines with 'messages' or 'text'")
     return records
 
 
-def _prompt_record(line: str, where: str) -> dict:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise DflashError(f"{where}: not valid JSON ({exc.msg}); each line must be one JSON object") from None
-    if not isinstance(record, dict) or ("messages" in record) == ("text" in record):
-        raise DflashError(f"{where}: expected an object with exactly one of a 'messages' list and a 'text' string")
-    if "text" in record:
-        if not isinstance(record["text"], str) or not record["text"]:
-            raise DflashError(f"{where}: 'text' must be a non-empty string")
-        return {"text": record["text"]}
-    if not isinstance(record["messages"], list):
-        raise DflashError(f"{where}: 'messages' must be a list of {{'role': ..., 'content': ...}} objects")
-    messages = record["messages"]
-    for turn in messages:
-        if not (isinstance(turn, dict) and isinstance(turn.get("role"), str) and isinstance(turn.get("content"), str)):
-            raise DflashError(f"{where}: every message needs string 'role' and 'content' fields")
-    if messages and messages[-1]["role"] == "assistant":
-        messages = messages[:-1]
+def _prompt_record(line: bytes, where: str) -> dict:
+    kind, payload = parse_line(line, where)
+    if kind == "text":
+        return {"text": payload}
+    # The target writes the answer itself: an answer already there is dropped.
+    messages = payload[:-1] if payload[-1]["role"] == "assistant" else payload
     if not messages or messages[-1]["role"] != "user":
-        raise DflashError(f"{where}: the conversation must end with a user turn (after dropping a final assistant turn)")
+        raise DflashError(
+            f"{where}: the conversation must end with a user turn for the target to answer (a final assistant turn "
+            "is dropped first); end it with the user turn to answer or remove the line"
+        )
     return {"messages": messages}
 
 
@@ -78,9 +66,9 @@ def response_record(record: dict, response: str) -> dict:
     return {"messages": [*record["messages"], {"role": "assistant", "content": response}]}
 
 
-def _answers(line: str, record: dict) -> bool:
+def _answers(line: bytes, record: dict) -> bool:
     """Whether an output line is the response record of prompt `record`."""
-    done = json.loads(line)
+    done = json.loads(line.decode("utf-8"))
     if "text" in record:
         return isinstance(done.get("text"), str) and done["text"].startswith(record["text"])
     return done.get("messages", [])[:-1] == record["messages"]
@@ -100,13 +88,14 @@ def completed_count(out: Path, records: list[dict]) -> int:
     if len(whole) < len(data):
         with open(out, "r+b") as handle:
             handle.truncate(len(whole))
-    lines = whole.decode().splitlines()
+    # Split bytes, as jsonl_lines does, but keep blank lines: each output line answers one prompt.
+    lines = whole.splitlines()
     if len(lines) > len(records):
         raise DflashError(f"{out} has {len(lines)} responses for {len(records)} prompts; write to a new --out")
     for number, (line, record) in enumerate(zip(lines, records), start=1):
         try:
             same = _answers(line, record)
-        except (json.JSONDecodeError, AttributeError):
+        except (ValueError, AttributeError):  # not UTF-8, not JSON, not an object
             same = False
         if not same:
             raise DflashError(

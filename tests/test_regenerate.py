@@ -8,7 +8,16 @@ from click.testing import CliRunner
 
 from dflash.data import DataConfig, load_documents
 from dflash.errors import DflashError
-from dflash.regenerate import Sampling, completed_count, encode_prompt, eos_token_ids, load_prompts, regenerate
+from dflash.regenerate import (
+    Sampling,
+    append_lines,
+    completed_count,
+    encode_prompt,
+    eos_token_ids,
+    load_prompts,
+    regenerate,
+    response_record,
+)
 from dflash.speculative import load_target
 
 PROMPTS = [
@@ -24,6 +33,8 @@ PROMPTS = [
     {"messages": [{"role": "user", "content": "Tell me about the statistics.median_grouped function, in detail please."}]},
 ]
 GREEDY = Sampling(max_new_tokens=10)
+# Line breaks to str.splitlines that json.dumps(ensure_ascii=False) writes raw inside a string.
+UNICODE_BREAKS = "one\u2028two\u0085three\u2029four"
 
 
 def write_jsonl(path, records):
@@ -90,14 +101,33 @@ def test_resume_refuses_output_from_other_prompts(tmp_path):
         completed_count(out, [{"messages": [{"role": "user", "content": "mine"}]}])
 
 
+def test_resume_counts_responses_holding_unicode_line_breaks(tmp_path):
+    records = [{"text": "a"}, {"messages": [{"role": "user", "content": "b"}]}, {"text": "c"}]
+    out = tmp_path / "out.jsonl"
+    append_lines(out, [response_record(record, UNICODE_BREAKS) for record in records[:2]])
+    whole = out.read_bytes()
+    with open(out, "ab") as handle:  # a run killed while writing the third line
+        handle.write(json.dumps(response_record(records[2], UNICODE_BREAKS), ensure_ascii=False).encode()[:-5])
+    assert completed_count(out, records) == 2
+    assert out.read_bytes() == whole
+
+
+def test_prompts_with_unicode_line_breaks_load_whole(tmp_path):
+    records = [{"text": UNICODE_BREAKS}, {"messages": [{"role": "user", "content": UNICODE_BREAKS}]}]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    assert load_prompts(path) == records
+
+
 @pytest.mark.parametrize(
     "line, message",
     [
-        ("{not json", "line 2: not valid JSON"),
+        ("{not json", "line 2: malformed JSON"),
         ('{"messages": [{"role": "assistant", "content": "hi"}]}', "line 2: the conversation must end with a user turn"),
-        ('{"messages": [{"role": "user"}]}', "line 2: every message needs string 'role' and 'content'"),
-        ('{"text": "a", "messages": []}', "line 2: expected an object with exactly one of"),
-        ('{"text": ""}', "line 2: 'text' must be a non-empty string"),
+        ('{"messages": [{"role": "user"}]}', 'line 2: message 0 needs a string "content"'),
+        ('{"text": "a", "messages": []}', 'line 2: the object has both a "messages" and a "text" key'),
+        ('{"text": ""}', "line 2: empty document"),
+        ('{"messages": []}', 'line 2: "messages" must be a non-empty list'),
     ],
 )
 def test_bad_prompts_name_the_line(tmp_path, line, message):
