@@ -239,7 +239,7 @@ def bench_one(name: str, s: dict, args, device: torch.device) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     trainer = Trainer(cfg, init_distributed(cfg.device))
-    prep_s = trainer.prepare(None)
+    prep = trainer.prepare(None)
     log = MetricsLog(run, True, False)
     try:
         with mock.patch.object(trainer_module, "save_checkpoint", lambda trainer, step: None):
@@ -247,7 +247,7 @@ def bench_one(name: str, s: dict, args, device: torch.device) -> dict:
     finally:
         log.close()
     summary = summarise(name, s, trainer, result["records"], args.steps)
-    summary.update(data_build_s=build_s, warmup_capture_s=prep_s)
+    summary.update(data_build_s=build_s, warmup_capture_s=prep["total_s"], warmup_parts_s=prep)
     try:
         summary["ungraphed"] = time_ungraphed(trainer, args.ungraphed_steps)
     except torch.OutOfMemoryError:  # keep the graphed numbers

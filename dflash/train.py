@@ -450,13 +450,16 @@ class Trainer:
 
     # ---- warmup, capture and state
 
-    def prepare(self, checkpoint: Path | None):
-        """Compile and capture on synthetic rows, then put back the initial (or the checkpoint's) state."""
+    def prepare(self, checkpoint: Path | None) -> dict[str, float]:
+        """Compile and capture on synthetic rows, then put back the initial (or the checkpoint's) state.
+        Returns the seconds each part took: compiles can dominate a short run, and their cost is easy to miss."""
         initial = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
         self._synthetic_rows()
-        t0 = time.perf_counter()
+        times, t0 = {}, time.perf_counter()
         self.train_step.warmup()
+        times["train_warmup_s"] = time.perf_counter() - t0
         self.val_step.warmup(1)
+        times["val_warmup_s"] = time.perf_counter() - t0 - times["train_warmup_s"]
         compiled = graph.compiled_graphs()
         self.train_step.capture()
         self.val_step.pool = self.train_step.graph.pool() if self.train_step.graph is not None else None
@@ -477,7 +480,9 @@ class Trainer:
         self.val_acc.zero_()
         if self.cuda:
             torch.cuda.synchronize(self.device)
-        return time.perf_counter() - t0
+        times["total_s"] = time.perf_counter() - t0
+        times["capture_s"] = times["total_s"] - times["train_warmup_s"] - times["val_warmup_s"]
+        return times
 
     def _synthetic_rows(self):
         """Plausible rows for warmup (one document per row, every token trained): never all zeros."""
@@ -821,9 +826,10 @@ def run_training(cfg: TrainConfig) -> dict:
         prep = trainer.prepare(checkpoint)
         log = MetricsLog(out, env.main, cfg.tensorboard)
         logger.info(
-            "training %d-layer drafter (%.1f M parameters) on %d rank(s) from step %d to %d; warmup + capture %.1f s",
+            "training %d-layer drafter (%.1f M parameters) on %d rank(s) from step %d to %d; warmup + capture "
+            "%.1f s (train step %.1f s, validation step %.1f s, capture and state restore %.1f s)",
             trainer.dcfg.num_layers, sum(p.numel() for p in trainer.params) / 1e6, env.world, start,
-            trainer.total_steps, prep,
+            trainer.total_steps, prep["total_s"], prep["train_warmup_s"], prep["val_warmup_s"], prep["capture_s"],
         )  # fmt: skip
         try:
             result = trainer.fit(start, log)
@@ -832,6 +838,7 @@ def run_training(cfg: TrainConfig) -> dict:
         finally:
             log.close()
         result["val"] = val
+        result["prepare_s"] = prep
         if "allocated_spread" in result:
             logger.info(
                 "memory over the run: allocated spread %d B, reserved spread %d B, peak %.1f GiB",
