@@ -322,6 +322,20 @@ def make_prompts(files: dict[str, str], count: int, chars: int, seed: int, one_p
     return prompts
 
 
+def slow_compile_phases(min_seconds: float = 1.0) -> dict[str, float]:
+    """torch.compile's own timings (summed over this process's compiles) of its phases that took over
+    min_seconds: tracing, AOT autograd, inductor's codegen, waiting for Triton's compile workers, ..."""
+    from torch._dynamo.utils import compile_times
+
+    phases = {}
+    for line in compile_times(repr="str", aggregate=True).splitlines()[2:]:
+        name, _, seconds = line.rpartition(", ")
+        with contextlib.suppress(ValueError):
+            if float(seconds) >= min_seconds:
+                phases[name] = round(float(seconds), 1)
+    return phases
+
+
 def write_jsonl(path: Path, records: list[dict]):
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
@@ -771,6 +785,7 @@ def main(argv=None) -> int:
         val_curve = [(r["step"], round(r["loss"], 4), round(r["accept_len"], 3))
                      for r in map(json.loads, metrics) if r.get("kind") == "val"]  # fmt: skip
         logger.info("drafter held-out curve (step, loss, accept length): %s", val_curve)
+        logger.info("drafter compile, the phases over 1 s: %s", slow_compile_phases())
         return {
             "export": result["export"],
             "steps": last["step"],
@@ -780,6 +795,7 @@ def main(argv=None) -> int:
             "val_accept_len": round(val["accept_len"], 3) if val else None,
             "step_ms": round(last["step_ms"], 2),
             "prepare_s": {k: round(v, 1) for k, v in result["prepare_s"].items()},
+            "compile_phases_s": slow_compile_phases(),
             "val_curve": val_curve,
             "records": result["records"],
         }
