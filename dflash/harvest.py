@@ -27,7 +27,9 @@ from tqdm import tqdm
 from dflash import __version__, store
 from dflash.data import DataConfig, Document, load_documents, load_tokenizer
 from dflash.errors import DflashError
-from dflash.target import DTYPES, MASK_TOKEN, TappedTarget, check_layer_ids, default_layer_ids, load_config
+from dflash.target import (
+    DTYPES, MASK_TOKEN, TappedTarget, check_layer_ids, default_layer_ids, load_config, local_device,
+)
 
 logger = logging.getLogger("dflash")
 
@@ -161,7 +163,7 @@ def _resolve(cfg: HarvestConfig) -> HarvestConfig:
     """Fill the defaults that depend on the environment and check the options that need no file."""
     rank = cfg.rank if cfg.rank is not None else int(os.environ.get("RANK", 0))
     world_size = cfg.world_size if cfg.world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
-    device = cfg.device or (f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
+    device = str(local_device(cfg.device))
     cfg = HarvestConfig(**{**asdict(cfg), "rank": rank, "world_size": world_size, "device": device})
     cfg.max_length = cfg.max_length or cfg.token_budget
     if cfg.token_budget < BLOCK_SIZE:

@@ -11,6 +11,7 @@ import inspect
 import json
 import logging
 import numbers
+import os
 import sys
 from dataclasses import dataclass
 from functools import partial
@@ -41,6 +42,14 @@ class TargetInfo:
     hidden_size: int
     num_layers: int  # of the whole target, not of the truncated copy
     vocab_size: int
+
+
+def local_device(requested: str | None) -> torch.device:
+    """This process's device: the requested one, else cuda:$LOCAL_RANK when CUDA is there, else the CPU. A bare
+    "cuda" also means this process's own GPU (LOCAL_RANK under torchrun), never GPU 0 for every rank."""
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device(requested or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return torch.device("cuda", local) if device.type == "cuda" and device.index is None else device
 
 
 def default_layer_ids(num_layers: int, n: int = 5) -> list[int]:

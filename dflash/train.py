@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from dflash import blocks, graph, loss, reader
 from dflash.drafter import DFlashDrafter, DrafterConfig, export_drafter
 from dflash.errors import DflashError, describe_differences
-from dflash.target import MASK_TOKEN, load_config, load_embedding_and_head
+from dflash.target import MASK_TOKEN, load_config, load_embedding_and_head, local_device
 
 logger = logging.getLogger("dflash")
 
@@ -135,13 +135,8 @@ class Env:
 def init_distributed(device: str | None) -> Env:
     """One process per device under torchrun (RANK / WORLD_SIZE / LOCAL_RANK); NCCL on CUDA, gloo on the CPU."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    if device is None:
-        device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    dev = local_device(device)
     if dev.type == "cuda":
-        if dev.index is None:
-            dev = torch.device("cuda", local)
         torch.cuda.set_device(dev)
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"

@@ -187,3 +187,17 @@ def test_fla_kernels_on_gpu(tiny_target, reference):
     for row, document in zip(features, documents):
         expected = _standalone(reference("qwen3_5"), document, target.layer_ids)
         torch.testing.assert_close(row[: len(document)], expected, atol=0.05, rtol=0.05)
+
+
+def test_local_device_is_this_ranks_gpu(monkeypatch):
+    """Under torchrun every rank must land on its own GPU, whether --device is left out or given as a bare cuda."""
+    from dflash.target import local_device
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert local_device("cuda") == torch.device("cuda", 3)
+    assert local_device("cuda:1") == torch.device("cuda", 1)  # an explicit index is kept
+    assert local_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert local_device(None) == torch.device("cuda", 3)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert local_device(None) == torch.device("cpu")
