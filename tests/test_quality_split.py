@@ -1,0 +1,25 @@
+"""bench/quality.py's file split: the eval measures the drafter on code that neither the target nor the drafter
+trained on, and giving the drafter its own files leaves the eval's files as they were."""
+
+import dataclasses
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import quality  # noqa: E402
+
+
+def test_the_three_sets_are_disjoint_and_the_eval_set_does_not_move():
+    scale = quality.TINY
+    train, drafter, heldout, counts = quality.stdlib_files(scale)
+    assert train and drafter and heldout
+    assert not (set(train) & set(drafter)) and not (set(train) & set(heldout)) and not (set(drafter) & set(heldout))
+    assert counts["drafter_files"] == len(drafter) and counts["heldout_chars"] == sum(map(len, heldout.values()))
+    total = len(train) + len(drafter) + len(heldout)
+    assert 0.05 < len(heldout) / total < 0.15 and 0.14 < len(drafter) / total < 0.26  # 10 % and 20 % by hash
+
+    train0, drafter0, heldout0, _ = quality.stdlib_files(dataclasses.replace(scale, drafter_percent=0))
+    assert not drafter0
+    assert heldout0 == heldout
+    assert set(train0) == set(train) | set(drafter)
