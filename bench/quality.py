@@ -91,6 +91,7 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
+from dflash.data import jsonl_lines  # noqa: E402
 from dflash.tiny import build_tokenizer  # noqa: E402
 
 logger = logging.getLogger("quality")
@@ -532,21 +533,21 @@ def regenerate_within(scale: Scale, target: Path, prompts: list[dict], work: Pat
 
 def response_stats(tokenizer, prompts: list[dict], responses: Path) -> dict:
     """Response lengths, how many stopped at EOS, and distinct 4-grams (a looping target scores low)."""
+    lines = jsonl_lines(responses.read_bytes())
+    texts = [json.loads(line)["text"][len(prompt["text"]) :] for prompt, (_, line) in zip(prompts, lines)]
     lengths, distinct = [], []
-    for prompt, line in zip(prompts, responses.read_text().splitlines()):
-        response = json.loads(line)["text"][len(prompt["text"]) :]
-        ids = tokenizer(response, add_special_tokens=False)["input_ids"]
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         lengths.append(len(ids))
         grams = [tuple(ids[i : i + 4]) for i in range(len(ids) - 3)]
         if grams:
             distinct.append(len(set(grams)) / len(grams))
-    first = json.loads(responses.read_text().splitlines()[0])["text"][len(prompts[0]["text"]) :]
     return {
         "responses": len(lengths),
         "response_tokens": int(sum(lengths)),
         "mean_response_tokens": float(np.mean(lengths)) if lengths else 0.0,
         "distinct_4gram_ratio": float(np.mean(distinct)) if distinct else 0.0,
-        "sample_response": first[:600],
+        "sample_response": texts[0][:600] if texts else "",
     }
 
 
@@ -787,7 +788,8 @@ def main(argv=None) -> int:
         val_curve = [(r["step"], round(r["loss"], 4), round(r["accept_len"], 3))
                      for r in map(json.loads, metrics) if r.get("kind") == "val"]  # fmt: skip
         logger.info("drafter held-out curve (step, loss, accept length): %s", val_curve)
-        logger.info("drafter compile, the phases over 1 s: %s", slow_compile_phases())
+        compile_phases = slow_compile_phases()
+        logger.info("drafter compile, the phases over 1 s: %s", compile_phases)
         return {
             "export": result["export"],
             "steps": last["step"],
@@ -797,7 +799,7 @@ def main(argv=None) -> int:
             "val_accept_len": round(val["accept_len"], 3) if val else None,
             "step_ms": round(last["step_ms"], 2),
             "prepare_s": {k: round(v, 1) for k, v in result["prepare_s"].items()},
-            "compile_phases_s": slow_compile_phases(),
+            "compile_phases_s": compile_phases,
             "val_curve": val_curve,
             "records": result["records"],
         }

@@ -38,7 +38,7 @@ UNICODE_BREAKS = "one\u2028two\u0085three\u2029four"
 
 
 def write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
     return path
 
 
@@ -114,9 +114,7 @@ def test_resume_counts_responses_holding_unicode_line_breaks(tmp_path):
 
 def test_prompts_with_unicode_line_breaks_load_whole(tmp_path):
     records = [{"text": UNICODE_BREAKS}, {"messages": [{"role": "user", "content": UNICODE_BREAKS}]}]
-    path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
-    assert load_prompts(path) == records
+    assert load_prompts(write_jsonl(tmp_path / "prompts.jsonl", records)) == records
 
 
 @pytest.mark.parametrize(
