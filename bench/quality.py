@@ -34,11 +34,12 @@ Stages, every one through the library entry points the CLI uses (except the fixt
 Default (H200) sizes: target hidden 512, 8 layers (6 GDN + 2 full attention), 8 / 2 heads of 64, FFN 1408,
 vocabulary 8192 (33.9 M parameters, 25.5 M without embedding and LM head), 100 s of steady training on windows
 of 512 tokens x 64; up to 6144 drafter prompts answered with 256 new tokens (chunks of 512 until 260 s are spent;
-the first chunk, which pays for Triton's autotuning (122 s on the H200), always runs, and so does the second);
+the first chunk, which pays for Triton's autotuning (122-153 s on the H200), always runs, and so does the second);
 store rows of 4096 tokens; drafter 5 layers (15.4 M parameters), B = 16, 30 epochs (at most 4000 steps of 2 rows);
 eval 256 new tokens per held-out prompt, prompts until 360 s are spent (at least 6), the target in float32. A
-call is budgeted at 450 s (the eval's budget shrinks to what is left of it), which on the H200 means three calls:
-target to harvest, the drafter (its compile took 381 s there), the eval.
+call is budgeted at 450 s (the eval's budget shrinks to what is left of it), which on the H200 means two or three
+calls: target to harvest (530 s measured), then the drafter and the eval (the drafter's BlockMask alone took over
+100 s to compile before blocks.MASK_COMPILE_OPTIONS, 12.5 s with them; docs/benchmarks.md).
 Data and steps decide the drafter: on the CPU at --tiny sizes, 4x the responses and 5x the steps moved the
 trained drafter's tau from 1.67 to 4.70 against prompt lookup's 3.15 and 2.74 (docs/benchmarks.md).
 

@@ -22,6 +22,12 @@ PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 _U32 = 0xFFFFFFFF
 
+# Inductor options for compiling block_attention_mask. create_block_mask orders block indices with argsort; with
+# persistent reductions on, inductor lowers a sort over at most a few hundred KV blocks to a Triton sort kernel
+# whose cold compile can take minutes (pytorch issue 182060). Off, those sorts fall back to ATen's, which costs
+# nothing at these sizes (a few thousand block indices per step). bench/mask_compile.py measures both.
+MASK_COMPILE_OPTIONS = {"triton.persistent_reductions": False}
+
 
 def default_gamma(block_size: int) -> float:
     return PAPER_GAMMA.get(block_size, block_size / 2)

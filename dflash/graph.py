@@ -20,9 +20,10 @@ import torch
 from dflash.errors import DflashError
 
 
-def compile_fn(fn: Callable, enabled: bool) -> Callable:
-    """torch.compile with whole-graph capture and static shapes: a graph break or a dynamic shape is a bug here."""
-    return torch.compile(fn, fullgraph=True, dynamic=False) if enabled else fn
+def compile_fn(fn: Callable, enabled: bool, options: dict | None = None) -> Callable:
+    """torch.compile with whole-graph capture and static shapes: a graph break or a dynamic shape is a bug here.
+    options: inductor options for this function only (see blocks.MASK_COMPILE_OPTIONS)."""
+    return torch.compile(fn, fullgraph=True, dynamic=False, options=options) if enabled else fn
 
 
 def compiled_graphs() -> int:

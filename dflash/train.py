@@ -331,7 +331,9 @@ class Trainer:
         self.forward = graph.compile_fn(self.model, compile_on)
         # On the CPU the drafter evaluates the mask densely (flex_attention has no CPU backward), so a compiled
         # BlockMask buys nothing there, and inductor's C++ code for create_block_mask fails on some shapes.
-        self.mask_fn = graph.compile_fn(blocks.block_attention_mask, compile_on and self.cuda)
+        self.mask_fn = graph.compile_fn(
+            blocks.block_attention_mask, compile_on and self.cuda, options=blocks.MASK_COMPILE_OPTIONS
+        )
         self.loss_fn = graph.compile_fn(loss.block_cross_entropy, compile_on)
         hint = "--anchors, --rows-per-step (or the store's token budget) or --loss-chunk"
         self.train_step = graph.GraphedStep(self._train_step, device=self.device, cuda_graph=cfg.cuda_graph, hint=hint)

@@ -4,7 +4,9 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
+from dflash import graph
 from dflash.blocks import (
+    MASK_COMPILE_OPTIONS,
     block_attention_mask,
     block_inputs,
     default_gamma,
@@ -196,6 +198,19 @@ def test_block_mask_equals_dense_mask():
     dense = dense_block_mask(anchors, valid, doc_ids, B)
     assert block_mask.seq_lengths == (A * B, T + A * B)
     assert torch.equal(expand_block_mask(block_mask), dense)
+
+
+def test_mask_compiled_with_the_trainers_options_equals_eager():
+    # The trainer compiles the builder with MASK_COMPILE_OPTIONS (inductor falls back to ATen's sort): the options
+    # must be ones inductor accepts, and the mask must not change.
+    B, A, T = 16, 24, 300
+    _, _, loss_mask, doc_ids = make_row_data(2, T, seed=6, padding=20)
+    anchors, valid = sample_anchors(loss_mask, doc_ids, A, B, torch.tensor(2))
+    compiled = graph.compile_fn(block_attention_mask, True, options=MASK_COMPILE_OPTIONS)
+    eager = block_attention_mask(anchors, valid, doc_ids, B)
+    assert torch.equal(compiled(anchors, valid, doc_ids, B).to_dense(), eager.to_dense())
+    with pytest.raises(RuntimeError, match="Unexpected optimization option"):
+        graph.compile_fn(block_attention_mask, True, options={"no_such_option": 1})(anchors, valid, doc_ids, B)
 
 
 def test_flex_attention_with_block_mask_equals_masked_softmax():
