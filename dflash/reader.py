@@ -141,19 +141,8 @@ class RowReader:
 
     def _read_into(self, slot: int, i: int, row: int):
         micro, r = divmod(i, self.shape.rows)
-        try:
-            data = self.store.read_row(row)
-        except DflashError:
-            raise
-        except Exception as exc:  # zarr / codec errors: say which row, so that the user can find the chunk
-            raise DflashError(f"cannot read row {row} of the store: {type(exc).__name__}: {exc}") from exc
         views = self._views[slot]
-        for name in FIELDS:
-            value = data[name]
-            target = views[name][micro, r]
-            if value.shape != target.shape:
-                raise DflashError(f"row {row} of the store has {name} of shape {value.shape}, expected {target.shape}")
-            np.copyto(target, value.view(target.dtype) if name == "hidden" else value, casting="unsafe")
+        self.store.read_row_into(row, {name: views[name][micro, r] for name in FIELDS})
 
     def next(self) -> HostBatch | None:
         """The next step's batch, fully read (None after the last step); raises a reader error here."""

@@ -295,6 +295,43 @@ def _open_manifest(path: Path) -> dict:
     return manifest
 
 
+class HiddenChunkReader:
+    """Reads a row's hidden-state chunks into a caller's buffer: the chunk file, its CRC32C, blosc's decode in place.
+
+    The mirror of HiddenChunkWriter. Zarr's read path decodes into an array of its own (one more copy of every
+    row) and routes each read through its event-loop thread; here the heavy work (file reads, blosc) releases
+    the GIL and runs in the calling thread, so the trainer's reader threads decode rows in parallel.
+    """
+
+    def __init__(self, array: zarr.Array, folder: Path):
+        self.array, self.folder = array, folder
+        self.chunk_tokens = array.chunks[1]
+        self.codec = numcodecs.Blosc()  # decoding reads shuffle and compressor from each chunk's header
+
+    def read_row_into(self, row: int, out: np.ndarray) -> None:
+        T = out.shape[0]
+        for j, start in enumerate(range(0, T, self.chunk_tokens)):
+            stop = min(start + self.chunk_tokens, T)
+            encoded = self._checked_chunk(row, j)
+            if stop - start == self.chunk_tokens:
+                self.codec.decode(encoded, out=out[start:stop])
+            else:  # the grid's edge chunk is stored whole, padded past the row's end
+                whole = np.frombuffer(self.codec.decode(encoded), out.dtype).reshape(-1, out.shape[1])
+                out[start:stop] = whole[: stop - start]
+
+    def _checked_chunk(self, row: int, j: int) -> bytes:
+        """The chunk's encoded bytes, after checking the CRC32C that follows them (as zarr's crc32c codec does)."""
+        path = self.folder / self.array.metadata.encode_chunk_key((row, j, 0))
+        if not path.is_file():
+            raise DflashError(f"chunk file missing: {path}")
+        with open(path, "rb") as f:
+            encoded = f.read(max(path.stat().st_size - 4, 0))
+            stored = f.read(4)
+        if len(stored) != 4 or int.from_bytes(stored, "little") != google_crc32c.value(encoded):
+            raise DflashError(f"checksum mismatch in chunk file {path}")
+        return encoded
+
+
 class ShardStore:
     """Read side: opening reads only the manifest and the arrays' metadata, whatever the store's size."""
 
@@ -311,6 +348,10 @@ class ShardStore:
             {name: group[f"parts/{part}/{name}"].with_config(_array_config(read=True)) for name in ARRAYS}
             for part in self.part_names
         ]
+        self.hidden_readers = [
+            HiddenChunkReader(arrays["hidden"], path / "parts" / part / "hidden")
+            for arrays, part in zip(self.parts, self.part_names)
+        ]
 
     @classmethod
     def open(cls, path) -> "ShardStore":
@@ -325,17 +366,36 @@ class ShardStore:
         return part, i - self.part_starts[part]
 
     def read_row(self, i: int) -> dict[str, np.ndarray]:
-        part, row = self.locate(i)
-        out = {}
-        for name in ("hidden", *TOKEN_ARRAYS):
-            try:
-                out[name] = self.parts[part][name][row]
-            except Exception as exc:  # zarr raises ValueError on a checksum mismatch, codec errors otherwise
-                raise DflashError(
-                    f"corrupt data in {self.path}: row {i} (part {self.part_names[part]}, array {name}, row {row}): "
-                    f"{exc}; run `dflash inspect --verify` to list every damaged chunk"
-                ) from exc
+        """Row i as new arrays: hidden [T, F] uint16 (bfloat16 bits), the token arrays [T]."""
+        T, F = self.token_budget, self.feature_dim
+        out = {"hidden": np.empty((T, F), np.uint16)}
+        out.update({name: np.empty(T, dtype) for name, dtype in TOKEN_ARRAYS.items()})
+        self.read_row_into(i, out)
         return out
+
+    def read_row_into(self, i: int, out: dict[str, np.ndarray]) -> None:
+        """Row i into the caller's arrays (hidden [T, F] of any 16-bit dtype, C-contiguous; token arrays [T]):
+        the trainer's reader decodes straight into its pinned batch, with no copy in between."""
+        part, row = self.locate(i)
+        T = self.token_budget
+        for name, shape in {"hidden": (T, self.feature_dim), **{name: (T,) for name in TOKEN_ARRAYS}}.items():
+            if out[name].shape != shape:
+                raise DflashError(f"the store's rows have {name} of shape {shape}, the reader expects {out[name].shape}")
+        try:
+            self.hidden_readers[part].read_row_into(row, out["hidden"])
+        except Exception as exc:  # a checksum mismatch, a missing chunk file, a codec error
+            raise self._corrupt(i, part, "hidden", row, exc) from exc
+        for name in TOKEN_ARRAYS:
+            try:
+                np.copyto(out[name], self.parts[part][name][row], casting="unsafe")
+            except Exception as exc:  # zarr raises ValueError on a checksum mismatch, codec errors otherwise
+                raise self._corrupt(i, part, name, row, exc) from exc
+
+    def _corrupt(self, i: int, part: int, name: str, row: int, exc: Exception) -> DflashError:
+        return DflashError(
+            f"corrupt data in {self.path}: row {i} (part {self.part_names[part]}, array {name}, row {row}): "
+            f"{exc}; run `dflash inspect --verify` to list every damaged chunk"
+        )
 
     def documents(self) -> np.ndarray:
         """int64 [n_docs, 5] of DOCUMENT_COLUMNS for the whole store, with global row numbers."""

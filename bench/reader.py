@@ -1,0 +1,105 @@
+"""Read throughput of the trainer's row path against zarr's own reads, on the same store.
+
+The store is bench/train.py's synthetic one, rewritten in --work each run (random bf16 features compress about as real activations do,
+ratio ~1.3 with blosc-lz4 + bit shuffle), here with the quality run's row shape by default: 4096 tokens x 5
+layers x hidden 512, one 21 MB chunk per row. Rows come from the page cache (one untimed pass first), so this
+measures decoding and copies, not the disk. Per method and thread count: rows/s and GB/s of hidden features,
+each thread reading whole rows into its own destination row as the trainer's reader threads do:
+    zarr:   plain zarr reads of the row's five arrays, then a copy into the destination (the trainer's path
+            until this benchmark; any reader written with zarr alone does the same);
+    direct: `ShardStore.read_row_into` (the trainer's path now: chunk file, CRC32C, blosc into place).
+
+    .venv/bin/python bench/reader.py                                   # CPU
+    source bench/device_setup.sh && python3 bench/reader.py --threads 1,2,4,8 --json $OUT/reader.json
+"""
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+import zarr
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repository's dflash
+
+from bench.train import synthetic_store  # noqa: E402  (after the path insert)
+from dflash import store  # noqa: E402
+
+
+def destinations(shards: store.ShardStore) -> dict[str, np.ndarray]:
+    T, F = shards.token_budget, shards.feature_dim
+    return {"hidden": np.empty((T, F), np.int16), **{n: np.empty(T, d) for n, d in store.TOKEN_ARRAYS.items()}}
+
+
+def zarr_read_into(shards: store.ShardStore, i: int, out: dict[str, np.ndarray]) -> None:
+    part, row = shards.locate(i)
+    for name, target in out.items():
+        value = shards.parts[part][name][row]
+        np.copyto(target, value.view(target.dtype) if name == "hidden" else value, casting="unsafe")
+
+
+def rows_per_second(read, shards: store.ShardStore, threads: int, passes: int) -> float:
+    local = threading.local()
+
+    def one(i: int):
+        if not hasattr(local, "out"):
+            local.out = destinations(shards)
+        read(shards, i, local.out)
+
+    rows = list(range(shards.num_rows))
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, rows))  # warm: page cache, zarr's metadata, each thread's buffers
+        start = time.perf_counter()
+        for _ in range(passes):
+            list(pool.map(one, rows))
+        return passes * len(rows) / (time.perf_counter() - start)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", default="1,2", help="comma-separated reader thread counts")
+    parser.add_argument("--rows", type=int, default=32, help="rows in the synthetic store")
+    parser.add_argument("--passes", type=int, default=4, help="timed passes over all rows")
+    parser.add_argument("--hidden", type=int, default=512, help="target hidden size (5 tapped layers)")
+    parser.add_argument("--token-budget", type=int, default=4096)
+    parser.add_argument("--work", default="/tmp/dflash-bench-reader", help="where the synthetic store goes")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    shape = dict(hidden=args.hidden, target_layers=8, vocab=8192, doc_len=args.token_budget // 4, docs_per_row=4)
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    start = time.perf_counter()
+    synthetic_store(work / "store", work / "no-target", shape, args.rows, torch.device("cpu"))
+    write_s = time.perf_counter() - start
+    shards = store.ShardStore.open(work / "store")
+    row_gb = shards.token_budget * shards.feature_dim * 2 / 1e9
+    hidden_on_disk = sum(store.disk_bytes(p) for p in (work / "store" / "parts").glob("*/hidden"))
+    info = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.node(),
+        "cpus": len(os.sched_getaffinity(0)), "python": platform.python_version(),
+        "torch": torch.__version__, "zarr": zarr.__version__, "rows": shards.num_rows,
+        "row": f"{shards.token_budget} x {shards.feature_dim}", "row_MB": round(row_gb * 1e3, 1),
+        "hidden_ratio": round(shards.num_rows * row_gb * 1e9 / hidden_on_disk, 3), "store_write_s": round(write_s, 1),
+    }  # fmt: skip
+    print(", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
+    print(f"{'method':<8} {'threads':>7} {'rows/s':>8} {'GB/s':>6}")
+    results = []
+    for threads in [int(t) for t in args.threads.split(",")]:
+        for method, read in [("zarr", zarr_read_into), ("direct", store.ShardStore.read_row_into)]:
+            rate = rows_per_second(read, shards, threads, args.passes)
+            results.append({"method": method, "threads": threads, "rows_s": rate, "GB_s": rate * row_gb})
+            print(f"{method:<8} {threads:>7} {rate:>8.1f} {rate * row_gb:>6.2f}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"info": info, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
