@@ -3,8 +3,8 @@
 Three pieces, each with one job:
 - `split_rows` / `epoch_order`: which rows, in which order. Pure functions of (seed, epoch, rank, world), so a
   resumed run and a run on another number of ranks see the same global batches.
-- `RowReader`: CPU threads read rows (zarr) into pinned host batches, a bounded number of steps ahead. No GPU
-  work happens off the main thread.
+- `RowReader`: CPU threads decode rows straight into pinned host batches (`ShardStore.read_row_into`), a
+  bounded number of steps ahead. No GPU work happens off the main thread.
 - `DeviceFeed`: the main thread copies a host batch to the device on a side stream into staging buffers while
   the previous step runs, then into the static buffers just before the next step (event-synchronised).
 """
