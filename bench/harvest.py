@@ -6,14 +6,14 @@ Gated-DeltaNet 48 value / 16 key heads of 128, 3 linear layers per full-attentio
 weights, built on the GPU. Only the layers up to the last tapped one exist, as in a real harvest. Documents are
 random token ids, 3072 tokens each (DFlash's max length), packed 4 to a 12288-token row.
 
-    python bench/harvest.py --layers 64 --groups 20         # full depth: the bar (a 42 GB store on disk)
+    python bench/harvest.py --layers 64 --groups 16         # full depth: the bar (a 34 GB store on disk)
     python bench/harvest.py --layers 8 --groups 6           # truncated depth: where writing becomes the limit
 
 harvest/bare compares the whole pipeline run, from buffer allocation to the last commit, with the bare forward;
 steady/bare leaves out the once-per-run parts a harvest of hours amortises (allocating the pinned buffers, the
 last writes after the last forward), as timed by the pipeline itself (`harvest.PipelineStalls`, printed too).
-At full depth those parts took 7 s (2026-11-29), so harvest/bare depends on the run's length: 89 % over 12
-groups (70 s); the bar's run is 20 groups, still short next to a real harvest of hours.
+At full depth those parts took 7 s (2026-11-29), so harvest/bare depends on the run's length: 89.3 % over 12
+groups (70 s), 91.8 % over 16 (88 s; the whole call took 230 s), still short next to a real harvest of hours.
 
 Dense MFU = 2 * (non-embedding parameters run) * tokens / time / 792 TFLOP/s (the bf16 matmul rate measured on
 the machine); attention FLOPs are not counted, as in the baseline of shared/DEVICE.md.
