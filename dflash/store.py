@@ -304,6 +304,12 @@ class HiddenChunkReader:
     """
 
     def __init__(self, array: zarr.Array, folder: Path):
+        codecs = [type(c).__name__ for c in (array.serializer, *array.filters, *array.compressors)]
+        if codecs != ["BytesCodec", "BloscCodec", "Crc32cCodec"] or array.serializer.endian.value != "little":
+            raise DflashError(
+                f"the hidden states in {folder} are encoded as {codecs}, not the bytes (little endian) -> blosc -> "
+                "crc32c chain this version of dflash reads; harvest again with this version"
+            )
         self.array, self.folder = array, folder
         self.chunk_tokens = array.chunks[1]
         self.codec = numcodecs.Blosc()  # decoding reads shuffle and compressor from each chunk's header

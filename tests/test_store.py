@@ -106,6 +106,14 @@ def test_direct_reader_equals_plain_zarr_with_an_edge_chunk(tmp_path, monkeypatc
         shards.read_row_into(0, {"hidden": np.zeros((T, F - 1), np.int16), **tokens})
 
 
+def test_a_hidden_array_with_another_codec_is_refused(tmp_path, monkeypatch):
+    out = tmp_path / "s"
+    monkeypatch.setattr(store, "hidden_compressors", store.token_compressors)  # zstd instead of blosc
+    write_store(out)
+    with pytest.raises(DflashError, match=r"encoded as \['BytesCodec', 'ZstdCodec', 'Crc32cCodec'\].*harvest again"):
+        store.ShardStore.open(out)
+
+
 def test_truncated_chunk_is_named(tmp_path):
     out = tmp_path / "s"
     write_store(out)
