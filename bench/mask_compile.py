@@ -98,7 +98,9 @@ def main():
             print(f"{shape:<9} {options:<34} {str(first):>12} {str(r.get('build_ms', '-')):>9} "
                   f"{str(r.get('equals_eager', '-')):>8}", flush=True)  # fmt: skip
     if args.json:
-        meta = {"torch": torch.__version__, "device": args.device, "limit_s": args.limit}
+        from bench.train import versions
+
+        meta = {**versions(torch.device(args.device)), "limit_s": args.limit}
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
 
 

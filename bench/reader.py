@@ -26,11 +26,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import zarr
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repository's dflash
 
-from bench.train import synthetic_store  # noqa: E402  (after the path insert)
+from bench.train import synthetic_store, versions  # noqa: E402  (after the path insert)
 from dflash import store  # noqa: E402
 
 
@@ -83,9 +82,8 @@ def main():
     row_gb = shards.token_budget * shards.feature_dim * 2 / 1e9
     hidden_on_disk = sum(store.disk_bytes(p) for p in (work / "store" / "parts").glob("*/hidden"))
     info = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.node(),
-        "cpus": len(os.sched_getaffinity(0)), "python": platform.python_version(),
-        "torch": torch.__version__, "zarr": zarr.__version__, "rows": shards.num_rows,
+        **versions(torch.device("cpu")), "machine": platform.node(), "cpus": len(os.sched_getaffinity(0)),
+        "python": platform.python_version(), "rows": shards.num_rows,
         "row": f"{shards.token_budget} x {shards.feature_dim}", "row_MB": round(row_gb * 1e3, 1),
         "hidden_ratio": round(shards.num_rows * row_gb * 1e9 / hidden_on_disk, 3), "store_write_s": round(write_s, 1),
     }  # fmt: skip

@@ -328,11 +328,12 @@ class HiddenChunkReader:
     def _checked_chunk(self, row: int, j: int) -> bytes:
         """The chunk's encoded bytes, after checking the CRC32C that follows them (as zarr's crc32c codec does)."""
         path = self.folder / self.array.metadata.encode_chunk_key((row, j, 0))
-        if not path.is_file():
-            raise DflashError(f"chunk file missing: {path}")
-        with open(path, "rb") as f:
-            encoded = f.read(max(path.stat().st_size - 4, 0))
-            stored = f.read(4)
+        try:
+            with open(path, "rb") as f:
+                encoded = f.read(max(os.fstat(f.fileno()).st_size - 4, 0))  # no copy to split off the checksum
+                stored = f.read(4)
+        except FileNotFoundError:
+            raise DflashError(f"chunk file missing: {path}") from None
         if len(stored) != 4 or int.from_bytes(stored, "little") != google_crc32c.value(encoded):
             raise DflashError(f"checksum mismatch in chunk file {path}")
         return encoded
