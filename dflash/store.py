@@ -305,7 +305,8 @@ class HiddenChunkReader:
 
     def __init__(self, array: zarr.Array, folder: Path):
         codecs = [type(c).__name__ for c in (array.serializer, *array.filters, *array.compressors)]
-        if codecs != ["BytesCodec", "BloscCodec", "Crc32cCodec"] or array.serializer.endian.value != "little":
+        endian = getattr(array.serializer.endian, "value", array.serializer.endian)  # an enum before zarr 3.4, a str since
+        if codecs != ["BytesCodec", "BloscCodec", "Crc32cCodec"] or endian != "little":
             raise DflashError(
                 f"the hidden states in {folder} are encoded as {codecs}, not the bytes (little endian) -> blosc -> "
                 "crc32c chain this version of dflash reads; harvest again with this version"
