@@ -20,7 +20,8 @@ Stages, every one through the library entry points the CLI uses (except the fixt
   3. regenerate  `{"text": ...}` prompts (a few lines of code, cut at a line end) from the DRAFTER files, answered
                greedily by the target with `dflash.regenerate.regenerate` (in chunks, resumable, within a time
                budget): the drafter's training data is the target's own output.
-  4. harvest   `dflash.harvest.run_harvest` of the responses (text records: loss on every token).
+  4. harvest   `dflash.harvest.run_harvest` of the responses (prompt / completion records: loss on the target's
+               responses only, as DFlash trains).
   5. drafter   `dflash.train.run_training` (5 layers, B = 16, the paper's optimiser settings), exported; its
                held-out loss and acceptance length are logged 8 times over the run.
   6. eval      prompts from HELD-OUT files (one per file). Per prompt, in one process: plain greedy decoding of
@@ -532,10 +533,10 @@ def regenerate_within(scale: Scale, target: Path, prompts: list[dict], work: Pat
     return {"prompts": len(prompts), "answered": done, "file": str(out)}
 
 
-def response_stats(tokenizer, prompts: list[dict], responses: Path) -> dict:
+def response_stats(tokenizer, responses: Path) -> dict:
     """Response lengths, how many stopped at EOS, and distinct 4-grams (a looping target scores low)."""
     lines = jsonl_lines(responses.read_bytes())
-    texts = [json.loads(line)["text"][len(prompt["text"]) :] for prompt, (_, line) in zip(prompts, lines)]
+    texts = [json.loads(line)["completion"] for _, line in lines]
     lengths, distinct = [], []
     for text in texts:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -562,7 +563,7 @@ def evaluate_all(scale: Scale, target_path: Path, drafter_path: Path, prompts: l
     from dflash.speculative import evaluate
 
     report = evaluate(
-        target_path, [str(drafter_path), "untrained"], [{"text": p["text"]} for p in prompts],
+        target_path, [str(drafter_path), "untrained"], [{"prompt": p["text"]} for p in prompts],
         max_new_tokens=scale.new_tokens, temperature=0.0, device=device, dtype="float32",
         prompt_lookup_tokens=scale.prompt_lookup_tokens, seed=seed, time_budget=budget,
         min_prompts=scale.min_eval_prompts, on_prompt=on_prompt,
@@ -742,7 +743,7 @@ def main(argv=None) -> int:
     # 3. regenerate
     def regen():
         info = regenerate_within(scale, target, train_prompts, work, device.type, scale.regen_seconds)
-        info.update(response_stats(tokenizer, train_prompts, Path(info["file"])))
+        info.update(response_stats(tokenizer, Path(info["file"])))
         logger.info("regenerate: %s", {k: v for k, v in info.items() if k != "sample_response"})
         logger.info("sample response:\n%s", info["sample_response"][:400])
         return info

@@ -13,7 +13,7 @@ DTYPE_HELP = "model dtype: auto (bfloat16 on cuda, float32 on cpu), float32, bfl
 @click.command("regenerate")
 @config_option
 @click.option("--model", required=True, type=click.Path(exists=True, file_okay=False), help="Target model folder.")
-@click.option("--data", required=True, type=click.Path(exists=True, dir_okay=False), help="Prompts JSONL: chat 'messages' or 'text'.")
+@click.option("--data", required=True, type=click.Path(exists=True, dir_okay=False), help="Prompts JSONL: chat 'messages', 'text' or 'prompt'.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Responses JSONL; an existing one is resumed.")
 @click.option("--batch-size", default=8, type=click.IntRange(min=1), help="Prompts per generate call (left-padded).")
 @click.option("--max-new-tokens", default=512, type=click.IntRange(min=1), help="Longest response, in tokens.")
@@ -39,7 +39,7 @@ def regenerate_command(model, data, out, batch_size, max_new_tokens, temperature
 @click.option("--drafter", type=click.Path(exists=True, file_okay=False), help="Exported drafter folder.")
 @click.option("--untrained", is_flag=True, help="Use a randomly initialised drafter shaped from the target (baseline).")
 @click.option("--block-size", default=16, type=click.IntRange(min=2), help="Block size of the --untrained drafter.")
-@click.option("--data", required=True, type=click.Path(exists=True, dir_okay=False), help="Prompts JSONL: chat 'messages' or 'text'.")
+@click.option("--data", required=True, type=click.Path(exists=True, dir_okay=False), help="Prompts JSONL: chat 'messages', 'text' or 'prompt'.")
 @click.option("--num-prompts", type=click.IntRange(min=1), help="Only the first N prompts.")
 @click.option("--max-new-tokens", default=256, type=click.IntRange(min=1), help="Tokens generated per prompt.")
 @click.option("--temperature", default=0.0, type=click.FloatRange(min=0), help="0 = greedy (checked against plain decoding).")

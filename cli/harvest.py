@@ -22,7 +22,7 @@ def _layer_list(_ctx, _param, value):
 @click.command()
 @config_option
 @click.option("--model", required=True, help="Target checkpoint: a local transformers folder (or a hub name).")
-@click.option("--data", required=True, type=click.Path(), help='JSONL file: one {"messages": [...]} or {"text": ...} per line.')
+@click.option("--data", required=True, type=click.Path(), help='JSONL file: one {"messages": [...]}, {"prompt": ..., "completion": ...} or {"text": ...} per line.')
 @click.option("--out", required=True, type=click.Path(), help="Store folder to create, or to resume when it holds this harvest.")
 @click.option("--layers", callback=_layer_list, help="Comma-separated target layers to tap.  [default: the DFlash rule, 5 layers from 1 to L-3]")
 @click.option("--token-budget", default=12288, type=int, help="Tokens per stored row; documents are packed whole into rows.")

@@ -8,6 +8,10 @@ Each non-blank line of the data file is one document:
   (the model never generates it). Everything else (system, user, tool turns, role headers) is off.
 - `{"text": "..."}` is tokenised as the tokenizer does by default (its BOS if it defines one; no EOS added) and
   the loss mask is on for every token.
+- `{"prompt": "...", "completion": "..."}` (what `dflash regenerate` writes for text prompts) is tokenised as the
+  text prompt + completion; the loss mask is on for the tokens holding completion characters only, since the
+  drafter drafts what the target writes, not the prompt it was given. A completion that ends up without a loss
+  token (an empty response) is dropped and counted, like a split-off prompt.
 
 Blank lines are skipped; `doc_id` is the 0-based index of the source line, error messages give 1-based line
 numbers. Documents longer than `max_length` are truncated or split into standalone pieces; pieces left with no
@@ -26,7 +30,11 @@ import numpy as np
 from dflash.errors import DflashError
 
 OVERFLOW_MODES = ("truncate", "split")
-LINE_EXAMPLE = '{"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]} or {"text": ...}'
+LINE_EXAMPLE = (
+    '{"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]}, {"text": ...} '
+    'or {"prompt": ..., "completion": ...}'
+)
+KINDS = {"messages": "chat", "text": "text", "prompt": "completion"}  # the key that names a line's kind
 
 
 @dataclass
@@ -34,7 +42,7 @@ class Document:
     doc_id: int  # index of the source line (0-based); split pieces share it
     piece: int  # 0 unless a long document was split
     input_ids: np.ndarray  # int32 [n]
-    loss_mask: np.ndarray  # uint8 [n]: 1 on assistant tokens (chat) or every token (text)
+    loss_mask: np.ndarray  # uint8 [n]: 1 on assistant tokens (chat), completion tokens or every token (text)
 
 
 @dataclass
@@ -49,6 +57,7 @@ class DataConfig:
 class DataStats:
     chat: int = 0  # source lines of each kind
     text: int = 0
+    completion: int = 0
     truncated: int = 0  # documents cut to max_length ...
     truncated_tokens: int = 0  # ... and the tokens that cut dropped
     split: int = 0  # documents split ...
@@ -74,9 +83,7 @@ def load_documents(cfg: DataConfig, tokenizer_path: str) -> tuple[list[Document]
         )
     items = [(str(cfg.path), index, kind, payload) for index, kind, payload in records]
     encoded = _encode_all(items, tokenizer, tokenizer_path, cfg.workers)
-    stats = DataStats(
-        chat=sum(kind == "chat" for _, kind, _ in records), text=sum(kind == "text" for _, kind, _ in records)
-    )
+    stats = DataStats(**{kind: sum(k == kind for _, k, _ in records) for kind in KINDS.values()})
     documents = []
     for (index, _, _), (ids, mask) in zip(records, encoded):
         documents.extend(_fit(index, ids, mask, cfg, stats))
@@ -114,7 +121,7 @@ def _check_config(cfg: DataConfig) -> None:
 
 
 def _read_records(path: Path) -> list[tuple[int, str, object]]:
-    """(line index, "chat" | "text", messages or text) for every non-blank line, each validated."""
+    """(line index, kind, payload) for every non-blank line, each validated (kinds: see parse_line)."""
     if not path.is_file():
         raise DflashError(f"data file {path} does not exist or is not a file; pass a JSONL file with one {LINE_EXAMPLE} per line")
     try:
@@ -143,11 +150,14 @@ def _parse_document(line: bytes, where: str) -> tuple[str, object]:
     kind, payload = parse_line(line, where)
     if kind == "chat" and not any(message["role"] == "assistant" for message in payload):
         raise DflashError(f"{where}: the conversation has no assistant turn, so nothing to train on; add one or remove the line")
+    if kind == "completion" and payload[1] is None:
+        raise DflashError(f"{where}: the prompt has no \"completion\", so nothing to train on; add one or remove the line")
     return kind, payload
 
 
 def parse_line(line: bytes, where: str) -> tuple[str, object]:
-    """One JSONL line as ("chat", messages) or ("text", text), checked for shape; errors name `where`."""
+    """One JSONL line as ("chat", messages), ("text", text) or ("completion", (prompt, completion)), checked for
+    shape; errors name `where`."""
     try:
         record = json.loads(line.decode("utf-8"))
     except UnicodeDecodeError as exc:
@@ -156,13 +166,16 @@ def parse_line(line: bytes, where: str) -> tuple[str, object]:
         raise DflashError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object, {LINE_EXAMPLE}") from exc
     if not isinstance(record, dict):
         raise DflashError(f"{where}: expected a JSON object, got {type(record).__name__}; write {LINE_EXAMPLE}")
-    has_messages, has_text = "messages" in record, "text" in record
-    if has_messages == has_text:
-        problem = "has both" if has_messages else "has neither"
-        raise DflashError(f"{where}: the object {problem} a \"messages\" and a \"text\" key; give exactly one, {LINE_EXAMPLE}")
-    if has_text:
-        return "text", _check_text(record["text"], where)
-    return "chat", _check_messages(record["messages"], where)
+    keys = [key for key in KINDS if key in record]
+    if len(keys) != 1:
+        problem = f"has the keys {', '.join(keys)}" if keys else 'has none of the keys "messages", "text", "prompt"'
+        raise DflashError(f"{where}: the object {problem}; give exactly one kind of document, {LINE_EXAMPLE}")
+    kind = KINDS[keys[0]]
+    if kind == "text":
+        return kind, _check_text(record["text"], where)
+    if kind == "completion":
+        return kind, _check_completion(record, where)
+    return kind, _check_messages(record["messages"], where)
 
 
 def _check_text(text, where: str) -> str:
@@ -171,6 +184,18 @@ def _check_text(text, where: str) -> str:
     if not text.strip():
         raise DflashError(f"{where}: empty document (\"text\" holds no characters besides whitespace); remove the line")
     return text
+
+
+def _check_completion(record: dict, where: str) -> tuple[str, str | None]:
+    """(prompt, completion); the completion may be absent (a prompt to answer), but not of another type."""
+    prompt, completion = record["prompt"], record.get("completion")
+    if not isinstance(prompt, str):
+        raise DflashError(f"{where}: \"prompt\" must be a string, got {type(prompt).__name__}")
+    if completion is not None and not isinstance(completion, str):
+        raise DflashError(f"{where}: \"completion\" must be a string, got {type(completion).__name__}")
+    if not (prompt + (completion or "")).strip():
+        raise DflashError(f"{where}: empty document (no characters besides whitespace); remove the line")
+    return prompt, completion
 
 
 def _check_messages(messages, where: str) -> list[dict]:
@@ -215,13 +240,22 @@ def _encode(tokenizer, path: str, index: int, kind: str, payload) -> tuple[np.nd
     if kind == "text":
         ids = tokenizer(payload, add_special_tokens=True, verbose=False)["input_ids"]
         mask = np.ones(len(ids), np.uint8)
+    elif kind == "completion":
+        ids, mask = _encode_completion(tokenizer, *payload)
     else:
         ids, mask = _encode_chat(tokenizer, payload, where)
     if len(ids) == 0:
         raise DflashError(f"{where}: empty document (the tokenizer produced no tokens); remove the line")
-    if not mask.any():
+    if kind == "chat" and not mask.any():
         raise DflashError(f"{where}: no assistant tokens after tokenisation; give the assistant turns some content")
     return np.asarray(ids, np.int32), mask
+
+
+def _encode_completion(tokenizer, prompt: str, completion: str) -> tuple[list[int], np.ndarray]:
+    encoding = tokenizer(prompt + completion, add_special_tokens=True, return_offsets_mapping=True, verbose=False)
+    offsets = np.asarray(encoding["offset_mapping"], np.int64).reshape(-1, 2)
+    # A token holding completion characters ends after the prompt; added special tokens span (0, 0).
+    return encoding["input_ids"], (offsets[:, 1] > len(prompt)).astype(np.uint8)
 
 
 def _encode_chat(tokenizer, messages: list[dict], where: str) -> tuple[list[int], np.ndarray]:

@@ -1,10 +1,11 @@
 """Target-regenerated responses: DFlash trains on what the target itself says.
 
 Prompts are JSONL: chat records `{"messages": [...]}` ending with a user turn (a trailing assistant turn, the
-original answer, is dropped), rendered with the tokenizer's chat template; or `{"text": ...}` records, which the
-target continues as raw text. Output lines, in prompt order, are what `dflash harvest` reads:
+original answer, is dropped), rendered with the tokenizer's chat template; or text records, `{"text": ...}` or
+`{"prompt": ...}` (a `"completion"` beside it, an original answer, is dropped), which the target continues as
+raw text. Output lines, in prompt order, are what `dflash harvest` reads:
 `{"messages": [...prompt turns, {"role": "assistant", "content": response}]}` for chat prompts and
-`{"text": prompt + response}` for text prompts.
+`{"prompt": prompt, "completion": response}` for text prompts (harvest puts the loss on the response only).
 
 Resuming: the output is only ever appended whole batches at a time (one write, flushed and fsynced), a
 trailing partial line left by a killed run is cut off, and a rerun starts after the lines already there, once
@@ -26,20 +27,22 @@ from dflash.errors import DflashError
 
 
 def load_prompts(path: str | Path) -> list[dict]:
-    """Read prompt records, each normalised to `{"messages": [...]}` (ending with a user turn) or `{"text": ...}`."""
+    """Read prompt records, each normalised to `{"messages": [...]}` (ending with a user turn) or `{"prompt": ...}`."""
     path = Path(path)
     if not path.is_file():
         raise DflashError(f"prompt file {path} does not exist; pass a JSONL file of chat or text prompts")
     records = [_prompt_record(line, f"{path} line {number}") for number, line in jsonl_lines(path.read_bytes())]
     if not records:
-        raise DflashError(f"{path} holds no prompts; expected JSONL lines with 'messages' or 'text'")
+        raise DflashError(f"{path} holds no prompts; expected JSONL lines with 'messages', 'text' or 'prompt'")
     return records
 
 
 def _prompt_record(line: bytes, where: str) -> dict:
     kind, payload = parse_line(line, where)
     if kind == "text":
-        return {"text": payload}
+        return {"prompt": payload}
+    if kind == "completion":
+        return {"prompt": payload[0]}
     # The target writes the answer itself: an answer already there is dropped.
     messages = payload[:-1] if payload[-1]["role"] == "assistant" else payload
     if not messages or messages[-1]["role"] != "user":
@@ -52,8 +55,8 @@ def _prompt_record(line: bytes, where: str) -> dict:
 
 def encode_prompt(tokenizer, record: dict) -> list[int]:
     """Token ids the target starts generating after."""
-    if "text" in record:
-        return tokenizer(record["text"])["input_ids"]
+    if "prompt" in record:
+        return tokenizer(record["prompt"])["input_ids"]
     if not tokenizer.chat_template:
         raise DflashError("chat prompts need a tokenizer with a chat template; use {\"text\": ...} prompts instead")
     text = tokenizer.apply_chat_template(record["messages"], add_generation_prompt=True, tokenize=False)
@@ -61,16 +64,16 @@ def encode_prompt(tokenizer, record: dict) -> list[int]:
 
 
 def response_record(record: dict, response: str) -> dict:
-    if "text" in record:
-        return {"text": record["text"] + response}
+    if "prompt" in record:
+        return {"prompt": record["prompt"], "completion": response}
     return {"messages": [*record["messages"], {"role": "assistant", "content": response}]}
 
 
 def _answers(line: bytes, record: dict) -> bool:
     """Whether an output line is the response record of prompt `record`."""
     done = json.loads(line.decode("utf-8"))
-    if "text" in record:
-        return isinstance(done.get("text"), str) and done["text"].startswith(record["text"])
+    if "prompt" in record:
+        return done.get("prompt") == record["prompt"] and isinstance(done.get("completion"), str)
     return done.get("messages", [])[:-1] == record["messages"]
 
 

@@ -88,6 +88,29 @@ def test_text_documents_have_every_token_on(tmp_path, tokenizer_path):
     assert documents[0].loss_mask.all() and (stats.text, stats.chat) == (1, 0)
 
 
+@pytest.mark.parametrize("prompt, completion", [
+    ("def add(a, b):\n", "    return a + b\n"),
+    ("x = 1", "0 + y  # the prompt's last token and the completion's first merge"),
+    ("", "only a completion"),
+])
+def test_completion_mask_is_exactly_the_completion_tokens(tmp_path, tokenizer_path, prompt, completion):
+    path = _jsonl(tmp_path, {"prompt": prompt, "completion": completion})
+    documents, stats = load_documents(DataConfig(path), tokenizer_path)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    ids = documents[0].input_ids.tolist()
+    assert ids == tokenizer(prompt + completion)["input_ids"] and stats.completion == 1
+    # Reference: where each token ends in the text, by decoding ever longer prefixes of the ids.
+    ends = [len(tokenizer.decode(ids[: i + 1], skip_special_tokens=True)) for i in range(len(ids))]
+    assert documents[0].loss_mask.tolist() == [int(end > len(prompt)) for end in ends]
+    assert _masked_runs(tokenizer_path, documents[0])[-1].endswith(completion)
+
+
+def test_empty_completion_is_dropped_and_counted(tmp_path, tokenizer_path):
+    path = _jsonl(tmp_path, {"prompt": "an answer that never came", "completion": ""}, {"prompt": "a", "completion": "b"})
+    documents, stats = load_documents(DataConfig(path), tokenizer_path)
+    assert [d.doc_id for d in documents] == [1] and (stats.completion, stats.dropped_no_loss) == (2, 1)
+
+
 def test_truncate_and_split(tmp_path, tokenizer_path):
     long_text = "The quick brown fox jumps over the lazy dog. " * 20
     path = _jsonl(tmp_path, {"text": "short one"}, "", {"text": long_text})
@@ -130,8 +153,12 @@ GOOD = {"text": "a good line"}
 BAD_LINES = {
     "malformed JSON": ('{"text": "unterminated', "malformed JSON"),
     "not an object": ('["text"]', "expected a JSON object"),
-    "neither key": ({"prompt": "hi"}, "neither"),
-    "both keys": ({"text": "hi", "messages": []}, "both"),
+    "no known key": ({"title": "hi"}, 'none of the keys "messages", "text", "prompt"'),
+    "two kinds": ({"text": "hi", "messages": []}, "has the keys messages, text"),
+    "prompt without completion": ({"prompt": "hi"}, 'has no "completion", so nothing to train on'),
+    "prompt not a string": ({"prompt": None, "completion": "x"}, '"prompt" must be a string'),
+    "completion not a string": ({"prompt": "hi", "completion": 3}, '"completion" must be a string'),
+    "empty prompt and completion": ({"prompt": " ", "completion": "\n"}, "empty document"),
     "empty text": ({"text": "  "}, "empty document"),
     "text not a string": ({"text": 3}, '"text" must be a string'),
     "messages not a list": ({"messages": "hi"}, "non-empty list"),

@@ -30,6 +30,7 @@ PROMPTS = [
         ]
     },
     {"text": "import os\n"},
+    {"prompt": "def area(r):\n", "completion": "    an answer written by someone else, to be dropped"},
     {"messages": [{"role": "user", "content": "Tell me about the statistics.median_grouped function, in detail please."}]},
 ]
 GREEDY = Sampling(max_new_tokens=10)
@@ -55,10 +56,11 @@ def test_greedy_regenerate_matches_generate_and_is_harvestable(tiny_target, prom
     target_path = tiny_target("qwen3_5")
     out = tmp_path / "responses.jsonl"
     stats = regenerate(target_path, prompts_file, out, GREEDY, batch_size=3, progress=False)
-    assert (stats.prompts, stats.already_done, stats.written) == (4, 0, 4)
+    assert (stats.prompts, stats.already_done, stats.written) == (5, 0, 5)
     lines = read_lines(out)
     assert lines[1]["messages"][:2] == PROMPTS[1]["messages"][:2]  # the original answer was dropped
-    assert lines[2]["text"].startswith("import os\n")
+    assert lines[2]["prompt"] == "import os\n" and lines[3]["prompt"] == "def area(r):\n"
+    assert "someone else" not in lines[3]["completion"]
 
     # Each response is what transformers' generate says for that prompt alone (no padding, no batch).
     model, tokenizer = load_target(target_path)
@@ -67,11 +69,16 @@ def test_greedy_regenerate_matches_generate_and_is_harvestable(tiny_target, prom
         ids = torch.tensor([encode_prompt(tokenizer, record)])
         new = model.generate(ids, max_new_tokens=GREEDY.max_new_tokens, do_sample=False)[0, ids.shape[1] :].tolist()
         new = new[: next((i for i, t in enumerate(new) if t in eos_ids), len(new))]
-        response = line["messages"][-1]["content"] if "messages" in line else line["text"][len(record["text"]) :]
+        response = line["messages"][-1]["content"] if "messages" in line else line["completion"]
         assert response == tokenizer.decode(new, skip_special_tokens=False)
 
     documents, data_stats = load_documents(DataConfig(out), str(target_path))
-    assert (data_stats.chat, data_stats.text) == (3, 1) and len(documents) == 4
+    assert (data_stats.chat, data_stats.completion) == (3, 2) and len(documents) == 5
+    # Text prompts: the loss is on the target's response, not on the prompt it was given.
+    for document, line in zip(documents[2:4], lines[2:4]):
+        on = document.loss_mask.astype(bool)
+        assert line["prompt"].startswith(tokenizer.decode(document.input_ids[~on], skip_special_tokens=True))
+        assert tokenizer.decode(document.input_ids[on]).endswith(line["completion"]) and on.any()
 
 
 def test_resume_after_a_killed_run_adds_only_the_missing_prompts(tiny_target, prompts_file, tmp_path):
@@ -87,11 +94,11 @@ def test_resume_after_a_killed_run_adds_only_the_missing_prompts(tiny_target, pr
     args = ["regenerate", "--model", str(target_path), "--data", str(prompts_file), "--out", str(partial)]
     result = CliRunner().invoke(main, args + ["--max-new-tokens", "10", "--batch-size", "2", "--device", "cpu"])
     assert result.exit_code == 0, result.output
-    assert "3 responses written, 1 already there" in result.output
+    assert "4 responses written, 1 already there" in result.output
     assert partial.read_text() == full.read_text()
 
     again = CliRunner().invoke(main, args + ["--max-new-tokens", "10", "--device", "cpu"])
-    assert "0 responses written, 4 already there" in again.output
+    assert "0 responses written, 5 already there" in again.output
     assert partial.read_text() == full.read_text()
 
 
@@ -102,7 +109,7 @@ def test_resume_refuses_output_from_other_prompts(tmp_path):
 
 
 def test_resume_counts_responses_holding_unicode_line_breaks(tmp_path):
-    records = [{"text": "a"}, {"messages": [{"role": "user", "content": "b"}]}, {"text": "c"}]
+    records = [{"prompt": "a"}, {"messages": [{"role": "user", "content": "b"}]}, {"prompt": "c"}]
     out = tmp_path / "out.jsonl"
     append_lines(out, [response_record(record, UNICODE_BREAKS) for record in records[:2]])
     whole = out.read_bytes()
@@ -114,7 +121,7 @@ def test_resume_counts_responses_holding_unicode_line_breaks(tmp_path):
 
 def test_prompts_with_unicode_line_breaks_load_whole(tmp_path):
     records = [{"text": UNICODE_BREAKS}, {"messages": [{"role": "user", "content": UNICODE_BREAKS}]}]
-    assert load_prompts(write_jsonl(tmp_path / "prompts.jsonl", records)) == records
+    assert load_prompts(write_jsonl(tmp_path / "prompts.jsonl", records)) == [{"prompt": UNICODE_BREAKS}, records[1]]
 
 
 @pytest.mark.parametrize(
@@ -123,7 +130,8 @@ def test_prompts_with_unicode_line_breaks_load_whole(tmp_path):
         ("{not json", "line 2: malformed JSON"),
         ('{"messages": [{"role": "assistant", "content": "hi"}]}', "line 2: the conversation must end with a user turn"),
         ('{"messages": [{"role": "user"}]}', 'line 2: message 0 needs a string "content"'),
-        ('{"text": "a", "messages": []}', 'line 2: the object has both a "messages" and a "text" key'),
+        ('{"text": "a", "messages": []}', "line 2: the object has the keys messages, text"),
+        ('{"prompt": 3}', 'line 2: "prompt" must be a string'),
         ('{"text": ""}', "line 2: empty document"),
         ('{"messages": []}', 'line 2: "messages" must be a non-empty list'),
     ],

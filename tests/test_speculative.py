@@ -25,7 +25,7 @@ from dflash.speculative import (
 
 PROMPTS = [
     {"messages": [{"role": "user", "content": "Explain what `logging.NullHandler` in the Python standard library does."}]},
-    {"text": "def parse(line):\n    return"},
+    {"prompt": "def parse(line):\n    return"},
 ]
 BLOCK = 8
 
