@@ -1,5 +1,5 @@
 """Harvest throughput on the GPU: the real harvest pipeline (forward, device->host copy, compression, disk)
-against the bare forward of the same target, measured in the same process.
+against the bare forward of the same target, measured in the same process; under torchrun, on every GPU at once.
 
 The target has the Qwen3.5-27B-like shapes of shared/DEVICE.md (hidden 5120, FFN 17408, 24 / 4 heads of 256,
 Gated-DeltaNet 48 value / 16 key heads of 128, 3 linear layers per full-attention layer) with random bf16
@@ -8,6 +8,18 @@ random token ids, 3072 tokens each (DFlash's max length), packed 4 to a 12288-to
 
     python bench/harvest.py --layers 64 --groups 16         # full depth: the bar (a 34 GB store on disk)
     python bench/harvest.py --layers 8 --groups 6           # truncated depth: where writing becomes the limit
+    python bench/harvest.py --tiny                          # toy shapes on the CPU: checks the script
+
+Several GPUs (weak scaling: every rank harvests as many rows as the one-GPU run, into its own part of one store,
+from its own GPU cuda:LOCAL_RANK; ranks start each timed phase together, sharing the host's disk and cores):
+
+    python bench/harvest.py --layers 16 --groups 6 --json one.json
+    torchrun --standalone --nproc-per-node 2 bench/harvest.py --layers 16 --groups 6 --compare-to one.json
+    torchrun --standalone --nproc-per-node 2 bench/harvest.py --tiny     # the same on the CPU (gloo)
+
+Rank 0 prints one table row per rank and one for all of them: tok/s and GB/s summed, MFU averaged, the peak
+memory of the fullest GPU. --compare-to names the JSON of a one-GPU run of the same shapes and prints the scaling
+efficiency: tok/s per GPU at N ranks / tok/s of the one-GPU run, for the bare forward and for the harvest.
 
 harvest/bare compares the whole pipeline run, from buffer allocation to the last commit, with the bare forward;
 steady/bare leaves out the once-per-run parts a harvest of hours amortises (allocating the pinned buffers, the
@@ -28,12 +40,21 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from dflash import harvest, store
 from dflash.data import Document
 from dflash.target import TappedTarget, default_layer_ids
+from dflash.tiny import tiny_config
+from dflash.train import Env, init_distributed
 
 PEAK_FLOPS = 792e12
+TINY = dict(layers=8, groups=2, doc_length=96, token_budget=384, forward_tokens=768, out="/tmp/dflash-bench-store-tiny")
+SHAPE_KEYS = ("layers", "groups", "doc_length", "token_budget", "forward_tokens")  # equal for a scaling comparison
+HEADER = (
+    "| depth | layers run | bare tok/s | bare MFU | harvest tok/s | harvest MFU | harvest/bare | steady/bare "
+    "| features GB/s | on-disk GB/s | ratio | peak GB |"
+)
 
 
 def qwen35_27b_like(num_layers: int):
@@ -47,17 +68,18 @@ def qwen35_27b_like(num_layers: int):
     )  # fmt: skip
 
 
-def build_target(num_layers: int, device: str) -> TappedTarget:
+def build_target(num_layers: int, device: torch.device, tiny: bool) -> TappedTarget:
     from transformers import AutoModel
 
-    config = qwen35_27b_like(num_layers)
+    config = tiny_config("qwen3_5", 1024, num_layers) if tiny else qwen35_27b_like(num_layers)
     layer_ids = default_layer_ids(num_layers)
     config.num_hidden_layers = max(layer_ids) + 1  # a harvest never builds the layers after the last tap
     config.layer_types = config.layer_types[: config.num_hidden_layers]
     torch.manual_seed(0)
-    with torch.device(device):
+    with device:
         model = AutoModel.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
-    return TappedTarget.from_model(model, layer_ids, num_layers=num_layers, name=f"qwen35-27b-like-{num_layers}L")
+    name = f"{'tiny' if tiny else 'qwen35-27b-like'}-{num_layers}L"
+    return TappedTarget.from_model(model, layer_ids, num_layers=num_layers, name=name)
 
 
 def documents(count: int, length: int, vocab: int) -> list[Document]:
@@ -67,75 +89,94 @@ def documents(count: int, length: int, vocab: int) -> list[Document]:
     ]
 
 
-def timed(fn) -> float:
-    torch.cuda.synchronize()
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def barrier() -> None:
+    """Line the ranks up before a timed phase: they share the host's disk and cores, so they must overlap."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def timed(fn, device: torch.device) -> float:
+    synchronize(device)
     start = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    synchronize(device)
     return time.perf_counter() - start
 
 
 def bare_forward(plan: harvest.PartPlan, target: TappedTarget, cfg: harvest.HarvestConfig, groups: int) -> float:
-    """Seconds for the forward batches of `groups` row groups, features kept on the GPU and dropped."""
+    """Seconds for the forward batches of `groups` row groups, features kept on the device and dropped."""
     rows_per_group = cfg.forward_tokens // cfg.token_budget
 
     def run():
         for g in range(groups):
             for batch in harvest.forward_batches(plan, g * rows_per_group, (g + 1) * rows_per_group, cfg.forward_tokens):
-                ids = np.stack([plan.docs[d].input_ids for _, d in batch]).astype(np.int64)
-                target.features(torch.from_numpy(ids).pin_memory().to(target.device, non_blocking=True))
+                ids = torch.from_numpy(np.stack([plan.docs[d].input_ids for _, d in batch]).astype(np.int64))
+                if target.device.type == "cuda":  # as the harvest does: a pageable source waits for the GPU
+                    ids = ids.pin_memory()
+                target.features(ids.to(target.device, non_blocking=True))
 
-    return timed(run)
+    barrier()
+    return timed(run, target.device)
 
 
-def harvest_rows(plan, target, cfg, out: Path) -> tuple[float, harvest.PipelineStalls]:
-    """Seconds for the real pipeline over every row of the plan, until the last row is committed on disk, and
-    where its forward thread waited."""
-    shutil.rmtree(out, ignore_errors=True)
-    store.create_store(out, {"bench": True})
-    part = store.PartWriter(out, store.PartSpec(
-        0, len(plan.rows), cfg.token_budget, len(target.layer_ids) * target.info.hidden_size,
+def open_part(plan: harvest.PartPlan, target: TappedTarget, cfg: harvest.HarvestConfig, out: Path) -> store.PartWriter:
+    """This rank's part of a fresh store at `out`; rank 0 clears the folder before any rank creates its part."""
+    if cfg.rank == 0:
+        shutil.rmtree(out, ignore_errors=True)
+        store.create_store(out, {"bench": True})
+    barrier()
+    return store.PartWriter(out, store.PartSpec(
+        cfg.rank, len(plan.rows), cfg.token_budget, len(target.layer_ids) * target.info.hidden_size,
         plan.documents_table(), plan.counts(),
     ))  # fmt: skip
+
+
+def harvest_rows(plan, target, cfg, part: store.PartWriter) -> tuple[float, harvest.PipelineStalls]:
+    """Seconds for the real pipeline over every row of the plan, until the last row is committed on disk, and
+    where its forward thread waited."""
     stalls = []
-    seconds = timed(lambda: stalls.append(harvest._run_rows(cfg, plan, target, part)))
+    barrier()
+    seconds = timed(lambda: stalls.append(harvest._run_rows(cfg, plan, target, part)), target.device)
     return seconds, stalls[0]
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=64, help="target depth (the harvest runs up to the last tap)")
-    parser.add_argument("--groups", type=int, default=8, help="row groups timed in the harvest")
-    parser.add_argument("--doc-length", type=int, default=3072)
-    parser.add_argument("--token-budget", type=int, default=12288)
-    parser.add_argument("--forward-tokens", type=int, default=49152)
-    parser.add_argument("--out", default="/tmp/dflash-bench-store")
-    parser.add_argument("--json", help="also write the results here")
-    args = parser.parse_args()
+def peak_memory_gb(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
 
-    target = build_target(args.layers, "cuda")
+
+def measure(args, env: Env) -> dict:
+    """This rank's run: bare forward, then the harvest of its own rows into its own part of the store."""
+    target = build_target(args.layers, env.device, args.tiny)
     cfg = harvest.HarvestConfig(
         model="bench", data="bench", out=args.out, token_budget=args.token_budget, forward_tokens=args.forward_tokens,
-        device="cuda", rank=0, world_size=1,
+        device=str(env.device), rank=env.rank, world_size=env.world,
     )  # fmt: skip
     rows_per_group = args.forward_tokens // args.token_budget
     docs_per_row = args.token_budget // args.doc_length
+    docs_per_rank = (args.groups + 1) * rows_per_group * docs_per_row
     plan = harvest.PartPlan.build(
-        documents((args.groups + 1) * rows_per_group * docs_per_row, args.doc_length, target.info.vocab_size),
-        0, 1, args.token_budget,
+        documents(env.world * docs_per_rank, args.doc_length, target.info.vocab_size),
+        env.rank, env.world, args.token_budget,
     )  # fmt: skip
     params = sum(p.numel() for n, p in target.model.named_parameters() if "embed_tokens" not in n)
     group_tokens = rows_per_group * docs_per_row * args.doc_length
 
     warm = bare_forward(plan, target, cfg, 1)  # Triton autotuning happens here; never timed
     bare = bare_forward(plan, target, cfg, min(3, args.groups)) / (min(3, args.groups) * group_tokens)
-    torch.cuda.reset_peak_memory_stats()
-    seconds, stalls = harvest_rows(plan, target, cfg, Path(args.out))  # every row of the plan, all shapes already warm
+    if env.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(env.device)
+    part = open_part(plan, target, cfg, Path(args.out))
+    seconds, stalls = harvest_rows(plan, target, cfg, part)  # every row of the plan, all shapes already warm
     tokens = plan.counts()["tokens"]
     steady_s = seconds - stalls.setup_s - stalls.drain_s
     written = tokens * len(target.layer_ids) * target.info.hidden_size * 2
-    on_disk = store.disk_bytes(Path(args.out))
-    result = {
+    on_disk = store.disk_bytes(part.folder)
+    return {
         "layers": args.layers, "layers_run": len(target.model.layers), "tapped": target.layer_ids,
         "params_run_B": params / 1e9, "kernels": target.kernels, "first_forward_s": warm,
         "bare_tok_s": 1 / bare, "bare_mfu": 2 * params / bare / PEAK_FLOPS,
@@ -145,24 +186,140 @@ def main():
         # harvest of hours amortises: the steady rate of the pipeline.
         "steady_tok_s": tokens / steady_s, "steady_vs_bare": (tokens / steady_s) * bare,
         "GB_s_features": written / seconds / 1e9, "compression_ratio": written / on_disk,
-        "GB_s_disk": on_disk / seconds / 1e9, "peak_mem_GB": torch.cuda.max_memory_allocated() / 1e9,
+        "GB_s_disk": on_disk / seconds / 1e9, "peak_mem_GB": peak_memory_gb(env.device),
         "codec": [c.to_dict() for c in store.hidden_compressors()], "harvest_s": seconds,
         "stalls": dataclasses.asdict(stalls),
+        "rank": env.rank, "world_size": env.world, "device": str(env.device), "tiny": args.tiny,
+        **{key: getattr(args, key) for key in SHAPE_KEYS if key != "layers"},
+        "features_bytes": written, "disk_bytes": on_disk,
     }  # fmt: skip
-    shutil.rmtree(args.out, ignore_errors=True)
-    print("\n| depth | layers run | bare tok/s | bare MFU | harvest tok/s | harvest MFU | harvest/bare | steady/bare | features GB/s | on-disk GB/s | ratio | peak GB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    r = result
-    print(
+
+
+def aggregate(results: list[dict]) -> dict:
+    """All ranks as one harvest: rates and bytes summed, MFU averaged (the per-GPU MFU), the fullest GPU's memory."""
+    first, world = results[0], len(results)
+
+    def total(key):
+        return sum(r[key] for r in results)
+
+    bare, harvested, steady = total("bare_tok_s"), total("harvest_tok_s"), total("steady_tok_s")
+    peaks = [r["peak_mem_GB"] for r in results if r["peak_mem_GB"] is not None]
+    slowest = max(r["harvest_s"] for r in results)
+    return {
+        "layers": first["layers"], "layers_run": first["layers_run"], "world_size": world,
+        "bare_tok_s": bare, "bare_mfu": total("bare_mfu") / world,
+        "harvest_tok_s": harvested, "harvest_mfu": total("harvest_mfu") / world,
+        "harvest_vs_bare": harvested / bare, "steady_tok_s": steady, "steady_vs_bare": steady / bare,
+        "bare_tok_s_per_gpu": bare / world, "harvest_tok_s_per_gpu": harvested / world,
+        "GB_s_features": total("GB_s_features"), "GB_s_disk": total("GB_s_disk"),
+        "compression_ratio": total("features_bytes") / total("disk_bytes"), "peak_mem_GB": max(peaks, default=None),
+        "tokens": total("tokens"), "harvest_s": slowest,
+        # The job's rate as its slowest rank sets it; equals the sum of the rates when the ranks finish together.
+        "wall_tok_s": total("tokens") / slowest,
+    }  # fmt: skip
+
+
+def load_one_gpu_run(path: str, args) -> dict:
+    """The one-GPU result to compare with, refused unless it ran the same shapes (checked before any work)."""
+    one = json.loads(Path(path).read_text())
+    if "ranks" in one or one.get("world_size", 1) != 1:
+        raise SystemExit(f"--compare-to {path} is not a one-GPU run (it ran {one.get('world_size')} ranks)")
+    here = {key: getattr(args, key) for key in SHAPE_KEYS}
+    differ = [f"{key} {one.get(key)} there, {value} here" for key, value in here.items() if one.get(key) != value]
+    if differ:
+        raise SystemExit(f"--compare-to {path} ran other shapes ({'; '.join(differ)}); per-GPU rates would not compare")
+    return one
+
+
+def table_cells(r: dict) -> str:
+    peak = "-" if r["peak_mem_GB"] is None else f"{r['peak_mem_GB']:.1f}"
+    return (
         f"| {r['layers']} | {r['layers_run']} | {r['bare_tok_s']:,.0f} | {100 * r['bare_mfu']:.1f} % | "
         f"{r['harvest_tok_s']:,.0f} | {100 * r['harvest_mfu']:.1f} % | {100 * r['harvest_vs_bare']:.1f} % | "
         f"{100 * r['steady_vs_bare']:.1f} % | "
-        f"{r['GB_s_features']:.2f} | {r['GB_s_disk']:.2f} | {r['compression_ratio']:.3f} | {r['peak_mem_GB']:.1f} |"
+        f"{r['GB_s_features']:.2f} | {r['GB_s_disk']:.2f} | {r['compression_ratio']:.3f} | {peak} |"
     )
-    print(f"harvest: {seconds:.1f} s, {stalls.describe()}")
-    print(json.dumps(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+def report_one(result: dict) -> dict:
+    print("\n" + HEADER)
+    print("|---" * HEADER.count("|", 1) + "|")
+    print(table_cells(result))
+    print(f"harvest: {result['harvest_s']:.1f} s, {harvest.PipelineStalls(**result['stalls']).describe()}")
+    return result
+
+
+def report_ranks(results: list[dict]) -> dict:
+    summary = aggregate(results)
+    print(f"\n| rank {HEADER}")
+    print("|---" * (HEADER.count("|", 1) + 1) + "|")
+    for r in results:
+        print(f"| {r['rank']} ({r['device']}) {table_cells(r)}")
+    print(f"| all {len(results)} {table_cells(summary)}")
+    for r in results:
+        print(f"rank {r['rank']} harvest: {r['harvest_s']:.1f} s, {harvest.PipelineStalls(**r['stalls']).describe()}")
+    print(
+        f"all {len(results)} ranks: {summary['tokens']:,} tokens, the slowest rank in {summary['harvest_s']:.1f} s "
+        f"({summary['wall_tok_s']:,.0f} tok/s); per GPU: bare {summary['bare_tok_s_per_gpu']:,.0f} tok/s, "
+        f"harvest {summary['harvest_tok_s_per_gpu']:,.0f} tok/s"
+    )
+    return {"world_size": len(results), "ranks": results, "aggregate": summary}
+
+
+def report_scaling(summary: dict, one: dict) -> dict:
+    """Weak-scaling efficiency: tok/s per GPU at N ranks / tok/s of the one-GPU run."""
+    world, efficiency = summary["world_size"], {}
+    for what in ("bare", "harvest", "steady"):
+        per_gpu = summary[f"{what}_tok_s"] / world
+        efficiency[what] = per_gpu / one[f"{what}_tok_s"]
+        print(
+            f"scaling efficiency, {what}: {per_gpu:,.0f} tok/s per GPU at {world} GPUs vs "
+            f"{one[f'{what}_tok_s']:,.0f} on one GPU: {100 * efficiency[what]:.1f} %"
+        )
+    return efficiency
+
+
+def gather(result: dict, env: Env) -> list[dict]:
+    """Every rank's result, in rank order."""
+    if env.world == 1:
+        return [result]
+    results = [None] * env.world
+    dist.all_gather_object(results, result)
+    return results
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=64, help="target depth (the harvest runs up to the last tap)")
+    parser.add_argument("--groups", type=int, default=8, help="row groups timed in the harvest")
+    parser.add_argument("--doc-length", type=int, default=3072)
+    parser.add_argument("--token-budget", type=int, default=12288)
+    parser.add_argument("--forward-tokens", type=int, default=49152)
+    parser.add_argument("--out", default="/tmp/dflash-bench-store")
+    parser.add_argument("--json", help="also write the results here (rank 0)")
+    parser.add_argument("--compare-to", metavar="ONE.json", help="a one-GPU run's --json: print the scaling efficiency")
+    parser.add_argument("--device", help="default: cuda:$LOCAL_RANK when CUDA is there, else the CPU")
+    parser.add_argument("--tiny", action="store_true", help=f"toy shapes (defaults {TINY}) for a check on the CPU")
+    if parser.parse_known_args()[0].tiny:  # toy defaults; options given explicitly still win
+        parser.set_defaults(**TINY)
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
+    env = init_distributed(args.device)
+    one = load_one_gpu_run(args.compare_to, args) if args.compare_to and env.main else None
+    results = gather(measure(args, env), env)  # returns once every rank has measured: the store can go
+    if env.main:
+        shutil.rmtree(args.out, ignore_errors=True)
+        report = report_one(results[0]) if env.world == 1 else report_ranks(results)
+        if one is not None:
+            report["scaling_efficiency"] = report_scaling(aggregate(results), one)
+        print(json.dumps(report))
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -11,6 +11,14 @@ On the H200 (from the repository root; `.device-wheels/` carried along, see benc
     source bench/device_setup.sh && python3 bench/train.py --drafter both --json $OUT/train.json
     python bench/train.py --tiny            # toy shapes: checks the script on the CPU in well under a minute
 
+Multi-GPU scaling: one process per GPU under torchrun (NCCL; gloo on the CPU), next to a one-GPU run:
+
+    python3 bench/train.py --drafter b --json $OUT/train1.json
+    python3 -m torch.distributed.run --standalone --nproc-per-node N bench/train.py --drafter b \
+        --json $OUT/train2.json --compare-to $OUT/train1.json
+    python bench/train.py --tiny --json /tmp/t1.json     # the same on the CPU with toy shapes: one process,
+    torchrun --nproc-per-node 2 bench/train.py --tiny --json /tmp/t2.json --compare-to /tmp/t1.json  # 2 gloo ranks
+
 The data is written through the real store writer (`PartWriter`, random bf16 features, random token ids,
 documents of 3072 tokens, loss mask on everywhere) into --work, with a fake target folder next to it holding
 only config.json and the embedding / LM head; both are reused by a later run with the same shapes. The store
@@ -27,6 +35,20 @@ Per drafter, the table reports the steady window of the issue (steps 10-50, clip
 - ungraphed: after the graphed steps, both graphs are released and `Trainer.train_step.step` (the same
   compiled step function, same buffers, no CUDA graph) is timed; its MFU is the graphed MFU x the step ratio.
 The trainer's final checkpoint is skipped (for drafter a it would write 22 GB of weights and optimizer state).
+
+Under torchrun, rank 0 builds the data while the other ranks wait; then every rank trains on its own rows (the
+reader gives each rank rows // N of them per epoch, so --rows must be at least N), and only rank 0 prints and
+writes files. The table above then holds rank 0's view of the trainer's records (rates over all ranks, MFU per
+GPU). A second table has a row per rank and one for all ranks together:
+- ctx tok/s: the rank's own rate; every row holds the same context tokens, so its share of the records' all-rank
+  rate is 1/N (timed on its own clock). All ranks: the sum, and the per-GPU mean;
+- MFU (all ranks: the mean), step time, peak memory, memory spread, recompiles, data wait and ungraphed step of
+  each rank (all ranks: the worst rank); the ungraphed step runs on every rank, all-reduce included;
+- weights: after the run each rank compares its trainable fp32 weights with rank 0's, broadcast tensor by
+  tensor; the max abs difference must be exactly 0. Each rank's float64 checksum of its weights is shown too.
+--compare-to ONE.json (the --json of a one-GPU run of the same drafter and shapes) adds the scaling efficiency,
+per-GPU ctx tok/s at N ranks / ctx tok/s on one GPU (the issue's bar: at least 90 %), and the per-GPU MFU next
+to the one-GPU MFU, to the report and the JSON.
 """
 
 import argparse
@@ -42,6 +64,7 @@ from unittest import mock
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repository's dflash
 
@@ -49,7 +72,7 @@ from dflash import graph, loss, store
 from dflash import train as trainer_module
 from dflash.errors import DflashError
 from dflash.target import default_layer_ids
-from dflash.train import MetricsLog, TrainConfig, Trainer, init_distributed
+from dflash.train import Env, MetricsLog, TrainConfig, Trainer, init_distributed
 
 WINDOW = (10, 50)  # steps whose records the summary uses (the issue's "steps 10-50")
 
@@ -146,6 +169,23 @@ def prepare_data(root: Path, s: dict, rows: int, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
+def shared_data(root: Path, s: dict, rows: int, env: Env) -> float:
+    """Rank 0 builds the data and empties the run folder while the other ranks wait. If rank 0 fails, the others
+    stop with an error here rather than wait for collectives that never come."""
+    built = [None]
+    try:
+        if env.main:
+            built[0] = prepare_data(root, s, rows, env.device)
+            shutil.rmtree(root / "run", ignore_errors=True)
+            (root / "run").mkdir(parents=True)
+    finally:
+        if env.world > 1:
+            dist.broadcast_object_list(built, src=0)  # also the barrier
+    if built[0] is None:
+        raise DflashError("rank 0 could not build the synthetic data (its error is in its output)")
+    return built[0]
+
+
 # ---------------------------------------------------------------------------------------------- measurement
 
 
@@ -223,12 +263,104 @@ def summarise(name: str, s: dict, trainer: Trainer, records: list[dict], steps: 
     return result
 
 
-def bench_one(name: str, s: dict, args, device: torch.device) -> dict:
+def replica_check(trainer: Trainer) -> dict:
+    """This rank's trainable fp32 weights against rank 0's (broadcast one tensor at a time, so no flat copy of
+    all of them is needed): the max abs difference, and a float64 checksum of the weights."""
+    diff = torch.zeros((), dtype=torch.float32, device=trainer.device)
+    for p in trainer.params:
+        reference = p.detach().clone()
+        if trainer.env.world > 1:
+            dist.broadcast(reference, 0)
+        diff = torch.maximum(diff, (p.detach() - reference).abs().max())
+    checksum = sum(p.detach().sum(dtype=torch.float64) for p in trainer.params)
+    return {"weights_max_abs_diff": diff.item(), "weights_checksum": checksum.item()}
+
+
+RANK_KEYS = ("mfu", "step_ms", "data_wait", "peak_allocated_GB", "peak_reserved_GB", "allocated_spread",
+             "reserved_spread")  # fmt: skip
+
+
+def rank_summary(summary: dict, env: Env, weights: dict) -> dict:
+    """This rank's numbers. The records' rates count the tokens of all ranks; every row of the store holds the
+    same context tokens, so this rank's share is 1/world of them (over this rank's time)."""
+    u = summary["ungraphed"]
+    return {
+        "rank": env.rank,
+        "context_tok_s": summary["context_tok_s"] / env.world,
+        **{key: summary.get(key) for key in RANK_KEYS},
+        "recompiles": summary["recompiles"] + u.get("recompiles", 0),
+        "ungraphed_step_ms": u.get("step_ms"),
+        **weights,
+    }
+
+
+def gather_ranks(mine: dict, env: Env) -> list[dict]:
+    if env.world == 1:
+        return [mine]
+    ranks = [None] * env.world
+    dist.all_gather_object(ranks, mine)
+    return ranks
+
+
+WORST_KEYS = ("step_ms", "data_wait", "peak_allocated_GB", "peak_reserved_GB", "allocated_spread",
+              "reserved_spread", "ungraphed_step_ms", "weights_max_abs_diff")  # fmt: skip
+
+
+def worst(ranks: list[dict], key: str):
+    values = [r[key] for r in ranks if r[key] is not None]
+    return max(values) if values else None
+
+
+def aggregate(ranks: list[dict]) -> dict:
+    """All ranks together: the total context rate and the per-GPU means; the worst rank for everything else."""
+    n, total = len(ranks), sum(r["context_tok_s"] for r in ranks)
+    mfu = [r["mfu"] for r in ranks if r["mfu"] is not None]
+    return {
+        "world_size": n,
+        "context_tok_s": total,
+        "context_tok_s_per_gpu": total / n,
+        "mfu": sum(mfu) / len(mfu) if mfu else None,
+        "recompiles": sum(r["recompiles"] for r in ranks),
+        **{key: worst(ranks, key) for key in WORST_KEYS},
+        "weights_checksums_equal": len({r["weights_checksum"] for r in ranks}) == 1,
+    }
+
+
+def scaling(result: dict, baseline: dict, path: str) -> dict:
+    """Per-GPU throughput and MFU at this run's ranks against the one-GPU run of the same drafter in `baseline`."""
+    same = ("drafter", "shape", "row", "loss_chunk")
+    matches = [r for r in baseline["results"] if "error" not in r and all(r[k] == result[k] for k in same)]
+    if not matches:
+        return {"error": f"{path} has no one-GPU result of drafter {result['drafter']} with these shapes"}
+    one, agg = matches[0], result["aggregate"]
+    has_mfu = agg["mfu"] is not None and one["mfu"] is not None
+    return {
+        "baseline": path,
+        "world_size": agg["world_size"],
+        "per_gpu_context_tok_s": agg["context_tok_s_per_gpu"],
+        "one_gpu_context_tok_s": one["context_tok_s"],
+        "efficiency": agg["context_tok_s_per_gpu"] / one["context_tok_s"],
+        "mfu_per_gpu": agg["mfu"],
+        "one_gpu_mfu": one["mfu"],
+        "mfu_ratio": agg["mfu"] / one["mfu"] if has_mfu else None,
+    }
+
+
+def rank_view(summary: dict, trainer: Trainer, baseline: dict | None, path: str | None) -> dict:
+    """Every rank's row, their aggregate and, given a one-GPU baseline, the scaling (collectives: all ranks)."""
+    env = trainer.env
+    ranks = gather_ranks(rank_summary(summary, env, replica_check(trainer)), env)
+    view = {"ranks": ranks, "aggregate": aggregate(ranks)}
+    if baseline is not None:
+        view["scaling"] = scaling({**summary, **view}, baseline, path)
+    return view
+
+
+def bench_one(name: str, s: dict, args, env: Env, baseline: dict | None) -> dict:
+    device = env.device
     root = Path(args.work) / (f"tiny-{name}" if args.tiny else name)
-    build_s = prepare_data(root, s, args.rows, device)
+    build_s = shared_data(root, s, args.rows, env)
     run = root / "run"
-    shutil.rmtree(run, ignore_errors=True)
-    run.mkdir(parents=True)
     cfg = TrainConfig(
         shards=str(root / "store"), out=str(run), target=str(root / "target"),
         anchors=s["anchors_per_doc"] * s["docs_per_row"], loss_chunk=args.loss_chunk,
@@ -238,9 +370,9 @@ def bench_one(name: str, s: dict, args, device: torch.device) -> dict:
     if device.type == "cuda":  # the peaks below count the trainer alone, not the data generation
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    trainer = Trainer(cfg, init_distributed(cfg.device))
+    trainer = Trainer(cfg, env)
     prep = trainer.prepare(None)
-    log = MetricsLog(run, True, False)
+    log = MetricsLog(run, env.main, False)  # rank 0 writes the records: they describe all ranks
     try:
         with mock.patch.object(trainer_module, "save_checkpoint", lambda trainer, step: None):
             result = trainer.fit(0, log)
@@ -254,6 +386,7 @@ def bench_one(name: str, s: dict, args, device: torch.device) -> dict:
         summary["ungraphed"] = {"error": "out of memory"}
     if summary["mfu"] is not None and "step_ms" in summary["ungraphed"]:
         summary["ungraphed"]["mfu"] = summary["mfu"] * summary["step_ms"] / summary["ungraphed"]["step_ms"]
+    summary.update(rank_view(summary, trainer, baseline, args.compare_to))
     summary["records"] = result["records"]
     return summary
 
@@ -309,8 +442,50 @@ def table_row(r: dict) -> str:
     )
 
 
-def report(info: dict, results: list[dict], args):
-    print(f"\n## bench/train.py {'--tiny ' if args.tiny else ''}--drafter {args.drafter} --steps {args.steps}")
+RANK_HEADER = (
+    "| rank | ctx tok/s | MFU | step ms | peak alloc / reserved GB | alloc / reserved spread (B) | recompiles "
+    "| data wait | ungraphed step ms | weights max abs diff vs rank 0 | weights checksum |"
+)
+
+
+def rank_row(label: str, context: str, r: dict, checksum: str) -> str:
+    """A row of the rank table; `r` is one rank's summary or the aggregate (same keys)."""
+    peak = "-" if r["peak_allocated_GB"] is None else f"{r['peak_allocated_GB']:.1f} / {r['peak_reserved_GB']:.1f}"
+    spread = "-" if r["allocated_spread"] is None else f"{r['allocated_spread']} / {r['reserved_spread']}"
+    return (
+        f"| {label} | {context} | {fmt(r['mfu'], '.1f', 100, ' %')} | {r['step_ms']:.1f} | {peak} | {spread} "
+        f"| {r['recompiles']} | {fmt(r['data_wait'], '.2f', 100, ' %')} | {fmt(r['ungraphed_step_ms'], '.1f')} "
+        f"| {r['weights_max_abs_diff']:g} | {checksum} |"
+    )
+
+
+def rank_table(r: dict):
+    agg = r["aggregate"]
+    print(f"\nPer rank, drafter {r['drafter']}, window steps {r['window'][0]}-{r['window'][1]}:")
+    print("\n" + RANK_HEADER)
+    print("|" + "---|" * RANK_HEADER.count(" |"))
+    for rank in r["ranks"]:
+        print(rank_row(str(rank["rank"]), fmt(rank["context_tok_s"], ",.0f"), rank, f"{rank['weights_checksum']:.17g}"))
+    context = f"{agg['context_tok_s']:,.0f} ({agg['context_tok_s_per_gpu']:,.0f} per GPU)"
+    checksums = "all equal" if agg["weights_checksums_equal"] else "DIFFER"
+    print(rank_row(f"all {agg['world_size']}", context, agg, checksums))
+
+
+def scaling_line(r: dict) -> str:
+    s = r["scaling"]
+    if "error" in s:
+        return f"scaling of {r['drafter']}: {s['error']}"
+    return (
+        f"scaling of {r['drafter']} against {s['baseline']}: {s['per_gpu_context_tok_s']:,.0f} ctx tok/s per GPU "
+        f"at {s['world_size']} ranks / {s['one_gpu_context_tok_s']:,.0f} on one GPU = efficiency "
+        f"{100 * s['efficiency']:.1f} % (bar >= 90 %); MFU per GPU {fmt(s['mfu_per_gpu'], '.1f', 100, ' %')} vs "
+        f"{fmt(s['one_gpu_mfu'], '.1f', 100, ' %')} on one GPU ({fmt(s['mfu_ratio'], '.1f', 100, ' %')})"
+    )
+
+
+def report(info: dict, results: list[dict], args, world: int):
+    script = "bench/train.py" if world == 1 else f"torchrun --nproc-per-node {world} bench/train.py"
+    print(f"\n## {script} {'--tiny ' if args.tiny else ''}--drafter {args.drafter} --steps {args.steps}")
     print(", ".join(f"{k} {v}" for k, v in info.items()))
     for r in results:
         if "error" not in r:
@@ -324,6 +499,19 @@ def report(info: dict, results: list[dict], args):
     print("|" + "---|" * HEADER.count(" |"))
     for r in results:
         print(table_row(r))
+    for r in results:
+        if "error" not in r and world > 1:
+            rank_table(r)
+        if "scaling" in r:
+            print("\n" + scaling_line(r))
+
+
+def load_baseline(path: str) -> dict:
+    """The JSON of a one-GPU run of this script (files from before world_size was recorded are one-GPU runs)."""
+    baseline = json.loads(Path(path).read_text())
+    if baseline.get("world_size", 1) != 1:
+        raise DflashError(f"it is a run on {baseline['world_size']} ranks, not on one GPU")
+    return baseline
 
 
 def main():
@@ -336,33 +524,46 @@ def main():
     parser.add_argument("--loss-chunk", type=int, help="LM-head rows per loss chunk  [default: the trainer's]")
     parser.add_argument("--work", default="/tmp/dflash-bench-train", help="where the fake target, store and runs go")
     parser.add_argument("--json", help="also write the results (with every step's record) here")
+    parser.add_argument("--compare-to", metavar="ONE.json", help="the --json of a one-GPU run: report the scaling")
     args = parser.parse_args()
     if min(args.steps or 1, args.ungraphed_steps or 1, args.rows) < 1:
         parser.error("--steps, --ungraphed-steps and --rows must be at least 1")
     args.steps = args.steps or (20 if args.tiny else 60)
     args.ungraphed_steps = args.ungraphed_steps or (3 if args.tiny else 10)
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    logging.getLogger("dflash").setLevel(logging.INFO)  # the trainer's line per step
+    try:
+        baseline = load_baseline(args.compare_to) if args.compare_to else None
+    except (OSError, ValueError, KeyError, DflashError) as exc:
+        parser.error(f"--compare-to {args.compare_to}: {exc}")
 
-    device = init_distributed(None).device
-    if args.tiny and device.type == "cpu":
+    env = init_distributed(None)
+    if args.rows < env.world:  # the reader gives each rank rows // world rows per epoch, and a step takes one
+        parser.error(f"--rows {args.rows} leaves some of the {env.world} ranks without a row; use at least {env.world}")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("dflash").setLevel(logging.INFO)  # the trainer's line per step (rank 0 writes them)
+    if args.tiny and env.device.type == "cpu":
         torch.set_num_threads(1)  # toy matmuls gain nothing from threads, and a busy machine makes them spin
-    info = versions(device)
-    print(", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
+    info = versions(env.device)
+    if env.main:
+        print(", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
     shapes = TINY if args.tiny else DRAFTERS
     results = []
     for name in ["a", "b"] if args.drafter == "both" else [args.drafter]:
         try:
-            results.append(bench_one(name, shapes[name], args, device))
+            results.append(bench_one(name, shapes[name], args, env, baseline))
         except (DflashError, torch.OutOfMemoryError) as exc:  # report it and go on with the other drafter
-            logging.exception("drafter %s failed", name)
+            logging.exception("drafter %s failed on rank %d", name, env.rank)
             results.append({"drafter": name, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"})
-        free_device(device)  # here, after the except block has dropped the failed trainer's frames
+        free_device(env.device)  # here, after the except block has dropped the failed trainer's frames
         # After each drafter, so that a run stopped at a time limit keeps the drafters that finished.
-        print(f"RESULT {table_row(results[-1])}", flush=True)
-        if args.json:
-            Path(args.json).write_text(json.dumps({"versions": info, "args": vars(args), "results": results}, indent=1))
-    report(info, results, args)
+        if env.main:
+            print(f"RESULT {table_row(results[-1])}", flush=True)
+            if args.json:
+                out = {"versions": info, "world_size": env.world, "args": vars(args), "results": results}
+                Path(args.json).write_text(json.dumps(out, indent=1))
+    if env.main:
+        report(info, results, args, env.world)
+    if env.world > 1:
+        dist.destroy_process_group()
     if any("error" in r for r in results):
         raise SystemExit(1)
 

@@ -253,6 +253,10 @@ def _harvest(cfg: HarvestConfig) -> Path:
 
     documents, stats = load_documents(DataConfig(cfg.data, cfg.max_length, cfg.overflow, cfg.workers), cfg.model)
     logger.info("data %s: %s", cfg.data, stats.summary())
+    if torch.device(cfg.device).type == "cuda":
+        # Triton kernels (fla's) launch on the current device, and pinned buffers bind to it: under torchrun
+        # every rank would otherwise start a context on cuda:0.
+        torch.cuda.set_device(cfg.device)
     target = TappedTarget(cfg.model, fingerprint["layers"], cfg.device, DTYPES[cfg.dtype], cfg.allow_slow_kernels)
     header = _header(cfg, fingerprint, target, stats)
     if state == "resume" and store.read_json(out / store.HARVEST_FILE)["target"] != header["target"]:
