@@ -286,7 +286,7 @@ def test_disk_full_fails_cleanly_and_the_rerun_resumes(harvested, tiny_target, d
     [
         (None, {}, r"cannot read data file .*missing.jsonl"),
         (['{"text": "fine"}', '{"text": "broken'], {}, r"line 2: malformed JSON"),
-        (['{"text": "fine"}', '{"prompt": "no"}'], {}, r"line 2: the object has neither a \"messages\" and a \"text\""),
+        (['{"text": "fine"}', '{"title": "no"}'], {}, r"line 2: the object has none of the keys \"messages\", \"text\", \"prompt\""),
         (['{"text": ""}'], {}, r"line 1: empty document"),
         (['{"messages": [{"role": "user", "content": "hi"}]}'], {}, r"line 1: the conversation has no assistant turn"),
         (['{"text": "fine"}'], {"layers": "1,99"}, r"\[99\] outside the target's 8 layers"),
