@@ -25,12 +25,12 @@ Stages, every one through the library entry points the CLI uses (except the fixt
   5. drafter   `dflash.train.run_training` (5 layers, B = 16, the paper's optimiser settings), exported; its
                held-out loss and acceptance length are logged 8 times over the run.
   6. eval      prompts from HELD-OUT files (one per file). Per prompt, in one process: plain greedy decoding of
-               the target, then speculative decoding at temperature 0 with the trained drafter, the untrained
-               (random-init) drafter, and prompt lookup (transformers' PromptLookupCandidateGenerator n-gram
-               matcher, `prompt_lookup_num_tokens` = 10, verified by our loop: transformers' own
-               `generate(prompt_lookup_num_tokens=...)` refuses hybrid targets). The methods are
+               the target, then speculative decoding at temperature 0 with the trained drafter and with prompt
+               lookup (transformers' PromptLookupCandidateGenerator n-gram matcher, `prompt_lookup_num_tokens`
+               = 10, verified by our loop: transformers' own `generate(prompt_lookup_num_tokens=...)` refuses
+               hybrid targets). Prompts are taken in order until the eval's time budget is spent; the untrained
+               (random-init) drafter runs first, on the first 8 of them. The methods are
                dflash.speculative's; every output is compared token for token with plain greedy decoding.
-               Prompts are taken in order until the eval's time budget is spent.
 
 Default (H200) sizes: target hidden 512, 8 layers (6 GDN + 2 full attention), 8 / 2 heads of 64, FFN 1408,
 vocabulary 8192 (33.9 M parameters, 25.5 M without embedding and LM head), 100 s of steady training on windows
@@ -38,9 +38,8 @@ of 512 tokens x 64; up to 6144 drafter prompts answered with 256 new tokens (chu
 the first chunk, which pays for Triton's autotuning (122-153 s on the H200), always runs, and so does the second);
 store rows of 4096 tokens; drafter 5 layers (15.4 M parameters), B = 16, 30 epochs (at most 4000 steps of 2 rows);
 eval 256 new tokens per held-out prompt, prompts until 360 s are spent (at least 6), the target in float32. A
-call is budgeted at 450 s (the eval's budget shrinks to what is left of it), which on the H200 means two or three
-calls: target to harvest (530 s measured), then the drafter and the eval (the drafter's BlockMask alone took over
-100 s to compile before blocks.MASK_COMPILE_OPTIONS, 12.5 s with them; docs/benchmarks.md).
+call is budgeted at 540 s (the eval's budget shrinks to what is left of it), which on the H200 means two calls:
+target to harvest (443-530 s measured), then the drafter (123 s) and the eval (docs/benchmarks.md).
 Data and steps decide the drafter: on the CPU at --tiny sizes, 4x the responses and 5x the steps moved the
 trained drafter's tau from 1.67 to 4.70 against prompt lookup's 3.15 and 2.74 (docs/benchmarks.md).
 
@@ -49,13 +48,12 @@ Bar (issue 4): tau(trained) >= 1.5 x tau(prompt lookup), far above tau(untrained
 
     .venv/bin/python bench/quality.py --tiny --out /tmp/quality-tiny/quality.json   # toy sizes, CPU, ~3 minutes
 
-On the H200 (from the repository root, `.device-wheels/` carried along): three calls on one machine, each
+On the H200 (from the repository root, `.device-wheels/` carried along): two calls on one machine, the second
 issued within the 30 s that the machine stays warm (it keeps /tmp between calls). The stages target,
 regenerate, harvest and drafter are kept in --work when they finish, and a call with the same --work, sizes and
 seed skips the finished ones:
 
     source bench/device_setup.sh && python3 bench/quality.py --work /tmp/q --stop-after harvest --out $OUT/q1.json
-    source bench/device_setup.sh && python3 bench/quality.py --work /tmp/q --stop-after drafter --out $OUT/q2.json
     source bench/device_setup.sh && python3 bench/quality.py --work /tmp/q --out $OUT/quality.json
 
 Every stage prints its time budget and the time it took; the JSON (written after every stage, so a run cut
@@ -141,10 +139,11 @@ class Scale:
     # eval
     eval_prompts: int = 64
     min_eval_prompts: int = 6
+    baseline_prompts: int = 8  # the untrained drafter's prompts: the first of the eval's
     eval_seconds: float = 360.0
     prompt_lookup_tokens: int = 10
-    # whole run: the eval budget shrinks to what is left of this
-    total_seconds: float = 450.0
+    # whole run: the eval budget shrinks to what is left of this (a call is cut at 600 s)
+    total_seconds: float = 540.0
 
 
 GPU = Scale("gpu")
@@ -153,7 +152,7 @@ TINY = Scale(
     kv_heads=2, head_dim=16, intermediate=128, linear_value_heads=4, linear_key_heads=2, linear_head_dim=16,
     seq_len=256, batch=8, lr=3e-3, target_seconds=45.0, prompt_chars=200, train_prompts=256, new_tokens=48,
     regen_batch=64, regen_seconds=30.0, token_budget=512, rows_per_step=1, drafter_epochs=8, drafter_max_steps=300,
-    harvest_workers=1, drafter_seconds=100.0, eval_prompts=12, min_eval_prompts=4, eval_seconds=25.0,
+    harvest_workers=1, drafter_seconds=100.0, eval_prompts=12, min_eval_prompts=4, baseline_prompts=4, eval_seconds=25.0,
     total_seconds=270.0,
 )  # fmt: skip
 
@@ -558,16 +557,25 @@ def response_stats(tokenizer, responses: Path) -> dict:
 
 def evaluate_all(scale: Scale, target_path: Path, drafter_path: Path, prompts: list[dict], device: str,
                  budget: float, seed: int, on_prompt=None):  # fmt: skip
-    """Trained drafter, untrained drafter and prompt lookup in one `dflash.speculative.evaluate` run: one plain
-    greedy decoding per prompt is the reference (tokens/s and the mismatch check) for all three."""
+    """The untrained drafter on the first `scale.baseline_prompts` prompts, then the trained drafter and prompt
+    lookup in one `dflash.speculative.evaluate` run (one plain greedy decoding per prompt is the reference of
+    both: tokens/s and the mismatch check), prompts in order until `budget` is spent. The untrained drafter's tau
+    is 1 by construction and it pays a verify forward per token: run on every prompt, it took 38 % of the eval."""
     from dflash.speculative import evaluate
 
+    records = [{"prompt": p["text"]} for p in prompts]
+    common = dict(max_new_tokens=scale.new_tokens, temperature=0.0, device=device, dtype="float32", seed=seed)
+    start = time.perf_counter()
+    baseline = evaluate(target_path, "untrained", records[: scale.baseline_prompts], prompt_lookup_tokens=0, **common)
     report = evaluate(
-        target_path, [str(drafter_path), "untrained"], [{"prompt": p["text"]} for p in prompts],
-        max_new_tokens=scale.new_tokens, temperature=0.0, device=device, dtype="float32",
-        prompt_lookup_tokens=scale.prompt_lookup_tokens, seed=seed, time_budget=budget,
-        min_prompts=scale.min_eval_prompts, on_prompt=on_prompt,
+        target_path, str(drafter_path), records, prompt_lookup_tokens=scale.prompt_lookup_tokens,
+        time_budget=max(0.0, budget - (time.perf_counter() - start)), min_prompts=scale.min_eval_prompts,
+        on_prompt=on_prompt, **common,
     )  # fmt: skip
+    report.methods.update(baseline.methods)
+    report.drafter = f"{report.drafter}, {baseline.drafter}"
+    for row, baseline_row in zip(report.prompts, baseline.prompts):
+        row["runs"].update(baseline_row["runs"])
     for row in report.prompts:
         row["file"] = prompts[row["index"]]["file"]
     return report
@@ -595,13 +603,14 @@ def markdown(results: dict, report) -> str:
         f"{len(report.prompts)} held-out prompts, {report.max_new_tokens} new tokens, temperature 0, "
         f"{report.device} {report.dtype}",
         "",
-        "| method | tau | tokens/s | speedup | mismatches | accepted drafts per round (0, 1, ...) |",
-        "|---|---|---|---|---|---|",
-        f"| plain greedy | - | {report.plain_tokens_per_s:.1f} | 1.00x | - | - |",
+        "| method | prompts | tau | tokens/s | speedup | mismatches | accepted drafts per round (0, 1, ...) |",
+        "|---|---|---|---|---|---|---|",
+        f"| plain greedy | {len(report.prompts)} | - | {report.plain_tokens_per_s:.1f} | 1.00x | - | - |",
     ]
     for m in report.methods.values():
         tau = f"{m.tau:.2f}" if m.tau is not None else "-"
-        lines.append(f"| {m.name} | {tau} | {m.tokens_per_s:.1f} | {m.speedup:.2f}x | {m.mismatches} | "
+        prompts = sum(m.name in row["runs"] for row in report.prompts)
+        lines.append(f"| {m.name} | {prompts} | {tau} | {m.tokens_per_s:.1f} | {m.speedup:.2f}x | {m.mismatches} | "
                      f"{' '.join(map(str, m.accepted_histogram))} |")  # fmt: skip
     b = results["bar"]
     ratio = lambda x: f"{x:.2f}x" if x else "-"  # noqa: E731
