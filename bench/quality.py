@@ -708,6 +708,7 @@ def main(argv=None) -> int:
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         versions={"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__},
         triton_f32_default=os.environ.get("TRITON_F32_DEFAULT"),
+        triton_cache=os.environ.get("DFLASH_TRITON_CACHE", "cold"),  # "carried": compile times are not cold
         work=str(work),
     )
     logger.info("quality run, %s sizes, on %s; work folder %s", scale.name, run.results["device"], work)
