@@ -19,11 +19,15 @@ Stages, every one through the library entry points the CLI uses (except the fixt
                greedy continuations of code are not trivial (its held-out loss and a sample are reported).
   3. regenerate  `{"text": ...}` prompts (a few lines of code, cut at a line end) from the DRAFTER files, answered
                greedily by the target with `dflash.regenerate.regenerate` (in chunks, resumable, within a time
-               budget): the drafter's training data is the target's own output.
+               budget): the drafter's training data is the target's own output. Also 256 prompts from other
+               windows of the EVAL files, answered the same way: the drafter's held-out set.
   4. harvest   `dflash.harvest.run_harvest` of the responses (prompt / completion records: loss on the target's
-               responses only, as DFlash trains).
+               responses only, as DFlash trains), and of the held-out responses into a store of their own.
   5. drafter   `dflash.train.run_training` (5 layers, B = 16, the paper's optimiser settings), exported; its
-               held-out loss and acceptance length are logged 8 times over the run.
+               loss and acceptance length on the held-out store (`--val-shards`) are logged 8 times over the
+               run. Held-out rows of its own store would continue prompts cut from its training files; this
+               store holds the eval's kind of text. It is still a mean over random anchors, where tau is a mean
+               over verify rounds (a stretch the drafter misses costs a round per token): expect it above tau.
   6. eval      prompts from HELD-OUT files (one per file). Per prompt, in one process: plain greedy decoding of
                the target, then speculative decoding at temperature 0 with the trained drafter and with prompt
                lookup (transformers' PromptLookupCandidateGenerator n-gram matcher, `prompt_lookup_num_tokens`
@@ -138,6 +142,9 @@ class Scale:
     drafter_seconds: float = 240.0  # only printed: compile + capture + steps (no hard stop inside the trainer)
     # eval
     eval_prompts: int = 64
+    # The drafter's held-out curve: answers to other windows of the eval's files (unseen by target and drafter).
+    # Held-out rows of its own store would continue prompts cut from its training files.
+    val_prompts: int = 256
     min_eval_prompts: int = 6
     baseline_prompts: int = 8  # the untrained drafter's prompts: the first of the eval's
     eval_seconds: float = 360.0
@@ -152,7 +159,7 @@ TINY = Scale(
     kv_heads=2, head_dim=16, intermediate=128, linear_value_heads=4, linear_key_heads=2, linear_head_dim=16,
     seq_len=256, batch=8, lr=3e-3, target_seconds=45.0, prompt_chars=200, train_prompts=256, new_tokens=48,
     regen_batch=64, regen_seconds=30.0, token_budget=512, rows_per_step=1, drafter_epochs=8, drafter_max_steps=300,
-    harvest_workers=1, drafter_seconds=100.0, eval_prompts=12, min_eval_prompts=4, baseline_prompts=4, eval_seconds=25.0,
+    harvest_workers=1, drafter_seconds=100.0, eval_prompts=12, val_prompts=32, min_eval_prompts=4, baseline_prompts=4, eval_seconds=25.0,
     total_seconds=270.0,
 )  # fmt: skip
 
@@ -168,7 +175,10 @@ class Run:
     on one machine (--stop-after).
     """
 
-    RESUMABLE = {"target": ["target"], "regenerate": ["responses.jsonl"], "harvest": ["shards"], "drafter": ["run"]}
+    RESUMABLE = {
+        "target": ["target"], "regenerate": ["responses.jsonl", "responses_val.jsonl"],
+        "harvest": ["shards", "shards_val"], "drafter": ["run"],
+    }  # fmt: skip
 
     def __init__(self, out: Path, scale: Scale, work: Path, seed: int):
         self.out, self.scale = out, scale
@@ -738,8 +748,10 @@ def main(argv=None) -> int:
     drafter_files, heldout, tokenizer, train_ids, heldout_ids = run.stage("data", 30 if not args.tiny else 20, data)
     eval_prompts = make_prompts(heldout, scale.eval_prompts, scale.prompt_chars, args.seed + 2, one_per_file=True)
     train_prompts = make_prompts(drafter_files, scale.train_prompts, scale.prompt_chars, args.seed + 3, one_per_file=False)
+    val_prompts = make_prompts(heldout, scale.val_prompts, scale.prompt_chars, args.seed + 4, one_per_file=False)
     write_jsonl(work / "prompts_eval.jsonl", eval_prompts)
     write_jsonl(work / "prompts_train.jsonl", train_prompts)
+    write_jsonl(work / "prompts_val.jsonl", [{"text": p["text"]} for p in val_prompts])
 
     # 2. target
     target = work / "target"
@@ -752,8 +764,14 @@ def main(argv=None) -> int:
 
     # 3. regenerate
     def regen():
+        from dflash.regenerate import Sampling, regenerate
+
         info = regenerate_within(scale, target, train_prompts, work, device.type, scale.regen_seconds)
         info.update(response_stats(tokenizer, Path(info["file"])))
+        regenerate(str(target), work / "prompts_val.jsonl", work / "responses_val.jsonl",
+                   Sampling(max_new_tokens=scale.new_tokens), batch_size=scale.regen_batch, device=device.type,
+                   dtype="float32", progress=False)  # fmt: skip
+        info["val_file"] = str(work / "responses_val.jsonl")
         logger.info("regenerate: %s", {k: v for k, v in info.items() if k != "sample_response"})
         logger.info("sample response:\n%s", info["sample_response"][:400])
         return info
@@ -767,12 +785,18 @@ def main(argv=None) -> int:
         from dflash.harvest import HarvestConfig, run_harvest
         from dflash.store import ShardStore, disk_bytes
 
-        shards = run_harvest(HarvestConfig(
-            model=str(target), data=run.results["regenerate"]["file"], out=str(work / "shards"),
-            token_budget=scale.token_budget, workers=scale.harvest_workers, device=str(device), dtype="float32",
-        ))  # fmt: skip
+        def store(data: str, out: Path) -> Path:
+            return run_harvest(HarvestConfig(
+                model=str(target), data=data, out=str(out), token_budget=scale.token_budget,
+                workers=scale.harvest_workers, device=str(device), dtype="float32",
+            ))  # fmt: skip
+
+        shards = store(run.results["regenerate"]["file"], work / "shards")
+        val_shards = store(run.results["regenerate"]["val_file"], work / "shards_val")
         counts = ShardStore.open(shards).manifest["counts"]
-        return {**counts, "store_mb": disk_bytes(shards) / 1e6, "path": str(shards)}
+        val_rows = ShardStore.open(val_shards).num_rows
+        return {**counts, "store_mb": disk_bytes(shards) / 1e6, "path": str(shards), "val_path": str(val_shards),
+                "val_rows": val_rows}  # fmt: skip
 
     run.results["harvest"] = run.stage("harvest", 30 if device.type == "cuda" else 20, harvest)
     if stop_here("harvest"):
@@ -782,16 +806,14 @@ def main(argv=None) -> int:
     def drafter():
         from dflash.train import TrainConfig, run_training
 
-        from dflash.reader import split_rows
-
-        val_fraction = 0.01
-        train_rows, _ = split_rows(run.results["harvest"]["rows"], val_fraction)
-        steps = min(scale.drafter_epochs * (len(train_rows) // scale.rows_per_step), scale.drafter_max_steps)
-        logger.info("drafter: %d train rows, %d rows per step, %d steps (%.1f epochs)", len(train_rows),
-                    scale.rows_per_step, steps, steps * scale.rows_per_step / max(len(train_rows), 1))  # fmt: skip
+        rows = run.results["harvest"]["rows"]
+        steps = min(scale.drafter_epochs * (rows // scale.rows_per_step), scale.drafter_max_steps)
+        logger.info("drafter: %d train rows, %d rows per step, %d steps (%.1f epochs); held-out store of %d rows",
+                    rows, scale.rows_per_step, steps, steps * scale.rows_per_step / max(rows, 1),
+                    run.results["harvest"]["val_rows"])  # fmt: skip
         result = run_training(TrainConfig(
             shards=run.results["harvest"]["path"], out=str(work / "run"), draft_layers=5, block_size=16,
-            rows_per_step=scale.rows_per_step, max_steps=max(steps, 1), val_fraction=val_fraction,
+            rows_per_step=scale.rows_per_step, max_steps=max(steps, 1), val_shards=run.results["harvest"]["val_path"],
             log_every=50 if device.type == "cuda" else 10, ckpt_every=10**9, device=str(device), tensorboard=False,
             seed=args.seed, val_every=max(1, steps // 8),  # a held-out curve: where overfitting starts
         ))  # fmt: skip

@@ -65,6 +65,7 @@ class TrainConfig:
     seed: int = 0
     # data
     val_fraction: float = 0.01
+    val_shards: str | None = None  # a held-out store (other documents, same target and rows); replaces val_fraction
     prefetch: int = 2  # steps read ahead
     reader_workers: int = 4
     # run
@@ -110,6 +111,22 @@ def check_config(cfg: TrainConfig):
         bad.append(f"--export-dtype {cfg.export_dtype} (bfloat16 or float32)")
     if bad:
         raise DflashError(f"invalid options: {'; '.join(bad)}")
+
+
+VAL_STORE_FIELDS = ("layer_ids", "feature_dim", "token_budget", "dtype")
+
+
+def check_val_store(train: dict, val: dict, path: str) -> None:
+    """A held-out store is read into the training rows' buffers and scored against the same target: it must share
+    the target, the tapped layers and the row layout of the training store."""
+    differ = [name for name in VAL_STORE_FIELDS if train.get(name) != val.get(name)]
+    if train["target"].get("config_hash") != val["target"].get("config_hash"):
+        differ.append("target (config hash)")
+    if differ:
+        raise DflashError(
+            f"the held-out store {path} differs from the training store in {', '.join(differ)}; harvest the "
+            "held-out documents with the same --model, --layers and --token-budget"
+        )
 
 
 def fingerprint(cfg: TrainConfig, world: int) -> dict:
@@ -318,7 +335,13 @@ class Trainer:
         self.acc = torch.zeros(self.slots.size, dtype=torch.float64, device=self.device)
         self.val_acc = torch.zeros_like(self.acc)
 
-        train_rows, val_rows = reader.split_rows(self.store.num_rows, cfg.val_fraction)
+        self.val_store = self.store
+        if cfg.val_shards:
+            self.val_store = ShardStore.open(cfg.val_shards)
+            check_val_store(manifest, self.val_store.manifest, cfg.val_shards)
+            train_rows, val_rows = np.arange(self.store.num_rows), np.arange(self.val_store.num_rows)
+        else:
+            train_rows, val_rows = reader.split_rows(self.store.num_rows, cfg.val_fraction)
         self.plan = DataPlan(train_rows, val_rows, self.shape.rows_per_step, cfg.seed, env.rank, env.world)
         if self.plan.steps_per_epoch == 0:
             raise DflashError(
@@ -500,7 +523,7 @@ class Trainer:
         meter = Meter(self)
         if start_step >= self.total_steps:
             return meter.summary()
-        rows = self._reader(self.plan.steps(start_step, self.total_steps), self.shape)
+        rows = self._reader(self.store, self.plan.steps(start_step, self.total_steps), self.shape)
         try:
             with graph.no_recompiles():
                 self.feed.stage(meter.wait(rows.next))
@@ -527,7 +550,7 @@ class Trainer:
 
         None when the held-out rows hold no block (no held-out rows, or --val-fraction 0)."""
         shape = dataclasses.replace(self.shape, micro_batches=1)
-        rows = self._reader(self.plan.val_batches(self.cfg.rows_per_step), shape)
+        rows = self._reader(self.val_store, self.plan.val_batches(self.cfg.rows_per_step), shape)
         self.val_acc.zero_()
         try:
             with graph.no_recompiles():
@@ -543,9 +566,9 @@ class Trainer:
         totals = self.val_acc.tolist()
         return self._summarise(totals, "val", step) if totals[self.slots["blocks"]] else None
 
-    def _reader(self, steps, shape: reader.BatchShape) -> reader.RowReader:
+    def _reader(self, store, steps, shape: reader.BatchShape) -> reader.RowReader:
         cfg = self.cfg
-        return reader.RowReader(self.store, steps, shape, depth=cfg.prefetch, workers=cfg.reader_workers, pin=self.cuda)
+        return reader.RowReader(store, steps, shape, depth=cfg.prefetch, workers=cfg.reader_workers, pin=self.cuda)
 
     def _summarise(self, acc: list[float], kind: str, step: int) -> dict:
         sl = self.slots

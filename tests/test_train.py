@@ -334,6 +334,36 @@ def test_cli_trains_and_exports(store, tmp_path):
     assert kinds == ["val", "train", "train", "val"]
 
 
+@pytest.fixture(scope="module")
+def other_store(target, tmp_path_factory):
+    """A store of other documents than `store`'s (every third line of the corpus, rewritten), same target and rows."""
+    folder = tmp_path_factory.mktemp("val-store")
+    lines = CORPUS.read_text().splitlines()[::3]
+    data = folder / "other.jsonl"
+    data.write_text("".join(json.dumps({"text": json.loads(line).get("text", "held out") + " (held out)"}) + "\n" for line in lines))
+    run_harvest(HarvestConfig(model=str(target), data=str(data), out=str(folder / "store"), token_budget=64, workers=1))
+    return folder / "store"
+
+
+def _initial_validation(cfg: TrainConfig) -> tuple[dict, "Trainer"]:
+    """Validation with the seed's initial weights (prepare restores them after its warm-up steps)."""
+    from dflash.train import Trainer, init_distributed
+
+    trainer = Trainer(cfg, init_distributed("cpu"))
+    trainer.prepare(None)
+    return trainer.validate(0), trainer
+
+
+def test_val_shards_validates_on_the_other_store_and_trains_on_every_row(store, other_store, tmp_path):
+    on_other, trainer = _initial_validation(config(store, tmp_path / "a", val_shards=str(other_store)))
+    reference, _ = _initial_validation(config(other_store, tmp_path / "b", val_shards=str(other_store)))
+    split, _ = _initial_validation(config(store, tmp_path / "c"))
+    assert on_other == reference and on_other["blocks"] > 0
+    assert split["blocks"] != on_other["blocks"] and split["loss"] != on_other["loss"]
+    assert trainer.plan.train_rows.tolist() == list(range(ShardStore.open(store).num_rows))
+    assert trainer.plan.val_rows.tolist() == list(range(ShardStore.open(other_store).num_rows))
+
+
 def _manifest_edit(path, **fields):
     manifest = json.loads((path / "manifest.json").read_text())
     (path / "manifest.json").write_text(json.dumps({**manifest, **fields}))
@@ -353,7 +383,8 @@ def _corrupt_first_row(path) -> int:
 
 @pytest.mark.parametrize(
     "case",
-    ["incomplete", "format_version", "corrupt_chunk", "head_shape", "block_too_big", "too_many_anchors", "resume_options"],
+    ["incomplete", "format_version", "corrupt_chunk", "head_shape", "block_too_big", "too_many_anchors", "val_store",
+     "resume_options"],
 )
 def test_bad_input_is_a_clear_error(case, store, target, tiny_target, tmp_path):
     extra, shards = [], store
@@ -374,6 +405,10 @@ def test_bad_input_is_a_clear_error(case, store, target, tiny_target, tmp_path):
         extra, expected = ["--block-size", "128"], "cannot hold a block of 128"
     elif case == "too_many_anchors":
         extra, expected = ["--anchors", "200"], "lower --anchors"
+    elif case == "val_store":
+        other = _copy_store(store, tmp_path / "other")
+        _manifest_edit(other, layer_ids=[0, 1], token_budget=128)
+        extra, expected = ["--val-shards", str(other)], "differs from the training store in layer_ids, token_budget"
     else:
         assert _train_cli(store, tmp_path / "run").exit_code == 0
         extra, expected = ["--resume", "--seed", "1"], "seed: checkpoint 0, now 1"
