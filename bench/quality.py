@@ -19,8 +19,9 @@ Stages, every one through the library entry points the CLI uses (except the fixt
                greedy continuations of code are not trivial (its held-out loss and a sample are reported).
   3. regenerate  `{"text": ...}` prompts (a few lines of code, cut at a line end) from the DRAFTER files, answered
                greedily by the target with `dflash.regenerate.regenerate` (in chunks, resumable, within a time
-               budget): the drafter's training data is the target's own output. Also 256 prompts from other
-               windows of the EVAL files, answered the same way: the drafter's held-out set.
+               budget): the drafter's training data is the target's own output. Also 256 prompts from random
+               windows of the EVAL files (they may overlap the eval's prompts: nothing is chosen on them),
+               answered the same way: the drafter's held-out set.
   4. harvest   `dflash.harvest.run_harvest` of the responses (prompt / completion records: loss on the target's
                responses only, as DFlash trains), and of the held-out responses into a store of their own.
   5. drafter   `dflash.train.run_training` (5 layers, B = 16, the paper's optimiser settings), exported; its
@@ -33,7 +34,7 @@ Stages, every one through the library entry points the CLI uses (except the fixt
                lookup (transformers' PromptLookupCandidateGenerator n-gram matcher, `prompt_lookup_num_tokens`
                = 10, verified by our loop: transformers' own `generate(prompt_lookup_num_tokens=...)` refuses
                hybrid targets). Prompts are taken in order until the eval's time budget is spent; the untrained
-               (random-init) drafter runs first, on the first 8 of them. The methods are
+               (random-init) drafter runs first, on the first 6 of them. The methods are
                dflash.speculative's; every output is compared token for token with plain greedy decoding.
 
 Default (H200) sizes: target hidden 512, 8 layers (6 GDN + 2 full attention), 8 / 2 heads of 64, FFN 1408,
@@ -143,11 +144,11 @@ class Scale:
     drafter_seconds: float = 240.0  # only printed: compile + capture + steps (no hard stop inside the trainer)
     # eval
     eval_prompts: int = 64
-    # The drafter's held-out curve: answers to other windows of the eval's files (unseen by target and drafter).
+    # The drafter's held-out curve: answers to windows of the eval's files (unseen by target and drafter).
     # Held-out rows of its own store would continue prompts cut from its training files.
     val_prompts: int = 256
     min_eval_prompts: int = 6
-    baseline_prompts: int = 8  # the untrained drafter's prompts: the first of the eval's
+    baseline_prompts: int = 6  # the untrained drafter's prompts: the first of the eval's (at most min_eval_prompts)
     eval_seconds: float = 360.0
     prompt_lookup_tokens: int = 10
     # whole run: the eval budget shrinks to what is left of this (a call is cut at 600 s)
@@ -571,13 +572,16 @@ def evaluate_all(scale: Scale, target_path: Path, drafter_path: Path, prompts: l
     """The untrained drafter on the first `scale.baseline_prompts` prompts, then the trained drafter and prompt
     lookup in one `dflash.speculative.evaluate` run (one plain greedy decoding per prompt is the reference of
     both: tokens/s and the mismatch check), prompts in order until `budget` is spent. The untrained drafter's tau
-    is 1 by construction and it pays a verify forward per token: run on every prompt, it took 38 % of the eval."""
+    is 1 by construction and it pays a verify forward per token: run on every prompt, it took 38 % of the eval.
+    Its speedup is against the plain decoding of its own run."""
     from dflash.speculative import evaluate
 
     records = [{"prompt": p["text"]} for p in prompts]
     common = dict(max_new_tokens=scale.new_tokens, temperature=0.0, device=device, dtype="float32", seed=seed)
     start = time.perf_counter()
-    baseline = evaluate(target_path, "untrained", records[: scale.baseline_prompts], prompt_lookup_tokens=0, **common)
+    # No more than the main run is sure to reach, so that every method's tau covers prompts of the table.
+    count = min(scale.baseline_prompts, scale.min_eval_prompts)
+    baseline = evaluate(target_path, "untrained", records[:count], prompt_lookup_tokens=0, **common)
     report = evaluate(
         target_path, str(drafter_path), records, prompt_lookup_tokens=scale.prompt_lookup_tokens,
         time_budget=max(0.0, budget - (time.perf_counter() - start)), min_prompts=scale.min_eval_prompts,

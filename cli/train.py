@@ -54,7 +54,7 @@ def _number(raw: str):
 @click.option("--epochs", default=6, type=int, help="Passes over the training rows.")
 @click.option("--max-steps", type=int, help="Stop after this many optimizer steps (overrides --epochs).")
 @click.option("--seed", default=0, type=int, help="Seed of the weights, the row order and the anchors.")
-@click.option("--val-fraction", default=0.01, type=float, help="Fraction of the store's rows held out for validation.")
+@click.option("--val-fraction", default=0.01, type=float, help="Fraction of the store's rows held out for validation (not with --val-shards).")
 @click.option("--val-shards", type=click.Path(), help="A held-out store of other documents (same target, layers and token budget) to validate on, instead of --val-fraction of the training store's rows.")
 @click.option("--val-every", default=0, type=int, help="Validate every N steps (0: only at the end).")
 @click.option("--log-every", default=10, type=int, help="Steps between metric records.")

@@ -87,6 +87,11 @@ def load_documents(cfg: DataConfig, tokenizer_path: str) -> tuple[list[Document]
     documents = []
     for (index, _, _), (ids, mask) in zip(records, encoded):
         documents.extend(_fit(index, ids, mask, cfg, stats))
+    if not documents:
+        raise DflashError(
+            f"no document of {cfg.path} holds a token to train on ({stats.dropped_no_loss} dropped without one, "
+            "e.g. empty completions); give the responses some content"
+        )
     stats.documents = len(documents)
     stats.tokens = sum(len(doc.input_ids) for doc in documents)
     stats.loss_tokens = sum(int(doc.loss_mask.sum()) for doc in documents)

@@ -37,6 +37,11 @@ def load_prompts(path: str | Path) -> list[dict]:
     return records
 
 
+def prompt_records(records: list[dict]) -> list[dict]:
+    """In-memory prompt records (any form a prompt file may hold), checked and normalised as load_prompts does."""
+    return [_prompt_record(json.dumps(record).encode(), f"prompt {number}") for number, record in enumerate(records, 1)]
+
+
 def _prompt_record(line: bytes, where: str) -> dict:
     kind, payload = parse_line(line, where)
     if kind == "text":
@@ -101,9 +106,11 @@ def completed_count(out: Path, records: list[dict]) -> int:
         except (ValueError, AttributeError):  # not UTF-8, not JSON, not an object
             same = False
         if not same:
+            # dflash before 2026-11-29 wrote {"text": prompt + response} for text prompts.
+            source = "by an older dflash" if b'"text"' in line and "prompt" in record else "from other prompts"
             raise DflashError(
-                f"{out} line {number} does not answer prompt {number} of the data file; "
-                "it was written from other prompts: write to a new --out"
+                f"{out} line {number} does not answer prompt {number} of the data file; it was written {source}: "
+                "write to a new --out"
             )
     return len(lines)
 

@@ -645,17 +645,17 @@ def evaluate(
 
     `drafter`: an exported drafter folder, "untrained" (random init from the target's config with
     `block_size`, the baseline), a `(model, config)` pair, None (prompt lookup only), or a list of these.
-    `prompt_lookup_tokens`: prompt lookup's draft length (0 = skip it). `prompts`: a JSONL path or records
-    as `load_prompts` returns them. `time_budget`: seconds after which no further prompt is started (at least
+    `prompt_lookup_tokens`: prompt lookup's draft length (0 = skip it). `prompts`: a JSONL path or a list of
+    records as a prompt file holds them. `time_budget`: seconds after which no further prompt is started (at least
     `min_prompts` run). `on_prompt(totals)`: called after each prompt with the running tau and mismatches.
     """
     from tqdm import tqdm
 
-    from dflash.regenerate import encode_prompt, eos_token_ids, load_prompts
+    from dflash.regenerate import encode_prompt, eos_token_ids, load_prompts, prompt_records
 
     target, tokenizer = load_target(target_path, device, dtype)
     eos_ids = eos_token_ids(target, tokenizer)
-    records = load_prompts(prompts) if isinstance(prompts, (str, Path)) else prompts
+    records = load_prompts(prompts) if isinstance(prompts, (str, Path)) else prompt_records(prompts)
     encoded = [torch.tensor(encode_prompt(tokenizer, r), device=target.device) for r in records]
     drafters = drafter if isinstance(drafter, list) else [] if drafter is None else [drafter]
     methods = _methods(target, tokenizer, drafters, temperature, prompt_lookup_tokens, block_size, seed, eos_ids)

@@ -49,7 +49,13 @@ def local_device(requested: str | None) -> torch.device:
     "cuda" also means this process's own GPU (LOCAL_RANK under torchrun), never GPU 0 for every rank."""
     local = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device(requested or ("cuda" if torch.cuda.is_available() else "cpu"))
-    return torch.device("cuda", local) if device.type == "cuda" and device.index is None else device
+    device = torch.device("cuda", local) if device.type == "cuda" and device.index is None else device
+    if device.type == "cuda" and device.index >= torch.cuda.device_count():
+        raise DflashError(
+            f"device {device} asked for, but this machine has {torch.cuda.device_count()} CUDA device(s) "
+            f"(torch {torch.__version__}); use --device cpu, or fewer processes per node"
+        )
+    return device
 
 
 def default_layer_ids(num_layers: int, n: int = 5) -> list[int]:

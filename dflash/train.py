@@ -113,15 +113,20 @@ def check_config(cfg: TrainConfig):
         raise DflashError(f"invalid options: {'; '.join(bad)}")
 
 
-VAL_STORE_FIELDS = ("layer_ids", "feature_dim", "token_budget", "dtype")
+VAL_STORE_FIELDS = ("layer_ids", "feature_dim", "token_budget", "tokenizer")
 
 
-def check_val_store(train: dict, val: dict, path: str) -> None:
+def check_val_store(train: dict, val: dict, train_path: str, path: str) -> None:
     """A held-out store is read into the training rows' buffers and scored against the same target: it must share
-    the target, the tapped layers and the row layout of the training store."""
+    the target (its config and the dtype it ran in), the tapped layers, the tokenizer and the row layout of the
+    training store. Weights are not compared: a fine-tune with the same config passes."""
+    if Path(path).resolve() == Path(train_path).resolve():
+        raise DflashError(f"--val-shards {path} is the training store itself; give a store of held-out documents")
     differ = [name for name in VAL_STORE_FIELDS if train.get(name) != val.get(name)]
     if train["target"].get("config_hash") != val["target"].get("config_hash"):
         differ.append("target (config hash)")
+    if train["fingerprint"].get("dtype") != val["fingerprint"].get("dtype"):
+        differ.append("the dtype the target ran in")
     if differ:
         raise DflashError(
             f"the held-out store {path} differs from the training store in {', '.join(differ)}; harvest the "
@@ -130,8 +135,13 @@ def check_val_store(train: dict, val: dict, path: str) -> None:
 
 
 def fingerprint(cfg: TrainConfig, world: int) -> dict:
-    """The options a resumed run must share with its checkpoint (JSON-normalised), and the number of ranks."""
+    """The options a resumed run must share with its checkpoint (JSON-normalised), and the number of ranks.
+
+    Where the held-out store lives does not change the weights; whether there is one does (without it, a fraction
+    of the rows is held out). Checkpoints from before --val-shards have no such key: None, as for no store."""
     options = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    if cfg.val_shards:
+        options.update(val_shards=True, val_fraction=None)
     return {**{k: v for k, v in options.items() if k not in RESUMABLE_CHANGES}, "world_size": world}
 
 
@@ -338,7 +348,7 @@ class Trainer:
         self.val_store = self.store
         if cfg.val_shards:
             self.val_store = ShardStore.open(cfg.val_shards)
-            check_val_store(manifest, self.val_store.manifest, cfg.val_shards)
+            check_val_store(manifest, self.val_store.manifest, cfg.shards, cfg.val_shards)
             train_rows, val_rows = np.arange(self.store.num_rows), np.arange(self.val_store.num_rows)
         else:
             train_rows, val_rows = reader.split_rows(self.store.num_rows, cfg.val_fraction)

@@ -89,8 +89,8 @@ def test_text_documents_have_every_token_on(tmp_path, tokenizer_path):
 
 
 @pytest.mark.parametrize("prompt, completion", [
-    ("def add(a, b):\n", "    return a + b\n"),
-    ("x = 1", "0 + y  # the prompt's last token and the completion's first merge"),
+    ("def add(a, b):\n", "    return a + b\n"),  # one token holds the prompt's newline and the indentation
+    ("x = 1", "0 + y"),
     ("", "only a completion"),
 ])
 def test_completion_mask_is_exactly_the_completion_tokens(tmp_path, tokenizer_path, prompt, completion):
@@ -109,6 +109,8 @@ def test_empty_completion_is_dropped_and_counted(tmp_path, tokenizer_path):
     path = _jsonl(tmp_path, {"prompt": "an answer that never came", "completion": ""}, {"prompt": "a", "completion": "b"})
     documents, stats = load_documents(DataConfig(path), tokenizer_path)
     assert [d.doc_id for d in documents] == [1] and (stats.completion, stats.dropped_no_loss) == (2, 1)
+    with pytest.raises(DflashError, match="no document of .* holds a token to train on \\(1 dropped"):
+        load_documents(DataConfig(_jsonl(tmp_path, {"prompt": "never answered", "completion": ""})), tokenizer_path)
 
 
 def test_truncate_and_split(tmp_path, tokenizer_path):

@@ -15,6 +15,7 @@ from dflash.regenerate import (
     encode_prompt,
     eos_token_ids,
     load_prompts,
+    prompt_records,
     regenerate,
     response_record,
 )
@@ -106,6 +107,19 @@ def test_resume_refuses_output_from_other_prompts(tmp_path):
     out = write_jsonl(tmp_path / "out.jsonl", [{"messages": [{"role": "user", "content": "other"}, {"role": "assistant", "content": "x"}]}])
     with pytest.raises(DflashError, match="out.jsonl line 1 does not answer prompt 1"):
         completed_count(out, [{"messages": [{"role": "user", "content": "mine"}]}])
+    out = write_jsonl(tmp_path / "text.jsonl", [{"prompt": "other", "completion": "x"}])
+    with pytest.raises(DflashError, match="written from other prompts"):
+        completed_count(out, [{"prompt": "mine"}])
+    out = write_jsonl(tmp_path / "old.jsonl", [{"text": "mine and its answer"}])
+    with pytest.raises(DflashError, match="written by an older dflash"):
+        completed_count(out, [{"prompt": "mine"}])
+
+
+def test_in_memory_prompts_are_checked_and_normalised_like_a_file():
+    records = [{"text": "a"}, {"prompt": "b", "completion": "dropped"}, {"messages": [{"role": "user", "content": "c"}]}]
+    assert prompt_records(records) == [{"prompt": "a"}, {"prompt": "b"}, records[2]]
+    with pytest.raises(DflashError, match="prompt 1: the object has none of the keys"):
+        prompt_records([{"title": "x"}])
 
 
 def test_resume_counts_responses_holding_unicode_line_breaks(tmp_path):

@@ -189,11 +189,24 @@ def test_fla_kernels_on_gpu(tiny_target, reference):
         torch.testing.assert_close(row[: len(document)], expected, atol=0.05, rtol=0.05)
 
 
+def test_a_missing_gpu_is_a_clear_error(monkeypatch):
+    from dflash.target import local_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "2")  # a third process per node on a machine of two GPUs
+    with pytest.raises(DflashError, match="cuda:2 asked for, but this machine has 2 CUDA device"):
+        local_device("cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(DflashError, match="use --device cpu"):
+        local_device("cuda:0")
+
+
 def test_local_device_is_this_ranks_gpu(monkeypatch):
     """Under torchrun every rank must land on its own GPU, whether --device is left out or given as a bare cuda."""
     from dflash.target import local_device
 
     monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     assert local_device("cuda") == torch.device("cuda", 3)
     assert local_device("cuda:1") == torch.device("cuda", 1)  # an explicit index is kept
     assert local_device("cpu") == torch.device("cpu")

@@ -356,12 +356,23 @@ def _initial_validation(cfg: TrainConfig) -> tuple[dict, "Trainer"]:
 
 def test_val_shards_validates_on_the_other_store_and_trains_on_every_row(store, other_store, tmp_path):
     on_other, trainer = _initial_validation(config(store, tmp_path / "a", val_shards=str(other_store)))
-    reference, _ = _initial_validation(config(other_store, tmp_path / "b", val_shards=str(other_store)))
+    # Trained on other rows, validated on the same documents (a copy: a store cannot hold out itself).
+    same = _copy_store(other_store, tmp_path / "same")
+    reference, _ = _initial_validation(config(other_store, tmp_path / "b", val_shards=str(same)))
     split, _ = _initial_validation(config(store, tmp_path / "c"))
     assert on_other == reference and on_other["blocks"] > 0
     assert split["blocks"] != on_other["blocks"] and split["loss"] != on_other["loss"]
     assert trainer.plan.train_rows.tolist() == list(range(ShardStore.open(store).num_rows))
     assert trainer.plan.val_rows.tolist() == list(range(ShardStore.open(other_store).num_rows))
+
+
+def test_resume_fingerprint_keeps_whether_there_is_a_held_out_store_not_where():
+    from dflash.train import fingerprint
+
+    base = TrainConfig(shards="s", out="o")
+    moved = fingerprint(TrainConfig(shards="s", out="o", val_shards="/a/v"), 1)
+    assert moved == fingerprint(TrainConfig(shards="s", out="o", val_shards="v", val_fraction=0.5), 1)
+    assert moved != fingerprint(base, 1) and moved["val_shards"] is True and fingerprint(base, 1)["val_shards"] is None
 
 
 def _manifest_edit(path, **fields):
@@ -384,7 +395,7 @@ def _corrupt_first_row(path) -> int:
 @pytest.mark.parametrize(
     "case",
     ["incomplete", "format_version", "corrupt_chunk", "head_shape", "block_too_big", "too_many_anchors", "val_store",
-     "resume_options"],
+     "val_store_is_the_store", "resume_options"],
 )
 def test_bad_input_is_a_clear_error(case, store, target, tiny_target, tmp_path):
     extra, shards = [], store
@@ -407,8 +418,12 @@ def test_bad_input_is_a_clear_error(case, store, target, tiny_target, tmp_path):
         extra, expected = ["--anchors", "200"], "lower --anchors"
     elif case == "val_store":
         other = _copy_store(store, tmp_path / "other")
-        _manifest_edit(other, layer_ids=[0, 1], token_budget=128)
-        extra, expected = ["--val-shards", str(other)], "differs from the training store in layer_ids, token_budget"
+        fingerprint = {**json.loads((other / "manifest.json").read_text())["fingerprint"], "dtype": "float64"}
+        _manifest_edit(other, layer_ids=[0, 1], token_budget=128, fingerprint=fingerprint)
+        expected = "differs from the training store in layer_ids, token_budget, the dtype the target ran in"
+        extra = ["--val-shards", str(other)]
+    elif case == "val_store_is_the_store":
+        extra, expected = ["--val-shards", str(store)], "is the training store itself"
     else:
         assert _train_cli(store, tmp_path / "run").exit_code == 0
         extra, expected = ["--resume", "--seed", "1"], "seed: checkpoint 0, now 1"
