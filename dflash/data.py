@@ -163,12 +163,21 @@ def _parse_document(line: bytes, where: str) -> tuple[str, object]:
 def parse_line(line: bytes, where: str) -> tuple[str, object]:
     """One JSONL line as ("chat", messages), ("text", text) or ("completion", (prompt, completion)), checked for
     shape; errors name `where`."""
+    return check_record(_decode(line, where), where)
+
+
+def _decode(line: bytes, where: str):
     try:
         record = json.loads(line.decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise DflashError(f"{where}: not valid UTF-8 ({exc.reason} at byte {exc.start}); re-encode the file as UTF-8") from exc
     except json.JSONDecodeError as exc:
         raise DflashError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object, {LINE_EXAMPLE}") from exc
+    return record
+
+
+def check_record(record, where: str) -> tuple[str, object]:
+    """parse_line for a record already decoded (a prompt given in memory, say)."""
     if not isinstance(record, dict):
         raise DflashError(f"{where}: expected a JSON object, got {type(record).__name__}; write {LINE_EXAMPLE}")
     keys = [key for key in KINDS if key in record]

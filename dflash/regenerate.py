@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash.data import jsonl_lines, parse_line
+from dflash.data import check_record, jsonl_lines, parse_line
 from dflash.errors import DflashError
 
 
@@ -31,7 +31,10 @@ def load_prompts(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise DflashError(f"prompt file {path} does not exist; pass a JSONL file of chat or text prompts")
-    records = [_prompt_record(line, f"{path} line {number}") for number, line in jsonl_lines(path.read_bytes())]
+    records = []
+    for number, line in jsonl_lines(path.read_bytes()):
+        where = f"{path} line {number}"
+        records.append(_prompt_record(*parse_line(line, where), where))
     if not records:
         raise DflashError(f"{path} holds no prompts; expected JSONL lines with 'messages', 'text' or 'prompt'")
     return records
@@ -39,11 +42,14 @@ def load_prompts(path: str | Path) -> list[dict]:
 
 def prompt_records(records: list[dict]) -> list[dict]:
     """In-memory prompt records (any form a prompt file may hold), checked and normalised as load_prompts does."""
-    return [_prompt_record(json.dumps(record).encode(), f"prompt {number}") for number, record in enumerate(records, 1)]
+    normalised = []
+    for number, record in enumerate(records, start=1):
+        where = f"prompt {number}"
+        normalised.append(_prompt_record(*check_record(record, where), where))
+    return normalised
 
 
-def _prompt_record(line: bytes, where: str) -> dict:
-    kind, payload = parse_line(line, where)
+def _prompt_record(kind: str, payload, where: str) -> dict:
     if kind == "text":
         return {"prompt": payload}
     if kind == "completion":
