@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script: the repository's dflash
 
 from dflash.store import TOKEN_ARRAYS, ShardStore  # noqa: E402
-from dflash.tiny import build_tokenizer, corpus_texts  # noqa: E402
+from dflash.tiny import corpus_texts, save_random_target  # noqa: E402
 
 LABELS = ("one", "many")  # the one-process store, the N-process store
 TINY = dict(hidden=64, documents=60, token_budget=512, forward_tokens=1024, work="/tmp/dflash-harvest-equal-tiny")
@@ -57,22 +57,6 @@ def target_config(vocab_size: int, hidden: int, layers: int):
         linear_value_head_dim=head_dim, linear_conv_kernel_dim=4, tie_word_embeddings=False,
         layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
     )  # fmt: skip
-
-
-def save_target(folder: Path, hidden: int, layers: int) -> Path:
-    """A random-weight target and its tokenizer in `folder`, reused when already there (the name holds the shape)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    if (folder / "config.json").exists() and (folder / "tokenizer.json").exists():
-        return folder
-    tokenizer = build_tokenizer()
-    config = target_config(len(tokenizer), hidden, layers)
-    config.eos_token_id, config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def write_corpus(path: Path, count: int, max_tokens: int, seed: int = 0) -> None:
@@ -245,7 +229,8 @@ def parse_args():
 def main():
     args = parse_args()
     work = Path(args.work)
-    model = save_target(work / f"target-{args.hidden}x{args.layers}", args.hidden, args.layers)
+    model = save_random_target(work / f"target-{args.hidden}x{args.layers}",
+                               lambda vocab: target_config(vocab, args.hidden, args.layers), dtype="bfloat16")
     data = work / f"data-{args.documents}x{args.token_budget}.jsonl"
     write_corpus(data, args.documents, max_tokens=3 * args.token_budget // 2)
     stores = {"one": work / "store-1", "many": work / f"store-{args.procs}"}

@@ -95,6 +95,12 @@ def tiny_config(arch: str, vocab_size: int, num_layers: int = 8, hidden_size: in
 
 def make_tiny_target(folder: Path, arch: str = "qwen3_5", seed: int = 0, num_layers: int = 8, hidden_size: int = 64) -> Path:
     """Save a random-weight `arch` model and the tiny tokenizer to `folder` (reused if already there)."""
+    return save_random_target(folder, lambda vocab: tiny_config(arch, vocab, num_layers, hidden_size), seed)
+
+
+def save_random_target(folder: Path, config_for_vocab, seed: int = 0, dtype: str = "float32") -> Path:
+    """Save a random-weight model of `config_for_vocab(vocabulary size)` and the tiny tokenizer to `folder`
+    (reused if already there: callers put the shape in the folder's name)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -102,11 +108,11 @@ def make_tiny_target(folder: Path, arch: str = "qwen3_5", seed: int = 0, num_lay
     if (folder / "config.json").exists() and (folder / "tokenizer.json").exists():
         return folder
     tokenizer = build_tokenizer()
-    config = tiny_config(arch, len(tokenizer), num_layers=num_layers, hidden_size=hidden_size)
+    config = config_for_vocab(len(tokenizer))
     config.eos_token_id = tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
