@@ -35,6 +35,7 @@ import argparse
 import dataclasses
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -42,11 +43,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dflash import harvest, store
-from dflash.data import Document
-from dflash.target import TappedTarget, default_layer_ids
-from dflash.tiny import tiny_config
-from dflash.train import Env, init_distributed
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repository's dflash
+
+from bench.train import gather_ranks  # noqa: E402
+from dflash import harvest, store  # noqa: E402
+from dflash.data import Document  # noqa: E402
+from dflash.target import TappedTarget, default_layer_ids  # noqa: E402
+from dflash.tiny import tiny_config  # noqa: E402
+from dflash.train import Env, init_distributed  # noqa: E402
 
 PEAK_FLOPS = 792e12
 TINY = dict(layers=8, groups=2, doc_length=96, token_budget=384, forward_tokens=768, out="/tmp/dflash-bench-store-tiny")
@@ -279,15 +283,6 @@ def report_scaling(summary: dict, one: dict) -> dict:
     return efficiency
 
 
-def gather(result: dict, env: Env) -> list[dict]:
-    """Every rank's result, in rank order."""
-    if env.world == 1:
-        return [result]
-    results = [None] * env.world
-    dist.all_gather_object(results, result)
-    return results
-
-
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=64, help="target depth (the harvest runs up to the last tap)")
@@ -309,7 +304,7 @@ def main():
     args = parse_args()
     env = init_distributed(args.device)
     one = load_one_gpu_run(args.compare_to, args) if args.compare_to and env.main else None
-    results = gather(measure(args, env), env)  # returns once every rank has measured: the store can go
+    results = gather_ranks(measure(args, env), env)  # returns once every rank has measured: the store can go
     if env.main:
         shutil.rmtree(args.out, ignore_errors=True)
         report = report_one(results[0]) if env.world == 1 else report_ranks(results)
