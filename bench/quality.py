@@ -41,8 +41,8 @@ Default (H200) sizes: target hidden 512, 8 layers (6 GDN + 2 full attention), 8 
 vocabulary 8192 (33.9 M parameters, 25.5 M without embedding and LM head), 100 s of steady training on windows
 of 512 tokens x 64; up to 12288 drafter prompts answered with 256 new tokens (chunks of 512 until 260 s are
 spent; the first chunk, which pays for compiling fla's kernels (119-153 s on a cold H200), always runs, and so
-does the second);
-store rows of 4096 tokens; drafter 5 layers (15.4 M parameters), B = 16, 30 epochs (at most 4000 steps of 2 rows);
+does the second); store rows of 4096 tokens; drafter 5 layers (15.4 M parameters), B = 16, 30 epochs (at most
+4000 steps of 2 rows);
 eval 256 new tokens per held-out prompt, prompts until 360 s are spent (at least 6), the target in float32. A
 call is budgeted at 540 s (the eval's budget shrinks to what is left of it), which on the H200 means two calls:
 target to harvest (443-530 s measured), then the drafter (123 s) and the eval (docs/benchmarks.md).
