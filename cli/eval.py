@@ -1,5 +1,6 @@
 """`dflash regenerate` (target responses to train on) and `dflash eval` (acceptance length and speedup)."""
 
+import json
 from pathlib import Path
 
 import click
@@ -47,9 +48,10 @@ def regenerate_command(model, data, out, batch_size, max_new_tokens, temperature
 @click.option("--seed", default=0, help="Seed for sampling and for the --untrained drafter.")
 @click.option("--device", default="auto", help=DEVICE_HELP)
 @click.option("--dtype", default="auto", help=DTYPE_HELP)
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the full report (per prompt) as JSON here.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the full report (per prompt) as JSON here, updated after every prompt.")
+@click.option("--resume", is_flag=True, help="Go on from the partial report at --json: its prompts are not run again.")
 @reports_errors
-def eval_command(model, drafter, untrained, block_size, data, num_prompts, max_new_tokens, temperature, prompt_lookup, seed, device, dtype, json_path):
+def eval_command(model, drafter, untrained, block_size, data, num_prompts, max_new_tokens, temperature, prompt_lookup, seed, device, dtype, json_path, resume):
     """Speculative decoding with the drafter: acceptance length tau, histogram, tokens/s and speedup."""
     from dflash.errors import DflashError
     from dflash.regenerate import load_prompts
@@ -59,6 +61,9 @@ def eval_command(model, drafter, untrained, block_size, data, num_prompts, max_n
         raise DflashError("give either --drafter or --untrained, not both")
     if not drafter and not untrained and not prompt_lookup:
         raise DflashError("nothing to evaluate: give --drafter, --untrained or --prompt-lookup N")
+    if resume and not json_path:
+        raise DflashError("--resume goes on from the report at --json: give --json REPORT")
+    earlier = read_report(Path(json_path)) if resume and Path(json_path).exists() else None
     prompts = load_prompts(data)[:num_prompts]
     report = evaluate(
         model,
@@ -72,8 +77,30 @@ def eval_command(model, drafter, untrained, block_size, data, num_prompts, max_n
         block_size=block_size,
         seed=seed,
         progress=True,
+        on_prompt=(lambda partial: write_report(partial, Path(json_path))) if json_path else None,
+        resume=earlier,
     )
     click.echo(report.table())
     if json_path:
-        Path(json_path).write_text(report.to_json() + "\n")
+        write_report(report, Path(json_path))
         click.echo(f"report written to {json_path}")
+
+
+def read_report(path: Path) -> dict:
+    from dflash.errors import DflashError
+
+    try:
+        report = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        report = error
+    if not isinstance(report, dict) or not {"prompts", "methods"} <= set(report):
+        raise DflashError(f"{path} is not a dflash eval report ({report if isinstance(report, Exception) else 'no prompts or methods'}); "
+                          "give another --json or leave out --resume")  # fmt: skip
+    return report
+
+
+def write_report(report, path: Path):
+    """Whole or not at all: a run cut short leaves the last complete report."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(report.to_json() + "\n")
+    tmp.replace(path)

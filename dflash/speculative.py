@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
-from dflash.errors import DflashError
+from dflash.errors import DflashError, describe_differences
 from dflash.target import DTYPES, MASK_TOKEN
 
 
@@ -639,6 +639,7 @@ def evaluate(
     time_budget: float | None = None,
     min_prompts: int = 1,
     on_prompt=None,
+    resume: dict | None = None,
 ) -> EvalReport:
     """Plain greedy decoding, then each method, prompt by prompt, in one run; tokens/s and speedups compare
     measurements of the same process, and plain greedy is every method's reference.
@@ -647,7 +648,9 @@ def evaluate(
     `block_size`, the baseline), a `(model, config)` pair, None (prompt lookup only), or a list of these.
     `prompt_lookup_tokens`: prompt lookup's draft length (0 = skip it). `prompts`: a JSONL path or a list of
     records as a prompt file holds them. `time_budget`: seconds after which no further prompt is started (at least
-    `min_prompts` run). `on_prompt(totals)`: called after each prompt with the running tau and mismatches.
+    `min_prompts` run). `on_prompt(report)`: called after each prompt with the report so far (to save it).
+    `resume`: an earlier, partial report of this evaluation as JSON (`EvalReport.to_json`): its prompts are not
+    run again and count in the totals, so that a long eval can be spread over several runs.
     """
     from tqdm import tqdm
 
@@ -661,45 +664,69 @@ def evaluate(
     methods = _methods(target, tokenizer, drafters, temperature, prompt_lookup_tokens, block_size, seed, eos_ids)
     generator = torch.Generator(target.device).manual_seed(seed)
 
+    def report(rows: list[dict]) -> EvalReport:
+        plain_tokens = sum(row["plain"]["new_tokens"] for row in rows)
+        plain_seconds = sum(row["plain"]["seconds"] for row in rows)
+        plain_tokens_per_s = plain_tokens / plain_seconds if plain_seconds else 0.0
+        return EvalReport(
+            target=str(target_path),
+            drafter=", ".join(_drafter_label(d) for d in drafters) or None,
+            temperature=temperature,
+            max_new_tokens=max_new_tokens,
+            device=str(target.device),
+            dtype=str(target.dtype).removeprefix("torch."),
+            plain_tokens_per_s=plain_tokens_per_s,
+            methods={
+                name: _summarise(name, method, [row["runs"][name] for row in rows], plain_tokens_per_s)
+                for name, method in methods.items()
+            },
+            prompts=sorted(rows, key=lambda row: row["index"]),
+        )
+
     def run_all(prompt: torch.Tensor, budget: int) -> tuple[Generation, dict[str, Run]]:
         plain = plain_greedy(target, prompt, budget, eos_ids)
         return plain, {name: m.run(target, prompt, budget, plain, eos_ids, generator) for name, m in methods.items()}
 
-    if warmup:
+    rows = _resumed_rows(resume, report([]), encoded) if resume else []
+    done = {row["index"] for row in rows}
+    todo = [i for i in range(len(encoded)) if i not in done]
+    if warmup and todo:
         # First calls pay for allocations and kernel selection: keep them out of the timings.
-        run_all(encoded[0], min(max_new_tokens, 8))
-    start, rows = time.perf_counter(), []
-    for index, prompt in enumerate(tqdm(encoded, desc="eval", unit="prompt", disable=not progress)):
-        if time_budget is not None and len(rows) >= min_prompts and time.perf_counter() - start > time_budget:
+        run_all(encoded[todo[0]], min(max_new_tokens, 8))
+    start, ran = time.perf_counter(), 0
+    for index in tqdm(todo, desc="eval", unit="prompt", disable=not progress):
+        if time_budget is not None and ran >= min_prompts and time.perf_counter() - start > time_budget:
             break
-        plain, runs = run_all(prompt, max_new_tokens)
-        rows.append((index, prompt.numel(), plain, runs))
+        plain, runs = run_all(encoded[index], max_new_tokens)
+        plain_summary = {"new_tokens": len(plain.tokens), "seconds": plain.seconds}
+        rows.append({"index": index, "prompt_tokens": encoded[index].numel(), "plain": plain_summary, "runs": runs})
+        ran += 1
         if on_prompt is not None:
-            on_prompt({
-                "prompts": len(rows),
-                "tau": {n: m.overall_tau([r[n] for *_, r in rows]) for n, m in methods.items()},
-                "mismatches": {n: sum(r[n].mismatch_at is not None for *_, r in rows) for n in methods},
-            })  # fmt: skip
-    plain_tokens = sum(len(plain.tokens) for _, _, plain, _ in rows)
-    plain_seconds = sum(plain.seconds for _, _, plain, _ in rows)
-    plain_tokens_per_s = plain_tokens / plain_seconds if plain_seconds else 0.0
-    return EvalReport(
-        target=str(target_path),
-        drafter=", ".join(_drafter_label(d) for d in drafters) or None,
-        temperature=temperature,
-        max_new_tokens=max_new_tokens,
-        device=str(target.device),
-        dtype=str(target.dtype).removeprefix("torch."),
-        plain_tokens_per_s=plain_tokens_per_s,
-        methods={
-            name: _summarise(name, method, [runs[name] for *_, runs in rows], plain_tokens_per_s)
-            for name, method in methods.items()
-        },
-        prompts=[
-            {"index": i, "prompt_tokens": n, "plain": {"new_tokens": len(p.tokens), "seconds": p.seconds}, "runs": runs}
-            for i, n, p, runs in rows
-        ],
+            on_prompt(report(rows))
+    return report(rows)
+
+
+def _resumed_rows(earlier: dict, empty: EvalReport, encoded: list[torch.Tensor]) -> list[dict]:
+    """The prompts of an earlier report, checked to belong to this evaluation, with their runs as `Run`s."""
+    keys = ("target", "drafter", "temperature", "max_new_tokens", "dtype")
+    differences = describe_differences(
+        {k: earlier.get(k) for k in keys}, {k: getattr(empty, k) for k in keys}, "earlier report", "this eval"
     )
+    if set(earlier.get("methods", {})) != set(empty.methods):
+        differences += f"; methods: earlier report {sorted(earlier.get('methods', {}))}, this eval {sorted(empty.methods)}"
+    if differences:
+        raise DflashError(f"cannot resume an eval of other settings ({differences.strip('; ')}); "
+                          "start a new report or give the same settings")  # fmt: skip
+    rows = []
+    for row in earlier["prompts"]:
+        index = row["index"]
+        if not 0 <= index < len(encoded) or row["prompt_tokens"] != encoded[index].numel():
+            raise DflashError(
+                f"the earlier report's prompt {index} ({row['prompt_tokens']} tokens) is not this prompt file's "
+                f"prompt {index}; resume with the same prompts, or start a new report"
+            )
+        rows.append({**row, "runs": {name: Run(**run) for name, run in row["runs"].items()}})
+    return rows
 
 
 def _drafter_label(drafter) -> str:

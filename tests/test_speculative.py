@@ -262,13 +262,61 @@ def test_evaluate_several_drafters_against_one_plain_run_within_a_time_budget(ti
     target, tokenizer = load_target(target_path, "cpu", "float32")
     model, config = untrained_drafter(target, tokenizer, BLOCK, seed=1)
     folder = export_drafter(model, config, tmp_path / "drafter")
-    totals = []
+    partials = []
     report = evaluate(
         target_path, [str(folder), "untrained"], PROMPTS * 3, max_new_tokens=8, device="cpu", block_size=BLOCK,
-        prompt_lookup_tokens=0, time_budget=0.0, min_prompts=2, on_prompt=totals.append,
+        prompt_lookup_tokens=0, time_budget=0.0, min_prompts=2, on_prompt=partials.append,
     )  # fmt: skip
     assert set(report.methods) == {"dflash", "untrained-dflash"}
     assert len(report.prompts) == 2  # the budget is spent at once: exactly min_prompts run
-    assert [t["prompts"] for t in totals] == [1, 2] and all(t["mismatches"]["dflash"] == 0 for t in totals)
+    assert [len(p.prompts) for p in partials] == [1, 2] and all(p.methods["dflash"].mismatches == 0 for p in partials)
     with pytest.raises(DflashError, match="both be reported"):
         evaluate(target_path, ["untrained", "untrained"], PROMPTS, max_new_tokens=4, device="cpu", prompt_lookup_tokens=0)
+
+
+def test_evaluate_resumes_a_partial_report(tiny_target):
+    target_path = tiny_target("qwen3_5")
+    prompts = PROMPTS + [{"prompt": "import os\nimport sys\n\ndef main():\n"}]
+    common = dict(max_new_tokens=10, device="cpu", block_size=BLOCK, prompt_lookup_tokens=4)
+    whole = evaluate(target_path, "untrained", prompts, **common)
+    partial = evaluate(target_path, "untrained", prompts, time_budget=0.0, min_prompts=1, **common)
+    assert len(partial.prompts) == 1
+    calls = []
+    resumed = evaluate(target_path, "untrained", prompts, resume=json.loads(partial.to_json()), on_prompt=calls.append, **common)
+    assert len(calls) == 2 and [p["index"] for p in resumed.prompts] == [0, 1, 2]
+    assert resumed.prompts[0]["plain"] == partial.prompts[0]["plain"]  # taken over, not run again
+    for name, method in whole.methods.items():
+        assert (resumed.methods[name].tau, resumed.methods[name].rounds) == (method.tau, method.rounds)
+        assert resumed.methods[name].accepted_histogram == method.accepted_histogram
+        assert [p["runs"][name].new_tokens for p in resumed.prompts] == [p["runs"][name].new_tokens for p in whole.prompts]
+    earlier = json.loads(partial.to_json())
+    with pytest.raises(DflashError, match="max_new_tokens: earlier report 10, this eval 11"):
+        evaluate(target_path, "untrained", prompts, resume=earlier, **{**common, "max_new_tokens": 11})
+    with pytest.raises(DflashError, match="methods"):
+        evaluate(target_path, "untrained", prompts, resume=earlier, **{**common, "prompt_lookup_tokens": 0})
+    with pytest.raises(DflashError, match="not this prompt file's prompt 0"):
+        evaluate(target_path, "untrained", prompts[::-1], resume=earlier, **common)
+
+
+def test_eval_cli_resumes_its_report(tiny_target, tmp_path):
+    from cli.main import main
+
+    target_path = tiny_target("qwen3_5")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    out = tmp_path / "report.json"
+    args = ["eval", "--model", str(target_path), "--untrained", "--block-size", "4", "--data", str(data)]
+    args += ["--max-new-tokens", "6", "--device", "cpu", "--json", str(out)]
+    first = CliRunner().invoke(main, args + ["--num-prompts", "1"])
+    assert first.exit_code == 0, first.output
+    earlier = json.loads(out.read_text())
+    second = CliRunner().invoke(main, args + ["--resume"])
+    assert second.exit_code == 0, second.output
+    report = json.loads(out.read_text())
+    assert [p["index"] for p in report["prompts"]] == [0, 1] and report["prompts"][0] == earlier["prompts"][0]
+    assert not list(tmp_path.glob("*.tmp"))
+    no_json = CliRunner().invoke(main, args[:-2] + ["--resume"])
+    assert no_json.exit_code == 2 and "--json" in no_json.output
+    out.write_text("[1, 2]")
+    not_a_report = CliRunner().invoke(main, args + ["--resume"])
+    assert not_a_report.exit_code == 2 and "not a dflash eval report" in not_a_report.output
