@@ -22,6 +22,7 @@ cut at EOS like the public DFlash benchmark; the first token, from the prefill, 
 """
 
 import json
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -34,7 +35,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 from dflash.errors import DflashError, describe_differences
-from dflash.target import DTYPES, MASK_TOKEN
+from dflash.target import DTYPES, GPU_EXTRA, MASK_TOKEN, select_kernels
+
+logger = logging.getLogger("dflash")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -412,8 +415,18 @@ def load_target(path: str | Path, device: str | torch.device = "cpu", dtype: str
     if not (Path(path) / "config.json").is_file():
         raise DflashError(f"{path} is not a model folder (no config.json); pass the target's local folder")
     device = resolve_device(device)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device)).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device))
+    kernels = select_kernels(model, device, allow_slow=True, generation=True)
+    model = model.to(device).eval()
     model.requires_grad_(False)
+    summary = ", ".join(f"{role} {kernel}" for role, kernel in kernels.items())
+    logger.info("target %s on %s; kernels: %s", path, device, summary)
+    # The convolutions' reference code is a small op: the delta rules are the ones that cost.
+    slow = [role for role in ("gated_delta_rule", "recurrent_gated_delta_rule")
+            if device.type == "cuda" and kernels.get(role) == "torch-reference"]  # fmt: skip
+    if slow:
+        logger.warning("the target's %s run on PyTorch reference code on the GPU: correct but slow; run %s for the "
+                       "fast kernels", " and ".join(slow), GPU_EXTRA)  # fmt: skip
     return model, AutoTokenizer.from_pretrained(path)
 
 

@@ -27,9 +27,12 @@ GPU_EXTRA = "pip install 'dflash[gpu]'"
 EMBEDDING_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "embed_tokens.weight")
 HEAD_KEYS = ("lm_head.weight", "model.lm_head.weight")
 # The module globals of transformers' hybrid modeling files (qwen3_5, qwen3_5_moe, qwen3_next) that the layers
-# look up at call time: patching them changes the kernel a layer runs.
+# look up at call time: patching them changes the kernel a layer runs. A forward over a sequence (the harvest,
+# prefill, verify) runs the first two; decoding one token at a time with a cache runs the last two.
 GATED_DELTA_RULE = "torch_chunk_gated_delta_rule"
 CAUSAL_CONV1D = "causal_conv1d_fn"
+SEQUENCE_FUNCTIONS = {"gated_delta_rule": GATED_DELTA_RULE, "causal_conv1d": CAUSAL_CONV1D}
+DECODE_FUNCTIONS = {"recurrent_gated_delta_rule": "torch_recurrent_gated_delta_rule", "causal_conv1d_update": "causal_conv1d_update"}
 MASK_TOKEN = "<|MASK|>"  # the token of the target's vocabulary that fills a drafter block after its first slot
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -141,7 +144,7 @@ class TappedTarget:
 
     def _attach(self, model, info: TargetInfo, layer_ids: list[int], device, dtype, allow_slow_kernels: bool):
         self.info, self.layer_ids, self.device, self.dtype = info, layer_ids, device, dtype
-        self.kernels = _select_kernels(model, self.device, allow_slow_kernels)  # refuse before a long copy to GPU
+        self.kernels = select_kernels(model, self.device, allow_slow_kernels)  # refuse before a long copy to GPU
         self.model = model.to(self.device)
         self._features = None
         layers = self.model.layers
@@ -272,31 +275,34 @@ def _load_truncated(path: str, text_config, keep: int, dtype) -> torch.nn.Module
 # ---- kernels ------------------------------------------------------------------------------------------------
 
 
-def _select_kernels(model: torch.nn.Module, device: torch.device, allow_slow: bool) -> dict[str, str]:
+def select_kernels(model: torch.nn.Module, device: torch.device, allow_slow: bool, generation: bool = False) -> dict[str, str]:
     """Name the kernel of each hybrid-layer function and patch transformers' choice where it falls short.
 
     On CPU: the reference code (fla, if installed, is kept for CUDA tensors only). On CUDA: fla's Triton conv
-    when causal-conv1d is missing, and a DflashError when a function would run on the reference code.
+    when causal-conv1d is missing, and a DflashError when a sequence function would run on the reference code
+    (unless `allow_slow`). `generation`: the target also decodes with a cache: the one-token functions are
+    reported too, and transformers' conv is kept (fla's conv wrapper is checked on cacheless forwards only).
     """
     kernels = {"attention": model.config._attn_implementation}
     modeling = sys.modules[type(model).__module__]
     is_hybrid = "linear_attention" in (getattr(model.config, "layer_types", None) or [])
-    if not (is_hybrid and all(hasattr(modeling, name) for name in (GATED_DELTA_RULE, CAUSAL_CONV1D))):
+    if not (is_hybrid and all(hasattr(modeling, name) for name in SEQUENCE_FUNCTIONS.values())):
         return kernels
+    reported = {**SEQUENCE_FUNCTIONS, **(DECODE_FUNCTIONS if generation else {})}
+    reported = {role: name for role, name in reported.items() if hasattr(modeling, name)}
     if device.type != "cuda":
         # transformers binds fla's Triton kernels whatever the device, and they take CUDA tensors only.
-        for name in (GATED_DELTA_RULE, CAUSAL_CONV1D):
-            function = getattr(modeling, name)
-            if _kernel_name(function) != "torch-reference" and not hasattr(function, "fast"):
+        for name in {**SEQUENCE_FUNCTIONS, **DECODE_FUNCTIONS}.values():
+            function = getattr(modeling, name, None)
+            if function is not None and _kernel_name(function) != "torch-reference" and not hasattr(function, "fast"):
                 setattr(modeling, name, _cuda_only(function, function.__wrapped__))
-        return {**kernels, "gated_delta_rule": "torch-reference", "causal_conv1d": "torch-reference"}
-    kernels["gated_delta_rule"] = _kernel_name(getattr(modeling, GATED_DELTA_RULE))
-    kernels["causal_conv1d"] = _kernel_name(getattr(modeling, CAUSAL_CONV1D))
-    if kernels["causal_conv1d"] == "torch-reference" and kernels["gated_delta_rule"] == "fla":
+        return {**kernels, **{role: "torch-reference" for role in reported}}
+    kernels.update({role: _kernel_name(getattr(modeling, name)) for role, name in reported.items()})
+    if kernels["causal_conv1d"] == "torch-reference" and kernels["gated_delta_rule"] == "fla" and not generation:
         # causal-conv1d is missing (it builds from source only): fla's Triton conv is the next best.
         setattr(modeling, CAUSAL_CONV1D, _cuda_only(_fla_causal_conv1d_fn, getattr(modeling, CAUSAL_CONV1D)))
         kernels["causal_conv1d"] = "fla-triton"
-    slow = [role for role, kernel in kernels.items() if kernel == "torch-reference"]
+    slow = [role for role in SEQUENCE_FUNCTIONS if kernels[role] == "torch-reference"]
     if slow and not allow_slow:
         raise DflashError(
             f"the target's {' and '.join(slow)} would run on PyTorch reference code, more than 10x slower on GPU: "
@@ -329,7 +335,7 @@ def _cuda_only(fast, reference):
     def routed(*args, **kwargs):
         return (fast if args[0].is_cuda else reference)(*args, **kwargs)
 
-    routed.fast = fast
+    routed.fast, routed.__wrapped__ = fast, reference
     return routed
 
 

@@ -214,3 +214,33 @@ def test_local_device_is_this_ranks_gpu(monkeypatch):
     assert local_device(None) == torch.device("cuda", 3)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert local_device(None) == torch.device("cpu")
+
+
+def test_generation_on_the_cpu_keeps_gpu_kernels_for_cuda_tensors(tiny_target, monkeypatch, caplog):
+    """Where fla is installed transformers binds its Triton kernels, which fail on CPU tensors: a hybrid target
+    loaded for generation on the CPU sends every hybrid function's CPU calls, decoding included, to the reference."""
+    import inspect
+
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
+
+    from dflash.regenerate import encode_prompt, eos_token_ids
+    from dflash.speculative import load_target, plain_greedy
+    from dflash.target import DECODE_FUNCTIONS, SEQUENCE_FUNCTIONS
+
+    path = tiny_target("qwen3_5")
+    target, tokenizer = load_target(path, "cpu", "float32")
+    prompt = torch.tensor(encode_prompt(tokenizer, {"prompt": "def parse(line):\n    return"}))
+    expected = plain_greedy(target, prompt, 12, eos_token_ids(target, tokenizer)).tokens
+    called = []
+    for name in {**SEQUENCE_FUNCTIONS, **DECODE_FUNCTIONS}.values():
+
+        def triton_kernel(*args, _name=name, **kwargs):
+            called.append(_name)
+            raise ValueError("Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)")
+
+        triton_kernel.__wrapped__ = inspect.unwrap(getattr(modeling, name))
+        monkeypatch.setattr(modeling, name, triton_kernel)
+    with caplog.at_level(logging.INFO, logger="dflash"):
+        target, tokenizer = load_target(path, "cpu", "float32")
+    assert plain_greedy(target, prompt, 12, eos_token_ids(target, tokenizer)).tokens == expected
+    assert called == [] and "recurrent_gated_delta_rule torch-reference" in caplog.text
