@@ -7,7 +7,8 @@ measures decoding and copies, not the disk. Per method and thread count: rows/s 
 each thread reading whole rows into its own destination row as the trainer's reader threads do:
     zarr:   plain zarr reads of the row's five arrays, then a copy into the destination (the trainer's path
             until this benchmark; any reader written with zarr alone does the same);
-    direct: `ShardStore.read_row_into` (the trainer's path now: chunk file, CRC32C, blosc into place).
+    direct: `ShardStore.read_row_into` (the trainer's path now: chunk file, CRC32C, blosc / zstd into place,
+            for the hidden states and the token arrays alike).
 
     .venv/bin/python bench/reader.py                                   # CPU
     source bench/device_setup.sh && python3 bench/reader.py --threads 1,2,4,8 --json $OUT/reader.json

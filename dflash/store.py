@@ -295,40 +295,51 @@ def _open_manifest(path: Path) -> dict:
     return manifest
 
 
-class HiddenChunkReader:
-    """Reads a row's hidden-state chunks into a caller's buffer: the chunk file, its CRC32C, blosc's decode in place.
+# The codecs the direct reader decodes itself (zarr's codec name -> numcodecs' implementation of the same format).
+DIRECT_DECODERS = {"BloscCodec": numcodecs.Blosc, "ZstdCodec": numcodecs.Zstd}
 
-    The mirror of HiddenChunkWriter. Zarr's read path decodes into an array of its own (one more copy of every
-    row) and routes each read through its event-loop thread; here the heavy work (file reads, blosc) releases
-    the GIL and runs in the calling thread, so the trainer's reader threads decode rows in parallel.
+
+class ChunkReader:
+    """Reads a row's chunks of one array into a caller's buffer: the chunk file, its CRC32C, the decode in place.
+
+    The mirror of HiddenChunkWriter for the hidden states and of zarr's writes for the token arrays. Zarr's read
+    path decodes into an array of its own (one more copy of every row) and routes each read through its
+    event-loop thread; here the heavy work (file reads, blosc / zstd) releases the GIL and runs in the calling
+    thread, so the trainer's reader threads decode rows in parallel.
     """
 
-    def __init__(self, array: zarr.Array, folder: Path):
+    def __init__(self, array: zarr.Array, folder: Path, compressors: list):
         codecs = [type(c).__name__ for c in (array.serializer, *array.filters, *array.compressors)]
+        expected = ["BytesCodec", *(type(c).__name__ for c in compressors)]
         endian = getattr(array.serializer.endian, "value", array.serializer.endian)  # an enum before zarr 3.4, a str since
-        if codecs != ["BytesCodec", "BloscCodec", "Crc32cCodec"] or endian != "little":
+        if codecs != expected or (endian != "little" and array.dtype.itemsize > 1):
             raise DflashError(
-                f"the hidden states in {folder} are encoded as {codecs}, not the bytes (little endian) -> blosc -> "
-                "crc32c chain this version of dflash reads; harvest again with this version"
+                f"the {folder.name} array in {folder.parent} is encoded as {codecs}, not the {' -> '.join(expected)} "
+                "chain (little endian) this version of dflash reads; harvest again with this version"
             )
         self.array, self.folder = array, folder
         self.chunk_tokens = array.chunks[1]
-        self.codec = numcodecs.Blosc()  # decoding reads shuffle and compressor from each chunk's header
+        self.dtype = array.dtype
+        self.codec = DIRECT_DECODERS[expected[1]]()  # decoding reads its settings from each chunk's header
 
     def read_row_into(self, row: int, out: np.ndarray) -> None:
+        """Row `row` into `out` ([T, ...]); decoded in place when `out` holds items of the stored size."""
         T = out.shape[0]
+        same_size = out.dtype.itemsize == self.dtype.itemsize  # bits land unchanged (bfloat16 as int16 / uint16)
         for j, start in enumerate(range(0, T, self.chunk_tokens)):
             stop = min(start + self.chunk_tokens, T)
             encoded = self._checked_chunk(row, j)
-            if stop - start == self.chunk_tokens:
+            if same_size and out.flags.c_contiguous and stop - start == self.chunk_tokens:
                 self.codec.decode(encoded, out=out[start:stop])
-            else:  # the grid's edge chunk is stored whole, padded past the row's end
-                whole = np.frombuffer(self.codec.decode(encoded), out.dtype).reshape(-1, out.shape[1])
-                out[start:stop] = whole[: stop - start]
+                continue
+            # The grid's edge chunk is stored whole, padded past the row's end; or `out` holds another dtype.
+            chunk = np.frombuffer(self.codec.decode(encoded), self.dtype).reshape(-1, *out.shape[1:])[: stop - start]
+            np.copyto(out[start:stop], chunk.view(out.dtype) if same_size else chunk, casting="unsafe")
 
     def _checked_chunk(self, row: int, j: int) -> bytes:
         """The chunk's encoded bytes, after checking the CRC32C that follows them (as zarr's crc32c codec does)."""
-        path = self.folder / self.array.metadata.encode_chunk_key((row, j, 0))
+        coords = (row, j) + (0,) * (self.array.ndim - 2)
+        path = self.folder / self.array.metadata.encode_chunk_key(coords)
         try:
             with open(path, "rb") as f:
                 encoded = f.read(max(os.fstat(f.fileno()).st_size - 4, 0))  # no copy to split off the checksum
@@ -356,10 +367,14 @@ class ShardStore:
             {name: group[f"parts/{part}/{name}"].with_config(_array_config(read=True)) for name in ARRAYS}
             for part in self.part_names
         ]
-        self.hidden_readers = [
-            HiddenChunkReader(arrays["hidden"], path / "parts" / part / "hidden")
+        self.row_readers = [
+            {
+                name: ChunkReader(arrays[name], path / "parts" / part / name,
+                                  hidden_compressors() if name == "hidden" else token_compressors())
+                for name in ("hidden", *TOKEN_ARRAYS)
+            }
             for arrays, part in zip(self.parts, self.part_names)
-        ]
+        ]  # fmt: skip
 
     @classmethod
     def open(cls, path) -> "ShardStore":
@@ -389,14 +404,10 @@ class ShardStore:
         for name, shape in {"hidden": (T, self.feature_dim), **{name: (T,) for name in TOKEN_ARRAYS}}.items():
             if out[name].shape != shape:
                 raise DflashError(f"the store's rows have {name} of shape {shape}, the reader expects {out[name].shape}")
-        try:
-            self.hidden_readers[part].read_row_into(row, out["hidden"])
-        except Exception as exc:  # a checksum mismatch, a missing chunk file, a codec error
-            raise self._corrupt(i, part, "hidden", row, exc) from exc
-        for name in TOKEN_ARRAYS:
+        for name, chunk_reader in self.row_readers[part].items():
             try:
-                np.copyto(out[name], self.parts[part][name][row], casting="unsafe")
-            except Exception as exc:  # zarr raises ValueError on a checksum mismatch, codec errors otherwise
+                chunk_reader.read_row_into(row, out[name])
+            except Exception as exc:  # a checksum mismatch, a missing chunk file, a codec error
                 raise self._corrupt(i, part, name, row, exc) from exc
 
     def _corrupt(self, i: int, part: int, name: str, row: int, exc: Exception) -> DflashError:

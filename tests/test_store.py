@@ -85,7 +85,7 @@ def test_round_trip_across_parts_and_chunks(tmp_path, monkeypatch):
 
 
 def test_direct_reader_equals_plain_zarr_with_an_edge_chunk(tmp_path, monkeypatch):
-    """The trainer's read path (HiddenChunkReader: file, CRC32C, blosc into place) against zarr's own reads, with
+    """The trainer's read path (ChunkReader: file, CRC32C, blosc or zstd into place) against zarr's own reads, with
     rows of 11 + 11 + 10 tokens of chunks (the last one padded), into an int16 view of a bfloat16 tensor."""
     import torch
 
@@ -110,6 +110,7 @@ def test_a_hidden_array_with_another_codec_is_refused(tmp_path, monkeypatch):
     out = tmp_path / "s"
     monkeypatch.setattr(store, "hidden_compressors", store.token_compressors)  # zstd instead of blosc
     write_store(out)
+    monkeypatch.undo()  # read by this version
     with pytest.raises(DflashError, match=r"encoded as \['BytesCodec', 'ZstdCodec', 'Crc32cCodec'\].*harvest again"):
         store.ShardStore.open(out)
 
@@ -194,8 +195,16 @@ def test_corrupt_and_missing_chunks_are_named(tmp_path):
     shards = store.ShardStore.open(out)
     with pytest.raises(DflashError, match=r"corrupt data .*row 4 \(part rank00001, array hidden, row 1\)"):
         shards.read_row(4)
+    with pytest.raises(DflashError, match=r"row 2 \(part rank00000, array loss_mask, row 2\): chunk file missing"):
+        shards.read_row(2)
     problems = store.verify(shards)
     assert len(problems) == 2, problems
+    token_chunk = out / "parts" / "rank00000" / "input_ids" / "c" / "0" / "0"
+    data = bytearray(token_chunk.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    token_chunk.write_bytes(bytes(data))
+    with pytest.raises(DflashError, match=r"row 0 \(part rank00000, array input_ids, row 0\): checksum mismatch"):
+        shards.read_row(0)
     assert any("part rank00001 array hidden chunk (1, 0, 0) (row 4)" in p and "checksum" in p for p in problems)
     assert any("part rank00000 array loss_mask chunk (2, 0) (row 2): chunk file missing" in p for p in problems)
 
