@@ -21,6 +21,7 @@ cut at EOS like the public DFlash benchmark; the first token, from the prefill, 
 `tau = (new tokens - 1) / rounds`.
 """
 
+import inspect
 import json
 import logging
 import time
@@ -177,6 +178,12 @@ def _stop_index(tokens: list[int], eos_ids: set[int]) -> int | None:
     return next((i for i, token in enumerate(tokens) if token in eos_ids), None)
 
 
+def cache_argument(target) -> str:
+    """The name of the forward's cache argument: `past_key_values`, renamed `cache` in later transformers 5 releases
+    (the old name is deprecated there, to go in 5.40)."""
+    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+
+
 class SpeculativeState:
     """One generation's committed tokens, target cache and features; `round` runs one draft-verify step."""
 
@@ -184,6 +191,7 @@ class SpeculativeState:
         self.target = target
         self.layer_ids = layer_ids
         self.cache = DynamicCache(config=target.config)
+        self.cache_name = cache_argument(target)
         self.committed = prompt
         self.cached = 0
         self.stateful = False  # set from the cache's layers once the prefill has built them
@@ -239,7 +247,7 @@ class SpeculativeState:
     def _forward(self, tokens: torch.Tensor, logits_to_keep: int):
         return self.target(
             tokens[None],
-            past_key_values=self.cache,
+            **{self.cache_name: self.cache},
             use_cache=True,
             output_hidden_states=bool(self.layer_ids),
             logits_to_keep=logits_to_keep,
@@ -287,11 +295,11 @@ def plain_greedy(target, prompt: torch.Tensor, max_new_tokens: int, eos_ids: set
     device = prompt.device
     _sync(device)
     start = time.perf_counter()
-    cache = DynamicCache(config=target.config)
+    cache = {cache_argument(target): DynamicCache(config=target.config)}
     tokens, top2 = [], []
     step_input = prompt
     while len(tokens) < max_new_tokens:
-        logits = target(step_input[None], past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+        logits = target(step_input[None], **cache, use_cache=True, logits_to_keep=1).logits[0, -1]
         top2.append(logits.float().topk(2).values)  # kept on device: no extra sync inside the timed loop
         token = int(logits.argmax())
         tokens.append(token)
