@@ -633,6 +633,13 @@ def bar(report) -> dict:
     return {"tau": tau, "mismatches": mismatches, **checks}
 
 
+def verdict(b: dict) -> str:
+    checks = b["pass_1.5x_prompt_lookup"] and b["pass_2x_untrained"] and b["pass_0_mismatches"]
+    if b["complete"]:
+        return "PASS" if checks else "FAIL"
+    return f"{'PASS' if checks else 'FAIL'} so far (PARTIAL: not every held-out prompt yet)"
+
+
 def markdown(results: dict, report) -> str:
     s, t = results["scale"], results.get("target", {})
     lines = [
@@ -657,7 +664,7 @@ def markdown(results: dict, report) -> str:
         f"{'pass' if b['pass_1.5x_prompt_lookup'] else 'FAIL'}), trained / untrained "
         f"{ratio(b['trained_vs_untrained'])} (>= 2x: {'pass' if b['pass_2x_untrained'] else 'FAIL'}), "
         f"mismatches {b['mismatches']} ({'pass' if b['pass_0_mismatches'] else 'FAIL'}) -> "
-        f"{'PASS' if b['pass'] else 'FAIL'}" + ("" if b["complete"] else " (PARTIAL: not every held-out prompt yet)"),
+        f"{verdict(b)}",
         "",
         "| stage | budget s | seconds |",
         "|---|---|---|",
@@ -735,7 +742,8 @@ def main(argv=None) -> int:
         # One thread: on a small shared CPU, two spinning OpenMP threads next to another busy process run many
         # times slower than one.
         torch.set_num_threads(1)
-    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="dflash-quality-"))
+    # Absolute: the paths saved in --work (the eval reports name the target and drafter) match on the next call.
+    work = Path(args.work).resolve() if args.work else Path(tempfile.mkdtemp(prefix="dflash-quality-"))
     work.mkdir(parents=True, exist_ok=True)
 
     import transformers

@@ -63,6 +63,9 @@ def eval_command(model, drafter, untrained, block_size, data, num_prompts, max_n
         raise DflashError("nothing to evaluate: give --drafter, --untrained or --prompt-lookup N")
     if resume and not json_path:
         raise DflashError("--resume goes on from the report at --json: give --json REPORT")
+    if json_path and not resume and Path(json_path).exists():
+        raise DflashError(f"{json_path} exists: pass --resume to go on from that report, or give another --json "
+                          "(or remove it) to start a new one")  # fmt: skip
     earlier = read_report(Path(json_path)) if resume and Path(json_path).exists() else None
     prompts = load_prompts(data)[:num_prompts]
     report = evaluate(

@@ -21,6 +21,7 @@ cut at EOS like the public DFlash benchmark; the first token, from the prefill, 
 `tau = (new tokens - 1) / rounds`.
 """
 
+import hashlib
 import inspect
 import json
 import logging
@@ -513,9 +514,12 @@ class EvalReport:
     max_new_tokens: int
     device: str
     dtype: str
+    prompt_lookup_tokens: int
+    block_size: int  # of the untrained drafter
+    seed: int
     plain_tokens_per_s: float
     methods: dict[str, Method]
-    prompts: list[dict]  # per prompt: index, prompt_tokens, plain {new_tokens, seconds}, runs {method: Run}
+    prompts: list[dict]  # per prompt: index, prompt_tokens, prompt_sha256, plain {new_tokens, seconds}, runs {method: Run}
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -614,12 +618,14 @@ class GenerateLookupMethod:
         return sum(r.new_tokens for r in runs) / forwards if forwards else None
 
 
-def _summarise(name: str, method, runs: list[Run], plain_tokens_per_s: float) -> Method:
+def _summarise(name: str, method, rows: list[dict], plain_tokens_per_s: float) -> Method:
+    """One method over the prompt rows (in prompt order) of a report."""
+    runs = [row["runs"][name] for row in rows]
     new_tokens = sum(r.new_tokens for r in runs)
     seconds = sum(r.seconds for r in runs)
     accepted = [a for r in runs for a in r.accepted]
     tokens_per_s = new_tokens / seconds if seconds else 0.0
-    mismatched = [(i, r) for i, r in enumerate(runs) if r.mismatch_at is not None]
+    mismatched = [(row["index"], row["runs"][name]) for row in rows if row["runs"][name].mismatch_at is not None]
     first = None
     if mismatched:
         i, r = mismatched[0]
@@ -662,8 +668,9 @@ def evaluate(
     on_prompt=None,
     resume: dict | None = None,
 ) -> EvalReport:
-    """Plain greedy decoding, then each method, prompt by prompt, in one run; tokens/s and speedups compare
-    measurements of the same process, and plain greedy is every method's reference.
+    """Plain greedy decoding, then each method, prompt by prompt; tokens/s and speedups compare measurements of the
+    same process (or, resumed, of the runs that made the report: same settings and device), and plain greedy is
+    every method's reference.
 
     `drafter`: an exported drafter folder, "untrained" (random init from the target's config with
     `block_size`, the baseline), a `(model, config)` pair, None (prompt lookup only), or a list of these.
@@ -696,12 +703,12 @@ def evaluate(
             max_new_tokens=max_new_tokens,
             device=str(target.device),
             dtype=str(target.dtype).removeprefix("torch."),
+            prompt_lookup_tokens=prompt_lookup_tokens,
+            block_size=block_size,
+            seed=seed,
             plain_tokens_per_s=plain_tokens_per_s,
-            methods={
-                name: _summarise(name, method, [row["runs"][name] for row in rows], plain_tokens_per_s)
-                for name, method in methods.items()
-            },
-            prompts=sorted(rows, key=lambda row: row["index"]),
+            methods={name: _summarise(name, method, rows, plain_tokens_per_s) for name, method in methods.items()},
+            prompts=rows,
         )
 
     def run_all(prompt: torch.Tensor, budget: int) -> tuple[Generation, dict[str, Run]]:
@@ -720,7 +727,8 @@ def evaluate(
             break
         plain, runs = run_all(encoded[index], max_new_tokens)
         plain_summary = {"new_tokens": len(plain.tokens), "seconds": plain.seconds}
-        rows.append({"index": index, "prompt_tokens": encoded[index].numel(), "plain": plain_summary, "runs": runs})
+        identity = {"prompt_tokens": encoded[index].numel(), "prompt_sha256": _token_hash(encoded[index])}
+        rows = sorted([*rows, {"index": index, **identity, "plain": plain_summary, "runs": runs}], key=lambda r: r["index"])
         ran += 1
         if on_prompt is not None:
             on_prompt(report(rows))
@@ -729,7 +737,8 @@ def evaluate(
 
 def _resumed_rows(earlier: dict, empty: EvalReport, encoded: list[torch.Tensor]) -> list[dict]:
     """The prompts of an earlier report, checked to belong to this evaluation, with their runs as `Run`s."""
-    keys = ("target", "drafter", "temperature", "max_new_tokens", "dtype")
+    keys = ("target", "drafter", "temperature", "max_new_tokens", "device", "dtype", "prompt_lookup_tokens",
+            "block_size", "seed")  # fmt: skip
     differences = describe_differences(
         {k: earlier.get(k) for k in keys}, {k: getattr(empty, k) for k in keys}, "earlier report", "this eval"
     )
@@ -739,15 +748,28 @@ def _resumed_rows(earlier: dict, empty: EvalReport, encoded: list[torch.Tensor])
         raise DflashError(f"cannot resume an eval of other settings ({differences.strip('; ')}); "
                           "start a new report or give the same settings")  # fmt: skip
     rows = []
-    for row in earlier["prompts"]:
-        index = row["index"]
-        if not 0 <= index < len(encoded) or row["prompt_tokens"] != encoded[index].numel():
-            raise DflashError(
-                f"the earlier report's prompt {index} ({row['prompt_tokens']} tokens) is not this prompt file's "
-                f"prompt {index}; resume with the same prompts, or start a new report"
-            )
-        rows.append({**row, "runs": {name: Run(**run) for name, run in row["runs"].items()}})
-    return rows
+    try:
+        for row in earlier["prompts"]:
+            index = row["index"]
+            if not 0 <= index < len(encoded):
+                raise DflashError(
+                    f"the earlier report holds prompt {index}, this eval has {len(encoded)} prompts; resume with at "
+                    "least as many prompts (--num-prompts), or start a new report"
+                )
+            if row["prompt_sha256"] != _token_hash(encoded[index]):
+                raise DflashError(
+                    f"the earlier report's prompt {index} is not this prompt file's prompt {index} (other tokens); "
+                    "resume with the same prompts, or start a new report"
+                )
+            rows.append({**row, "runs": {name: Run(**run) for name, run in row["runs"].items()}})
+    except (KeyError, TypeError) as exc:
+        raise DflashError(f"the earlier report is not a dflash eval report of this version ({exc!r}); start a new "
+                          "report") from None  # fmt: skip
+    return sorted(rows, key=lambda row: row["index"])
+
+
+def _token_hash(tokens: torch.Tensor) -> str:
+    return hashlib.sha256(tokens.to("cpu", torch.int64).numpy().tobytes()).hexdigest()
 
 
 def _drafter_label(drafter) -> str:

@@ -323,18 +323,20 @@ class ChunkReader:
         self.codec = DIRECT_DECODERS[expected[1]]()  # decoding reads its settings from each chunk's header
 
     def read_row_into(self, row: int, out: np.ndarray) -> None:
-        """Row `row` into `out` ([T, ...]); decoded in place when `out` holds items of the stored size."""
+        """Row `row` into `out` ([T, ...]); decoded in place when `out` holds integers of the stored size."""
         T = out.shape[0]
-        same_size = out.dtype.itemsize == self.dtype.itemsize  # bits land unchanged (bfloat16 as int16 / uint16)
+        # Integers of the stored size take the stored bits unchanged (bfloat16 bits as int16 or uint16); any other
+        # dtype gets the values converted.
+        same_bits = out.dtype.itemsize == self.dtype.itemsize and out.dtype.kind in "iu" and self.dtype.kind in "iu"
         for j, start in enumerate(range(0, T, self.chunk_tokens)):
             stop = min(start + self.chunk_tokens, T)
             encoded = self._checked_chunk(row, j)
-            if same_size and out.flags.c_contiguous and stop - start == self.chunk_tokens:
+            if same_bits and out.flags.c_contiguous and stop - start == self.chunk_tokens:
                 self.codec.decode(encoded, out=out[start:stop])
                 continue
             # The grid's edge chunk is stored whole, padded past the row's end; or `out` holds another dtype.
             chunk = np.frombuffer(self.codec.decode(encoded), self.dtype).reshape(-1, *out.shape[1:])[: stop - start]
-            np.copyto(out[start:stop], chunk.view(out.dtype) if same_size else chunk, casting="unsafe")
+            np.copyto(out[start:stop], chunk.view(out.dtype) if same_bits else chunk, casting="unsafe")
 
     def _checked_chunk(self, row: int, j: int) -> bytes:
         """The chunk's encoded bytes, after checking the CRC32C that follows them (as zarr's crc32c codec does)."""

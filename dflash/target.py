@@ -281,7 +281,9 @@ def select_kernels(model: torch.nn.Module, device: torch.device, allow_slow: boo
     On CPU: the reference code (fla, if installed, is kept for CUDA tensors only). On CUDA: fla's Triton conv
     when causal-conv1d is missing, and a DflashError when a sequence function would run on the reference code
     (unless `allow_slow`). `generation`: the target also decodes with a cache: the one-token functions are
-    reported too, and transformers' conv is kept (fla's conv wrapper is checked on cacheless forwards only).
+    reported too, and transformers' conv is not replaced (fla's conv wrapper is checked on cacheless forwards
+    only). The patches are module globals, so they hold for the whole process: generation after a harvest in
+    the same process keeps the harvest's conv (and reports it).
     """
     kernels = {"attention": model.config._attn_implementation}
     modeling = sys.modules[type(model).__module__]

@@ -294,8 +294,21 @@ def test_evaluate_resumes_a_partial_report(tiny_target):
         evaluate(target_path, "untrained", prompts, resume=earlier, **{**common, "max_new_tokens": 11})
     with pytest.raises(DflashError, match="methods"):
         evaluate(target_path, "untrained", prompts, resume=earlier, **{**common, "prompt_lookup_tokens": 0})
+    with pytest.raises(DflashError, match="block_size: earlier report 8, this eval 4.*seed: earlier report 0, this eval 7"):
+        evaluate(target_path, "untrained", prompts, resume=earlier, **{**common, "block_size": 4}, seed=7)
     with pytest.raises(DflashError, match="not this prompt file's prompt 0"):
         evaluate(target_path, "untrained", prompts[::-1], resume=earlier, **common)
+    tampered = json.loads(partial.to_json())
+    tampered["prompts"][0]["prompt_sha256"] = "0" * 64  # same length, other tokens
+    with pytest.raises(DflashError, match="not this prompt file's prompt 0"):
+        evaluate(target_path, "untrained", prompts, resume=tampered, **common)
+    two = evaluate(target_path, "untrained", prompts, time_budget=0.0, min_prompts=2, **common)
+    with pytest.raises(DflashError, match="holds prompt 1, this eval has 1 prompts"):
+        evaluate(target_path, "untrained", prompts[:1], resume=json.loads(two.to_json()), **common)
+    broken = json.loads(partial.to_json())
+    del broken["prompts"][0]["runs"]
+    with pytest.raises(DflashError, match="not a dflash eval report of this version"):
+        evaluate(target_path, "untrained", prompts, resume=broken, **common)
 
 
 def test_eval_cli_resumes_its_report(tiny_target, tmp_path):
@@ -315,6 +328,8 @@ def test_eval_cli_resumes_its_report(tiny_target, tmp_path):
     report = json.loads(out.read_text())
     assert [p["index"] for p in report["prompts"]] == [0, 1] and report["prompts"][0] == earlier["prompts"][0]
     assert not list(tmp_path.glob("*.tmp"))
+    again = CliRunner().invoke(main, args)
+    assert again.exit_code == 2 and "pass --resume" in again.output and json.loads(out.read_text()) == report
     no_json = CliRunner().invoke(main, args[:-2] + ["--resume"])
     assert no_json.exit_code == 2 and "--json" in no_json.output
     out.write_text("[1, 2]")

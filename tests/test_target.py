@@ -231,7 +231,7 @@ def test_generation_on_the_cpu_keeps_gpu_kernels_for_cuda_tensors(tiny_target, m
     target, tokenizer = load_target(path, "cpu", "float32")
     prompt = torch.tensor(encode_prompt(tokenizer, {"prompt": "def parse(line):\n    return"}))
     expected = plain_greedy(target, prompt, 12, eos_token_ids(target, tokenizer)).tokens
-    called = []
+    called, kernels = [], {}
     for name in {**SEQUENCE_FUNCTIONS, **DECODE_FUNCTIONS}.values():
 
         def triton_kernel(*args, _name=name, **kwargs):
@@ -239,8 +239,10 @@ def test_generation_on_the_cpu_keeps_gpu_kernels_for_cuda_tensors(tiny_target, m
             raise ValueError("Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)")
 
         triton_kernel.__wrapped__ = inspect.unwrap(getattr(modeling, name))
+        kernels[name] = triton_kernel
         monkeypatch.setattr(modeling, name, triton_kernel)
     with caplog.at_level(logging.INFO, logger="dflash"):
         target, tokenizer = load_target(path, "cpu", "float32")
     assert plain_greedy(target, prompt, 12, eos_token_ids(target, tokenizer)).tokens == expected
     assert called == [] and "recurrent_gated_delta_rule torch-reference" in caplog.text
+    assert all(getattr(modeling, name).fast is kernel for name, kernel in kernels.items())  # CUDA tensors still go there
