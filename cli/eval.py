@@ -1,6 +1,7 @@
 """`dflash regenerate` (target responses to train on) and `dflash eval` (acceptance length and speedup)."""
 
 import json
+import logging
 from pathlib import Path
 
 import click
@@ -28,6 +29,8 @@ DTYPE_HELP = "model dtype: auto (bfloat16 on cuda, float32 on cpu), float32, bfl
 def regenerate_command(model, data, out, batch_size, max_new_tokens, temperature, top_p, top_k, seed, device, dtype):
     """Answer every prompt with the target itself, writing chat JSONL that `dflash harvest` reads."""
     from dflash.regenerate import Sampling, regenerate
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the target's kernels
 
     sampling = Sampling(max_new_tokens, temperature, top_p, top_k, seed)
     stats = regenerate(model, data, out, sampling, batch_size, device, dtype)
@@ -57,6 +60,7 @@ def eval_command(model, drafter, untrained, block_size, data, num_prompts, max_n
     from dflash.regenerate import load_prompts
     from dflash.speculative import evaluate
 
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the target's kernels
     if drafter and untrained:
         raise DflashError("give either --drafter or --untrained, not both")
     if not drafter and not untrained and not prompt_lookup:
@@ -83,6 +87,7 @@ def eval_command(model, drafter, untrained, block_size, data, num_prompts, max_n
         on_prompt=(lambda partial: write_report(partial, Path(json_path))) if json_path else None,
         resume=earlier,
     )
+    click.echo(report.prompt_table() + "\n")
     click.echo(report.table())
     if json_path:
         write_report(report, Path(json_path))

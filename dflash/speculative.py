@@ -541,6 +541,23 @@ class EvalReport:
                 lines.append(f"{m.name}: first mismatch {m.first_mismatch}")
         return "\n".join(lines)
 
+    def prompt_table(self) -> str:
+        """A row per prompt: its plain decoding, then each method's tau and speedup (`!` marks a mismatch)."""
+        names = list(self.methods)
+        lines = [f"{'prompt':>6}{'tokens':>8}{'plain tok/s':>13}" + "".join(f"{n + ' tau, speedup':>34}" for n in names)]
+        for row in self.prompts:
+            plain = row["plain"]
+            plain_rate = plain["new_tokens"] / plain["seconds"] if plain["seconds"] else 0.0
+            cells = []
+            for name in names:
+                run = row["runs"][name]
+                rate = run.new_tokens / run.seconds if run.seconds else 0.0
+                tau = f"{run.tau:.2f}" if run.tau is not None else "-"
+                mark = "!" if run.mismatch_at is not None else ""
+                cells.append(f"{tau + mark:>26}{rate / plain_rate if plain_rate else 0.0:>7.2f}x")
+            lines.append(f"{row['index']:>6}{plain['new_tokens']:>8}{plain_rate:>13.1f}" + "".join(cells))
+        return "\n".join(lines)
+
 
 def first_difference(tokens: list[int], reference: list[int]) -> int | None:
     for i, (a, b) in enumerate(zip(tokens, reference)):

@@ -1,6 +1,7 @@
 """Speculative decoding: exact greedy equivalence (dense and hybrid targets), tau and the acceptance rules."""
 
 import json
+import logging
 
 import pytest
 import torch
@@ -230,7 +231,7 @@ def test_prompt_lookup_is_exact(loaded, arch):
         assert 1 <= forwards <= len(generation.tokens)
 
 
-def test_evaluate_report_and_cli(tiny_target, tmp_path):
+def test_evaluate_report_and_cli(tiny_target, tmp_path, caplog):
     target_path = tiny_target("qwen3_5")
     report = evaluate(target_path, "untrained", PROMPTS, max_new_tokens=12, device="cpu", block_size=BLOCK, prompt_lookup_tokens=4)
     assert set(report.methods) == {"untrained-dflash", "prompt-lookup"}
@@ -247,9 +248,13 @@ def test_evaluate_report_and_cli(tiny_target, tmp_path):
     out = tmp_path / "report.json"
     args = ["eval", "--model", str(target_path), "--untrained", "--block-size", "4", "--data", str(data)]
     args += ["--num-prompts", "1", "--max-new-tokens", "6", "--device", "cpu", "--json", str(out)]
-    result = CliRunner().invoke(main, args)
+    with caplog.at_level(logging.INFO, logger="dflash"):
+        result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert "untrained-dflash" in result.output and json.loads(out.read_text())["methods"]["untrained-dflash"]["mismatches"] == 0
+    assert "kernels: attention sdpa, gated_delta_rule torch-reference" in caplog.text
+    rows = [line.split() for line in result.output.splitlines() if line.split()[:1] == ["0"]]
+    assert len(rows) == 1 and rows[0][1] == str(json.loads(out.read_text())["prompts"][0]["plain"]["new_tokens"])
     bad = CliRunner().invoke(main, ["eval", "--model", str(target_path), "--data", str(data), "--prompt-lookup", "0"])
     assert bad.exit_code == 2 and "nothing to evaluate" in bad.output
 
