@@ -756,6 +756,10 @@ def _resumed_rows(earlier: dict, empty: EvalReport, encoded: list[torch.Tensor])
     """The prompts of an earlier report, checked to belong to this evaluation, with their runs as `Run`s."""
     keys = ("target", "drafter", "temperature", "max_new_tokens", "device", "dtype", "prompt_lookup_tokens",
             "block_size", "seed")  # fmt: skip
+    missing = [key for key in (*keys, "methods", "prompts") if key not in earlier]
+    if missing:
+        raise DflashError(f"the earlier report lacks {', '.join(missing)}: it was written by an older dflash or is not "
+                          "an eval report; start a new report")  # fmt: skip
     differences = describe_differences(
         {k: earlier.get(k) for k in keys}, {k: getattr(empty, k) for k in keys}, "earlier report", "this eval"
     )
@@ -764,10 +768,13 @@ def _resumed_rows(earlier: dict, empty: EvalReport, encoded: list[torch.Tensor])
     if differences:
         raise DflashError(f"cannot resume an eval of other settings ({differences.strip('; ')}); "
                           "start a new report or give the same settings")  # fmt: skip
-    rows = []
+    rows, seen = [], set()
     try:
         for row in earlier["prompts"]:
             index = row["index"]
+            if index in seen:
+                raise DflashError(f"the earlier report holds prompt {index} twice; start a new report")
+            seen.add(index)
             if not 0 <= index < len(encoded):
                 raise DflashError(
                     f"the earlier report holds prompt {index}, this eval has {len(encoded)} prompts; resume with at "
@@ -778,6 +785,8 @@ def _resumed_rows(earlier: dict, empty: EvalReport, encoded: list[torch.Tensor])
                     f"the earlier report's prompt {index} is not this prompt file's prompt {index} (other tokens); "
                     "resume with the same prompts, or start a new report"
                 )
+            if set(row["runs"]) != set(empty.methods) or {"new_tokens", "seconds"} - set(row["plain"]):
+                raise KeyError("runs or plain")
             rows.append({**row, "runs": {name: Run(**run) for name, run in row["runs"].items()}})
     except (KeyError, TypeError) as exc:
         raise DflashError(f"the earlier report is not a dflash eval report of this version ({exc!r}); start a new "

@@ -399,13 +399,16 @@ class ShardStore:
         return out
 
     def read_row_into(self, i: int, out: dict[str, np.ndarray]) -> None:
-        """Row i into the caller's arrays (hidden [T, F] of any 16-bit dtype, C-contiguous; token arrays [T]):
+        """Row i into the caller's arrays (hidden [T, F] int16 or uint16: bfloat16 bits; token arrays [T]):
         the trainer's reader decodes straight into its pinned batch, with no copy in between."""
         part, row = self.locate(i)
         T = self.token_budget
         for name, shape in {"hidden": (T, self.feature_dim), **{name: (T,) for name in TOKEN_ARRAYS}}.items():
             if out[name].shape != shape:
                 raise DflashError(f"the store's rows have {name} of shape {shape}, the reader expects {out[name].shape}")
+        if out["hidden"].dtype not in (np.int16, np.uint16):
+            raise DflashError(f"hidden states are bfloat16 bits: read them into int16 or uint16 (a view of a bfloat16 "
+                              f"tensor), not {out['hidden'].dtype}")  # fmt: skip
         for name, chunk_reader in self.row_readers[part].items():
             try:
                 chunk_reader.read_row_into(row, out[name])

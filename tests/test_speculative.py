@@ -310,10 +310,31 @@ def test_evaluate_resumes_a_partial_report(tiny_target):
     two = evaluate(target_path, "untrained", prompts, time_budget=0.0, min_prompts=2, **common)
     with pytest.raises(DflashError, match="holds prompt 1, this eval has 1 prompts"):
         evaluate(target_path, "untrained", prompts[:1], resume=json.loads(two.to_json()), **common)
-    broken = json.loads(partial.to_json())
-    del broken["prompts"][0]["runs"]
-    with pytest.raises(DflashError, match="not a dflash eval report of this version"):
-        evaluate(target_path, "untrained", prompts, resume=broken, **common)
+    for breakage in ("runs", "plain"):
+        broken = json.loads(partial.to_json())
+        del broken["prompts"][0][breakage]
+        with pytest.raises(DflashError, match="not a dflash eval report of this version"):
+            evaluate(target_path, "untrained", prompts, resume=broken, **common)
+    twice = json.loads(partial.to_json())
+    twice["prompts"] *= 2
+    with pytest.raises(DflashError, match="holds prompt 0 twice"):
+        evaluate(target_path, "untrained", prompts, resume=twice, **common)
+    older = json.loads(partial.to_json())
+    del older["seed"]
+    with pytest.raises(DflashError, match="lacks seed: it was written by an older dflash"):
+        evaluate(target_path, "untrained", prompts, resume=older, **common)
+
+
+def test_cache_argument_follows_the_forward_signature():
+    from dflash.speculative import cache_argument
+
+    class Renamed:
+        def forward(self, input_ids, cache=None, use_cache=None): ...
+
+    class Original:
+        def forward(self, input_ids, past_key_values=None, use_cache=None): ...
+
+    assert (cache_argument(Renamed()), cache_argument(Original())) == ("cache", "past_key_values")
 
 
 def test_eval_cli_resumes_its_report(tiny_target, tmp_path):

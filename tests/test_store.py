@@ -106,6 +106,8 @@ def test_direct_reader_equals_plain_zarr_with_an_edge_chunk(tmp_path, monkeypatc
     shards.read_row_into(4, {"hidden": batch.view(torch.int16).numpy(), **converted})  # values, not bits
     for name in store.TOKEN_ARRAYS:
         np.testing.assert_array_equal(converted[name], plain[f"parts/{store.part_name(1)}"][name][1])
+    with pytest.raises(DflashError, match="int16 or uint16.*not float16"):
+        shards.read_row_into(0, {"hidden": np.zeros((T, F), np.float16), **tokens})
     with pytest.raises(DflashError, match=r"reader expects \(32, 23\)"):
         shards.read_row_into(0, {"hidden": np.zeros((T, F - 1), np.int16), **tokens})
 
