@@ -583,6 +583,7 @@ def evaluate_all(scale: Scale, target_path: Path, drafter_path: Path, prompts: l
     resume), so that every held-out prompt is evaluated however many calls that takes. Returns the report and
     whether it covers every prompt."""
     from dflash.speculative import evaluate
+    from dflash.store import write_json_atomic
 
     records = [{"prompt": p["text"]} for p in prompts]
     common = dict(max_new_tokens=scale.new_tokens, temperature=0.0, device=device, dtype="float32", seed=seed)
@@ -596,7 +597,7 @@ def evaluate_all(scale: Scale, target_path: Path, drafter_path: Path, prompts: l
             logger.info("eval %s: going on after %d of %d prompts", path.name, len(earlier["prompts"]), len(subset))
         return evaluate(
             target_path, drafter, subset, prompt_lookup_tokens=lookup, resume=earlier, time_budget=time_budget,
-            min_prompts=scale.min_eval_prompts, on_prompt=lambda partial: write_atomic(path, partial.to_json()),
+            min_prompts=scale.min_eval_prompts, on_prompt=lambda partial: write_json_atomic(path, asdict(partial)),
             **common,
         )  # fmt: skip
 
@@ -610,12 +611,6 @@ def evaluate_all(scale: Scale, target_path: Path, drafter_path: Path, prompts: l
     for row in report.prompts:
         row["file"] = prompts[row["index"]]["file"]
     return report, len(report.prompts) == len(records)
-
-
-def write_atomic(path: Path, text: str):
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def bar(report) -> dict:

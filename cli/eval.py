@@ -2,6 +2,7 @@
 
 import json
 import logging
+from dataclasses import asdict
 from pathlib import Path
 
 import click
@@ -59,6 +60,7 @@ def eval_command(model, drafter, untrained, block_size, data, num_prompts, max_n
     from dflash.errors import DflashError
     from dflash.regenerate import load_prompts
     from dflash.speculative import evaluate
+    from dflash.store import write_json_atomic
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the target's kernels
     if drafter and untrained:
@@ -84,31 +86,25 @@ def eval_command(model, drafter, untrained, block_size, data, num_prompts, max_n
         block_size=block_size,
         seed=seed,
         progress=True,
-        on_prompt=(lambda partial: write_report(partial, Path(json_path))) if json_path else None,
+        on_prompt=(lambda partial: write_json_atomic(Path(json_path), asdict(partial))) if json_path else None,
         resume=earlier,
     )
     click.echo(report.prompt_table() + "\n")
     click.echo(report.table())
     if json_path:
-        write_report(report, Path(json_path))
+        write_json_atomic(Path(json_path), asdict(report))
         click.echo(f"report written to {json_path}")
 
 
 def read_report(path: Path) -> dict:
+    """The JSON object at `path`; `evaluate` checks that it is a report of this evaluation."""
     from dflash.errors import DflashError
 
     try:
         report = json.loads(path.read_text())
     except json.JSONDecodeError as error:
         report = error
-    if not isinstance(report, dict) or not {"prompts", "methods"} <= set(report):
-        raise DflashError(f"{path} is not a dflash eval report ({report if isinstance(report, Exception) else 'no prompts or methods'}); "
+    if not isinstance(report, dict):
+        raise DflashError(f"{path} is not a dflash eval report ({report if isinstance(report, Exception) else 'not a JSON object'}); "
                           "give another --json or leave out --resume")  # fmt: skip
     return report
-
-
-def write_report(report, path: Path):
-    """Whole or not at all: a run cut short leaves the last complete report."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(report.to_json() + "\n")
-    tmp.replace(path)

@@ -37,7 +37,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 from dflash.errors import DflashError, describe_differences
-from dflash.target import DTYPES, GPU_EXTRA, MASK_TOKEN, select_kernels
+from dflash.target import DTYPES, GPU_EXTRA, MASK_TOKEN, describe_kernels, select_kernels
 
 logger = logging.getLogger("dflash")
 
@@ -428,8 +428,7 @@ def load_target(path: str | Path, device: str | torch.device = "cpu", dtype: str
     kernels = select_kernels(model, device, allow_slow=True, generation=True)
     model = model.to(device).eval()
     model.requires_grad_(False)
-    summary = ", ".join(f"{role} {kernel}" for role, kernel in kernels.items())
-    logger.info("target %s on %s; kernels: %s", path, device, summary)
+    logger.info("target %s on %s; kernels: %s", path, device, describe_kernels(kernels))
     # The convolutions' reference code is a small op: the delta rules are the ones that cost.
     slow = [role for role in ("gated_delta_rule", "recurrent_gated_delta_rule")
             if device.type == "cuda" and kernels.get(role) == "torch-reference"]  # fmt: skip
@@ -728,6 +727,9 @@ def evaluate(
             prompts=rows,
         )
 
+    def in_order(rows: list[dict]) -> list[dict]:
+        return sorted(rows, key=lambda row: row["index"])
+
     def run_all(prompt: torch.Tensor, budget: int) -> tuple[Generation, dict[str, Run]]:
         plain = plain_greedy(target, prompt, budget, eos_ids)
         return plain, {name: m.run(target, prompt, budget, plain, eos_ids, generator) for name, m in methods.items()}
@@ -745,11 +747,11 @@ def evaluate(
         plain, runs = run_all(encoded[index], max_new_tokens)
         plain_summary = {"new_tokens": len(plain.tokens), "seconds": plain.seconds}
         identity = {"prompt_tokens": encoded[index].numel(), "prompt_sha256": _token_hash(encoded[index])}
-        rows = sorted([*rows, {"index": index, **identity, "plain": plain_summary, "runs": runs}], key=lambda r: r["index"])
+        rows.append({"index": index, **identity, "plain": plain_summary, "runs": runs})
         ran += 1
         if on_prompt is not None:
-            on_prompt(report(rows))
-    return report(rows)
+            on_prompt(report(in_order(rows)))
+    return report(in_order(rows))
 
 
 def _resumed_rows(earlier: dict, empty: EvalReport, encoded: list[torch.Tensor]) -> list[dict]:
@@ -763,8 +765,8 @@ def _resumed_rows(earlier: dict, empty: EvalReport, encoded: list[torch.Tensor])
     differences = describe_differences(
         {k: earlier.get(k) for k in keys}, {k: getattr(empty, k) for k in keys}, "earlier report", "this eval"
     )
-    if set(earlier.get("methods", {})) != set(empty.methods):
-        differences += f"; methods: earlier report {sorted(earlier.get('methods', {}))}, this eval {sorted(empty.methods)}"
+    if set(earlier["methods"]) != set(empty.methods):
+        differences += f"; methods: earlier report {sorted(earlier['methods'])}, this eval {sorted(empty.methods)}"
     if differences:
         raise DflashError(f"cannot resume an eval of other settings ({differences.strip('; ')}); "
                           "start a new report or give the same settings")  # fmt: skip
@@ -791,7 +793,7 @@ def _resumed_rows(earlier: dict, empty: EvalReport, encoded: list[torch.Tensor])
     except (KeyError, TypeError) as exc:
         raise DflashError(f"the earlier report is not a dflash eval report of this version ({exc!r}); start a new "
                           "report") from None  # fmt: skip
-    return sorted(rows, key=lambda row: row["index"])
+    return rows
 
 
 def _token_hash(tokens: torch.Tensor) -> str:

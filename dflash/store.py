@@ -413,13 +413,10 @@ class ShardStore:
             try:
                 chunk_reader.read_row_into(row, out[name])
             except Exception as exc:  # a checksum mismatch, a missing chunk file, a codec error
-                raise self._corrupt(i, part, name, row, exc) from exc
-
-    def _corrupt(self, i: int, part: int, name: str, row: int, exc: Exception) -> DflashError:
-        return DflashError(
-            f"corrupt data in {self.path}: row {i} (part {self.part_names[part]}, array {name}, row {row}): "
-            f"{exc}; run `dflash inspect --verify` to list every damaged chunk"
-        )
+                raise DflashError(
+                    f"corrupt data in {self.path}: row {i} (part {self.part_names[part]}, array {name}, row {row}): "
+                    f"{exc}; run `dflash inspect --verify` to list every damaged chunk"
+                ) from exc
 
     def documents(self) -> np.ndarray:
         """int64 [n_docs, 5] of DOCUMENT_COLUMNS for the whole store, with global row numbers."""

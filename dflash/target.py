@@ -153,7 +153,7 @@ class TappedTarget:
         logger.info(
             "target %s (%s): tapping layers %s of %d, %d layers loaded, on %s; kernels: %s",
             self.info.name, self.info.model_type, self.layer_ids, info.num_layers, len(layers), self.device,
-            ", ".join(f"{role} {kernel}" for role, kernel in self.kernels.items()),
+            describe_kernels(self.kernels),
         )  # fmt: skip
 
     @torch.inference_mode()
@@ -312,6 +312,11 @@ def select_kernels(model: torch.nn.Module, device: torch.device, allow_slow: boo
             "or pass --allow-slow-kernels to accept the slow path"
         )
     return kernels
+
+
+def describe_kernels(kernels: dict[str, str]) -> str:
+    """The log line's `role kernel, ...`."""
+    return ", ".join(f"{role} {kernel}" for role, kernel in kernels.items())
 
 
 def _kernel_name(function) -> str:

@@ -353,7 +353,7 @@ def test_eval_cli_resumes_its_report(tiny_target, tmp_path):
     assert second.exit_code == 0, second.output
     report = json.loads(out.read_text())
     assert [p["index"] for p in report["prompts"]] == [0, 1] and report["prompts"][0] == earlier["prompts"][0]
-    assert not list(tmp_path.glob("*.tmp"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl", "report.json"]  # no temporary file left
     again = CliRunner().invoke(main, args)
     assert again.exit_code == 2 and "pass --resume" in again.output and json.loads(out.read_text()) == report
     no_json = CliRunner().invoke(main, args[:-2] + ["--resume"])
