@@ -79,6 +79,7 @@ import hashlib
 import json
 import logging
 import math
+import multiprocessing
 import os
 import random
 import shutil
@@ -138,6 +139,7 @@ class Scale:
     train_prompts: int = 24576  # as many as regen_seconds allow: 512 take 4-6 s once fla's kernels are compiled
     new_tokens: int = 256  # response length of regenerate and of the eval
     regen_batch: int = 512
+    regen_workers_per_gpu: int = 1  # batches of 512 keep a GPU busy
     regen_seconds: float = 240.0  # with the harvest of twice the answers (about 150 s), call 1 stays near 520 s
     # harvest and drafter
     token_budget: int = 4096
@@ -154,6 +156,9 @@ class Scale:
     min_eval_prompts: int = 6
     baseline_prompts: int = 6  # the untrained drafter's prompts: the first of the eval's
     eval_seconds: float = 360.0
+    # One prompt at a time is bound by the host (about 100 tokens/s, a few ms of launches per token): two eval
+    # processes share a GPU. Tokens/s are then those of a shared GPU; tau and the greedy check do not change.
+    eval_workers_per_gpu: int = 2
     prompt_lookup_tokens: int = 10
     # whole run: the eval budget shrinks to what is left of this (a call is cut at 600 s)
     total_seconds: float = 530.0
@@ -182,8 +187,8 @@ class Run:
     """
 
     RESUMABLE = {
-        "target": ["target"], "regenerate": ["responses.jsonl", "responses_val.jsonl"],
-        "harvest": ["shards", "shards_val"], "drafter": ["run", "eval_baseline.json", "eval_main.json"],
+        "target": ["target"], "regenerate": ["responses*.jsonl"],
+        "harvest": ["shards", "shards_val"], "drafter": ["run", "eval_*.json"],
     }  # fmt: skip
 
     def __init__(self, out: Path, scale: Scale, work: Path, seed: int):
@@ -203,9 +208,8 @@ class Run:
         marker.write_text(json.dumps(identity))
         for name, outputs in self.RESUMABLE.items():
             if not (self.stages / f"{name}.json").exists():
-                for output in outputs:
-                    path = work / output
-                    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+                for path in (path for pattern in outputs for path in work.glob(pattern)):
+                    shutil.rmtree(path) if path.is_dir() else path.unlink()
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -522,14 +526,62 @@ def _sync(device: torch.device):
         torch.cuda.synchronize(device)
 
 
+# --------------------------------------------------------------------------------------------------- workers
+
+
+def gpu_count(device: torch.device) -> int:
+    return torch.cuda.device_count() if device.type == "cuda" else 0
+
+
+def in_workers(fn, jobs: list[dict], gpus: int, log: Path):
+    """fn(**job) in a spawned process per job, job i on GPU i % gpus (the CPU when gpus is 0); fails if one fails.
+
+    Each worker sees one GPU (CUDA_VISIBLE_DEVICES, inherited at spawn), so its reports name the device cuda:0
+    like the parent's, and logs to the run's log file.
+    """
+    context = multiprocessing.get_context("spawn")
+    workers, environment = [], dict(os.environ)
+    try:
+        for i, job in enumerate(jobs):
+            if gpus:
+                os.environ["CUDA_VISIBLE_DEVICES"] = str(i % gpus)
+            workers.append(context.Process(target=_worker, args=(fn, job, str(log), f"worker {i}/{len(jobs)}")))
+            workers[-1].start()
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+    for worker in workers:
+        worker.join()
+    failed = {i: w.exitcode for i, w in enumerate(workers) if w.exitcode != 0}
+    if failed:
+        raise RuntimeError(f"workers {failed} (index: exit code) failed; their errors are in {log}")
+
+
+def _worker(fn, job: dict, log: str, name: str):
+    from transformers.utils import logging as hf_logging
+
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s {name} %(name)s %(message)s", datefmt="%H:%M:%S",
+        handlers=[logging.StreamHandler(sys.stdout), logging.FileHandler(log, mode="a")],
+    )  # fmt: skip
+    hf_logging.set_verbosity_error()
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)  # several workers share a small CPU
+    try:
+        fn(**job)
+    except BaseException:
+        logger.exception("%s failed", name)
+        raise
+
+
 # ------------------------------------------------------------------------------------------------ regenerate
 
 
-def regenerate_within(scale: Scale, target: Path, prompts: list[dict], work: Path, device: str, budget: float) -> dict:
+def regenerate_within(scale: Scale, target: Path, prompts: list[dict], out: Path, device: str, budget: float):
     """`regenerate` on growing prefixes of the prompts (it resumes after the answered ones) until the budget."""
     from dflash.regenerate import Sampling, regenerate
 
-    out = work / "responses.jsonl"
+    chunk = out.with_name(out.stem + "_prompts.jsonl")
     start, done, chunks, batch_seconds = time.perf_counter(), 0, 0, 0.0
     while done < len(prompts):
         elapsed = time.perf_counter() - start
@@ -537,7 +589,6 @@ def regenerate_within(scale: Scale, target: Path, prompts: list[dict], work: Pat
         if chunks >= 2 and elapsed + batch_seconds > budget:
             break
         upto = min(len(prompts), done + scale.regen_batch)
-        chunk = work / "prompts_train_upto.jsonl"
         write_jsonl(chunk, [{"text": p["text"]} for p in prompts[:upto]])
         t0 = time.perf_counter()
         regenerate(str(target), chunk, out, Sampling(max_new_tokens=scale.new_tokens), batch_size=scale.regen_batch,
@@ -545,7 +596,24 @@ def regenerate_within(scale: Scale, target: Path, prompts: list[dict], work: Pat
         batch_seconds = time.perf_counter() - t0
         done, chunks = upto, chunks + 1
         logger.info("regenerate: %d / %d prompts answered, last chunk %.1f s", done, len(prompts), batch_seconds)
-    return {"prompts": len(prompts), "answered": done, "file": str(out)}
+
+
+def regenerate_on_all(scale: Scale, target: Path, prompts: list[dict], work: Path, device: torch.device,
+                      budget: float, log: Path) -> dict:  # fmt: skip
+    """The prompts dealt out to a worker per GPU (`regen_workers_per_gpu`), each answering its share within the
+    budget; their responses concatenated into work/responses.jsonl (the harvest does not care about order)."""
+    gpus = gpu_count(device)
+    count = max(gpus, 1) * scale.regen_workers_per_gpu
+    shares = [work / f"responses_{w}of{count}.jsonl" for w in range(count)]
+    jobs = [dict(scale=scale, target=target, prompts=prompts[w::count], out=share, device=device.type, budget=budget)
+            for w, share in enumerate(shares)]  # fmt: skip
+    in_workers(regenerate_within, jobs, gpus, log)
+    out = work / "responses.jsonl"
+    with out.open("wb") as merged:
+        for share in shares:
+            merged.write(share.read_bytes() if share.exists() else b"")  # (a worker with no prompts writes none)
+    answered = sum(1 for _ in jsonl_lines(out.read_bytes()))
+    return {"prompts": len(prompts), "answered": answered, "workers": count, "file": str(out)}
 
 
 def response_stats(tokenizer, responses: Path) -> dict:
@@ -571,39 +639,31 @@ def response_stats(tokenizer, responses: Path) -> dict:
 # ------------------------------------------------------------------------------------------------------ eval
 
 
-def evaluate_all(scale: Scale, target_path: Path, drafter_path: Path, prompts: list[dict], device: str,
-                 budget: float, seed: int, work: Path):  # fmt: skip
-    """The untrained drafter on the first `scale.baseline_prompts` prompts, then the trained drafter and prompt
-    lookup in one `dflash.speculative.evaluate` run (one plain greedy decoding per prompt is the reference of
-    both: tokens/s and the mismatch check), prompts in order until `budget` is spent. The untrained drafter's tau
-    is 1 by construction and it pays a verify forward per token: run on every prompt, it took 38 % of the eval.
-    Its speedup is against the plain decoding of its own run.
+def evaluate_all(scale: Scale, target_path: Path, drafter_path: Path, prompts: list[dict], device: torch.device,
+                 budget: float, seed: int, work: Path, log: Path):  # fmt: skip
+    """The trained drafter and prompt lookup in one `dflash.speculative.evaluate` run (one plain greedy decoding
+    per prompt is the reference of both: tokens/s and the mismatch check), after the untrained drafter on the first
+    `scale.baseline_prompts` prompts. The untrained drafter's tau is 1 by construction and it pays a verify
+    forward per token: run on every prompt, it took 38 % of the eval. Its speedup is against the plain decoding of
+    its own run.
 
-    Both reports are saved in `work` after every prompt, and a later call goes on from them (`evaluate`'s
-    resume), so that every held-out prompt is evaluated however many calls that takes. Returns the report and
-    whether it covers every prompt."""
-    from dflash.speculative import evaluate
-    from dflash.store import write_json_atomic
-
+    The prompts are dealt out to `eval_workers_per_gpu` workers per GPU (prompt i to worker i % W), each going
+    through its share in order until `budget` is spent. Each worker saves its reports in `work` after every
+    prompt and a later call goes on from them (`evaluate`'s resume), so that every held-out prompt is evaluated
+    however many calls that takes. The shares are then merged into one report in prompt order. Returns the
+    report and whether it covers every prompt."""
     records = [{"prompt": p["text"]} for p in prompts]
-    common = dict(max_new_tokens=scale.new_tokens, temperature=0.0, device=device, dtype="float32", seed=seed)
-    start = time.perf_counter()
-
-    def resumable(path: Path, drafter: str, subset: list[dict], lookup: int, time_budget: float | None):
-        earlier = json.loads(path.read_text()) if path.exists() else None
-        if earlier and len(earlier["prompts"]) == len(subset):
-            logger.info("eval %s: all %d prompts done by earlier calls", path.name, len(subset))
-        elif earlier:
-            logger.info("eval %s: going on after %d of %d prompts", path.name, len(earlier["prompts"]), len(subset))
-        return evaluate(
-            target_path, drafter, subset, prompt_lookup_tokens=lookup, resume=earlier, time_budget=time_budget,
-            min_prompts=scale.min_eval_prompts, on_prompt=lambda partial: write_json_atomic(path, asdict(partial)),
-            **common,
-        )  # fmt: skip
-
-    baseline = resumable(work / "eval_baseline.json", "untrained", records[: scale.baseline_prompts], 0, None)
-    left = max(0.0, budget - (time.perf_counter() - start))
-    report = resumable(work / "eval_main.json", str(drafter_path), records, scale.prompt_lookup_tokens, left)
+    gpus = gpu_count(device)
+    count = max(gpus, 1) * scale.eval_workers_per_gpu
+    settings = dict(target_path=target_path, device=device.type, seed=seed, max_new_tokens=scale.new_tokens,
+                    min_prompts=scale.min_eval_prompts)  # fmt: skip
+    runs = {  # report name: the drafter, the prompts, prompt lookup's draft length
+        "eval_baseline": ("untrained", records[: scale.baseline_prompts], 0),
+        "eval_main": (str(drafter_path), records, scale.prompt_lookup_tokens),
+    }
+    jobs = [dict(runs=runs, share=(w, count), work=work, budget=budget, **settings) for w in range(count)]
+    in_workers(evaluate_share, jobs, gpus, log)
+    baseline, report = (merge_shares(name, *run, count, work, settings) for name, run in runs.items())
     report.methods.update(baseline.methods)
     report.drafter = f"{report.drafter}, {baseline.drafter}"
     for row, baseline_row in zip(report.prompts, baseline.prompts):
@@ -611,6 +671,43 @@ def evaluate_all(scale: Scale, target_path: Path, drafter_path: Path, prompts: l
     for row in report.prompts:
         row["file"] = prompts[row["index"]]["file"]
     return report, len(report.prompts) == len(records)
+
+
+def share_path(work: Path, name: str, share: tuple[int, int]) -> Path:
+    return work / f"{name}_{share[0]}of{share[1]}.json"
+
+
+def evaluate_share(runs: dict, share: tuple[int, int], work: Path, budget: float | None, **settings):
+    """One worker's share of each run: prompts share[0], share[0] + share[1], ...; its reports saved in `work`
+    after every prompt and resumed from there. The budget counts from the worker's start."""
+    from dflash.speculative import evaluate
+    from dflash.store import write_json_atomic
+
+    start = time.perf_counter()
+    for name, (drafter, records, lookup) in runs.items():
+        path, subset = share_path(work, name, share), records[share[0] :: share[1]]
+        earlier = json.loads(path.read_text()) if path.exists() else None
+        if earlier:
+            logger.info("eval %s: going on after %d of %d prompts", path.name, len(earlier["prompts"]), len(subset))
+        left = None if budget is None or name == "eval_baseline" else max(0.0, budget - (time.perf_counter() - start))
+        evaluate(drafter=drafter, prompts=subset, prompt_lookup_tokens=lookup, resume=earlier, time_budget=left,
+                 temperature=0.0, dtype="float32", on_prompt=lambda partial: write_json_atomic(path, asdict(partial)),
+                 **settings)  # fmt: skip
+
+
+def merge_shares(name: str, drafter: str, records: list[dict], lookup: int, count: int, work: Path, settings: dict):
+    """The workers' reports of one run as one report: rows renumbered to the prompts' own indices, then the whole
+    report rebuilt (totals, histogram, tau) by `evaluate` resuming from it with nothing left to run."""
+    from dflash.speculative import evaluate
+
+    paths = {w: share_path(work, name, (w, count)) for w in range(count)}
+    shares = {w: json.loads(path.read_text()) for w, path in paths.items() if path.exists()}
+    if not shares:
+        raise RuntimeError(f"no worker wrote a report of {name} in {work}")
+    rows = [{**row, "index": row["index"] * count + w} for w, share in shares.items() for row in share["prompts"]]
+    merged = {**next(iter(shares.values())), "prompts": rows}
+    return evaluate(drafter=drafter, prompts=records, prompt_lookup_tokens=lookup, resume=merged, time_budget=0.0,
+                    temperature=0.0, dtype="float32", warmup=False, **{**settings, "min_prompts": 0})  # fmt: skip
 
 
 def bar(report) -> dict:
@@ -720,9 +817,10 @@ def main(argv=None) -> int:
     scale = scale_with_overrides(TINY if args.tiny else GPU, args.set, parser)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    log = out.with_suffix(".log")
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S",
-        handlers=[logging.StreamHandler(sys.stdout), logging.FileHandler(out.with_suffix(".log"), mode="w")],
+        handlers=[logging.StreamHandler(sys.stdout), logging.FileHandler(log, mode="w")],
     )  # fmt: skip
     from transformers.utils import logging as hf_logging
 
@@ -796,7 +894,7 @@ def main(argv=None) -> int:
     def regen():
         from dflash.regenerate import Sampling, regenerate
 
-        info = regenerate_within(scale, target, train_prompts, work, device.type, scale.regen_seconds)
+        info = regenerate_on_all(scale, target, train_prompts, work, device, scale.regen_seconds, log)
         info.update(response_stats(tokenizer, Path(info["file"])))
         regenerate(str(target), work / "prompts_val.jsonl", work / "responses_val.jsonl",
                    Sampling(max_new_tokens=scale.new_tokens), batch_size=scale.regen_batch, device=device.type,
@@ -875,7 +973,7 @@ def main(argv=None) -> int:
     # 6. eval
     budget = max(0.0, min(scale.eval_seconds, run.left() - 10))
     report, complete = run.stage("eval", budget, lambda: evaluate_all(
-        scale, target, Path(run.results["drafter"]["export"]), eval_prompts, device.type, budget, args.seed, work
+        scale, target, Path(run.results["drafter"]["export"]), eval_prompts, device, budget, args.seed, work, log
     ))  # fmt: skip
     run.results["eval"] = asdict(report)
     checks = bar(report)
