@@ -19,7 +19,8 @@ Stages, every one through the library entry points the CLI uses (except the fixt
                greedy continuations of code are not trivial (its held-out loss and a sample are reported).
   3. regenerate  `{"text": ...}` prompts (a few lines of code, cut at a line end) from the DRAFTER files, answered
                greedily by the target with `dflash.regenerate.regenerate` (in chunks, resumable, within a time
-               budget): the drafter's training data is the target's own output. Also 256 prompts from random
+               budget; the prompts dealt out to a process per GPU): the drafter's training data is the target's
+               own output. Also 256 prompts from random
                windows of the EVAL files (they may overlap the eval's prompts: nothing is chosen on them),
                answered the same way: the drafter's held-out set.
   4. harvest   `dflash.harvest.run_harvest` of the responses (prompt / completion records: loss on the target's
@@ -29,8 +30,8 @@ Stages, every one through the library entry points the CLI uses (except the fixt
                run. Held-out rows of its own store would continue prompts cut from its training files; this
                store holds the eval's kind of text. It is still a mean over random anchors, where tau is a mean
                over verify rounds (a stretch the drafter misses costs a round per token): expect it above tau.
-  6. eval      prompts from HELD-OUT files (one per file). Per prompt, in one process: plain greedy decoding of
-               the target, then speculative decoding at temperature 0 with the trained drafter and with prompt
+  6. eval      prompts from HELD-OUT files (one per file), dealt out to two processes per GPU. Per prompt, in
+               one process: plain greedy decoding of the target, then speculative decoding at temperature 0 with the trained drafter and with prompt
                lookup (transformers' PromptLookupCandidateGenerator n-gram matcher, `prompt_lookup_num_tokens`
                = 10, verified by our loop: transformers' own `generate(prompt_lookup_num_tokens=...)` refuses
                hybrid targets). Every held-out file gives one prompt, and the bar is judged on all of them: a
@@ -45,10 +46,10 @@ of 512 tokens x 64; up to 24576 drafter prompts answered with 256 new tokens (ch
 spent; the first chunk, which pays for compiling fla's kernels (119-153 s on a cold H200, 13 s with the carried
 Triton cache), always runs, and so does the second); store rows of 4096 tokens; drafter 5 layers (15.4 M
 parameters), B = 16, 30 epochs (at most 8000 steps of 2 rows); eval 256 new tokens per held-out prompt (53
-files), at most 360 s of it per call (at least 6 prompts), the target in float32. A call is budgeted at 530 s
-(the eval's budget shrinks to what is left of it), which on the H200 means three calls: target to harvest
-(418 s measured with 12288 prompts), then the drafter (241 s) and the first 30 or so prompts, then the rest of
-the eval (docs/benchmarks.md).
+files), at most 360 s of it per call (at least 6 prompts per eval process), the target in float32. A call is
+budgeted at 530 s (the eval's budget shrinks to what is left of it). On `nvidia-h200-x2` that is two calls:
+data to harvest (472 s measured with 24576 prompts), then the drafter (about 230 s) and the eval (53 prompts
+over 4 processes: about 150 s, estimated). On one H200, three: the eval's 53 prompts need about 2 x 360 s.
 Data and steps decide the drafter: on the CPU at --tiny sizes, 4x the responses and 5x the steps moved the
 trained drafter's tau from 1.67 to 4.70 against prompt lookup's 3.15 and 2.74 (docs/benchmarks.md).
 
@@ -57,14 +58,18 @@ Bar (issue 4): tau(trained) >= 1.5 x tau(prompt lookup), far above tau(untrained
 
     .venv/bin/python bench/quality.py --tiny --out /tmp/quality-tiny/quality.json   # toy sizes, CPU, ~3 minutes
 
-On the H200 (from the repository root, `.device-wheels/` and `.device-cache/` carried along): three calls on
+On the GPU machine (from the repository root, `.device-wheels/` and `.device-cache/` carried along): calls on
 one machine, each issued within the 30 s that the machine stays warm (it keeps /tmp between calls). The stages
 target, regenerate, harvest and drafter are kept in --work when they finish, and a call with the same --work,
-sizes and seed skips the finished ones and goes on with the eval's prompts:
+sizes and seed skips the finished ones and goes on with the eval's prompts (repeat the last command until the
+bar is no longer PARTIAL):
 
     source bench/device_setup.sh && python3 bench/quality.py --work /tmp/q --stop-after harvest --out $OUT/q1.json
-    source bench/device_setup.sh && python3 bench/quality.py --work /tmp/q --out $OUT/q2.json
     source bench/device_setup.sh && python3 bench/quality.py --work /tmp/q --out $OUT/quality.json
+
+The budgets and worker counts (Run.CALL_FIELDS) may differ between calls; any other --set value or --seed that
+differs from the run in --work is an error, since starting over would delete stages that took a device call
+(--restart does that on purpose).
 
 Every stage prints its time budget and the time it took; the JSON (written after every stage, so a run cut
 short still leaves what it measured) holds the sizes, the stage times, the target's losses and a sample, and
@@ -103,6 +108,7 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
 from dflash.data import jsonl_lines  # noqa: E402
+from dflash.errors import describe_differences  # noqa: E402
 from dflash.tiny import build_tokenizer  # noqa: E402
 
 logger = logging.getLogger("quality")
@@ -178,11 +184,15 @@ TINY = Scale(
 # ---------------------------------------------------------------------------------------------------- stages
 
 
+class WorkFolderInUse(Exception):
+    pass
+
+
 class Run:
     """Stage timing against budgets, and the JSON results written after every stage.
 
     A finished stage's result is also kept as `WORK/stages/NAME.json`, written last (tmp + rename), so that a
-    later call with the same --work, scale and seed skips it: the run can be split over several device calls
+    later call with the same --work, sizes and seed skips it: the run can be split over several device calls
     on one machine (--stop-after).
     """
 
@@ -190,19 +200,35 @@ class Run:
         "target": ["target"], "regenerate": ["responses*.jsonl"],
         "harvest": ["shards", "shards_val"], "drafter": ["run", "eval_*.json"],
     }  # fmt: skip
+    # How long a call may take and how its work is spread over processes: no finished stage's result depends on
+    # them, so a later call on the same --work may change them (a longer eval budget, say) and keep its stages.
+    CALL_FIELDS = frozenset(
+        {"total_seconds", "eval_seconds", "drafter_seconds", "min_eval_prompts", "regen_workers_per_gpu",
+         "eval_workers_per_gpu"}
+    )  # fmt: skip
 
-    def __init__(self, out: Path, scale: Scale, work: Path, seed: int):
+    def __init__(self, out: Path, scale: Scale, work: Path, seed: int, restart: bool = False):
         self.out, self.scale = out, scale
         self.start = time.perf_counter()
         self.results: dict = {"scale": asdict(scale), "stages": {}}
         self.stages = work / "stages"
-        self._forget_other_runs(work, {"scale": asdict(scale), "seed": seed})
+        identity = {"seed": seed, **{k: v for k, v in asdict(scale).items() if k not in self.CALL_FIELDS}}
+        self._forget_other_runs(work, identity, restart)
 
-    def _forget_other_runs(self, work: Path, identity: dict):
-        """Keep the finished stages of an earlier call with the same sizes and seed; drop every other output."""
+    def _forget_other_runs(self, work: Path, identity: dict, restart: bool):
+        """Keep the finished stages of an earlier call with the same sizes and seed; drop every other output.
+
+        An earlier run of other sizes or seed is only deleted when asked (`restart`): its stages may have cost a
+        whole device call."""
         marker = self.stages / "identity.json"
-        if marker.exists() and json.loads(marker.read_text()) != identity:
-            logger.info("work folder %s holds a run of other sizes or seed: starting over", work)
+        if marker.exists() and (earlier := json.loads(marker.read_text())) != identity:
+            differences = describe_differences(earlier, identity, "the run in --work", "this call")
+            if not restart:
+                raise WorkFolderInUse(
+                    f"{work} holds a run of other sizes or seed ({differences}): give the same --set values and "
+                    "--seed to go on with it, another --work, or --restart to delete it and start over"
+                )
+            logger.warning("work folder %s holds a run of other sizes or seed (%s): starting over", work, differences)
             shutil.rmtree(self.stages)
         self.stages.mkdir(parents=True, exist_ok=True)
         marker.write_text(json.dumps(identity))
@@ -688,7 +714,9 @@ def evaluate_share(runs: dict, share: tuple[int, int], work: Path, budget: float
         path, subset = share_path(work, name, share), records[share[0] :: share[1]]
         earlier = json.loads(path.read_text()) if path.exists() else None
         if earlier:
-            logger.info("eval %s: going on after %d of %d prompts", path.name, len(earlier["prompts"]), len(subset))
+            done = len(earlier["prompts"])
+            logger.info("eval %s: %s", path.name, f"all {done} prompts done by earlier calls" if done == len(subset)
+                        else f"going on after {done} of {len(subset)} prompts")  # fmt: skip
         left = None if budget is None or name == "eval_baseline" else max(0.0, budget - (time.perf_counter() - start))
         evaluate(drafter=drafter, prompts=subset, prompt_lookup_tokens=lookup, resume=earlier, time_budget=left,
                  temperature=0.0, dtype="float32", on_prompt=lambda partial: write_json_atomic(path, asdict(partial)),
@@ -812,11 +840,20 @@ def main(argv=None) -> int:
                         help="override a size or budget of the scale (repeatable), e.g. --set regen_seconds=120")
     parser.add_argument("--stop-after", choices=list(Run.RESUMABLE),
                         help="end after this stage; a later call with the same --work goes on from there")
+    parser.add_argument("--restart", action="store_true",
+                        help="delete a run of other sizes or seed found in --work (by default that is an error)")
     args = parser.parse_args(argv)
 
     scale = scale_with_overrides(TINY if args.tiny else GPU, args.set, parser)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    # Absolute: the paths saved in --work (the eval reports name the target and drafter) match on the next call.
+    work = Path(args.work).resolve() if args.work else Path(tempfile.mkdtemp(prefix="dflash-quality-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        run = Run(out, scale, work, args.seed, args.restart)
+    except WorkFolderInUse as exc:
+        parser.error(str(exc))
     log = out.with_suffix(".log")
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S",
@@ -835,13 +872,8 @@ def main(argv=None) -> int:
         # One thread: on a small shared CPU, two spinning OpenMP threads next to another busy process run many
         # times slower than one.
         torch.set_num_threads(1)
-    # Absolute: the paths saved in --work (the eval reports name the target and drafter) match on the next call.
-    work = Path(args.work).resolve() if args.work else Path(tempfile.mkdtemp(prefix="dflash-quality-"))
-    work.mkdir(parents=True, exist_ok=True)
-
     import transformers
 
-    run = Run(out, scale, work, args.seed)
     run.results.update(
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         versions={"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__},
