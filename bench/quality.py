@@ -66,9 +66,10 @@ bar is no longer PARTIAL):
     source bench/device_setup.sh && python3 bench/quality.py --work /tmp/q --stop-after harvest --out $OUT/q1.json
     source bench/device_setup.sh && python3 bench/quality.py --work /tmp/q --out $OUT/quality.json
 
-The budgets and worker counts (Run.CALL_FIELDS) may differ between calls; any other --set value or --seed that
-differs from the run in --work is an error, since starting over would delete stages that took a device call
-(--restart does that on purpose).
+Or start the whole run detached (setsid) in the first call and, at once after it, wait for it in a second:
+docs/benchmarks.md ("Quality run on two GPUs, complete") gives the commands. The budgets and worker counts
+(Run.CALL_FIELDS) may differ between calls; any other --set value or --seed that differs from the run in --work
+is an error, since starting over would delete stages that took a device call (--restart does that on purpose).
 
 Every stage prints its time budget and the time it took; the JSON (written after every stage, so a run cut
 short still leaves what it measured) holds the sizes, the stage times, the target's losses and a sample, and

@@ -93,7 +93,10 @@ class BlockStats(NamedTuple):
         return self.correct / self.counted.clamp(min=1)
 
     def acceptance_length(self) -> Tensor:
-        """Mean block acceptance length: what speculative decoding at temperature 0 would accept, + 1 bonus."""
+        """Mean over anchors of 1 (the bonus token) + the drafts temperature-0 verification would accept there.
+
+        Anchors are uniform over response tokens; decoding's tau is a mean over verify rounds, which crowd into the
+        stretches the drafter misses, so tau is lower (docs/training.md)."""
         return self.accepted / self.anchors.clamp(min=1)
 
     def implied_acceptance_length(self) -> Tensor:
