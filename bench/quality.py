@@ -806,7 +806,7 @@ def markdown(results: dict, report) -> str:
         f"distinct 4-grams {r.get('distinct_4gram_ratio', 0):.2f}",
         f"harvest: {h.get('tokens')} tokens in {h.get('rows')} rows, {h.get('store_mb', 0):.0f} MB",
         f"drafter: {dr.get('steps')} steps, final train loss {dr.get('train_loss')}, "
-        f"val accept {dr.get('val_accept_len')}",
+        f"val accept {dr.get('val_accept_len')}, val tau {dr.get('val_tau')}",
     ]
     return "\n".join(lines)
 
@@ -980,9 +980,9 @@ def main(argv=None) -> int:
         ))  # fmt: skip
         last, val = result["records"][-1], result.get("val") or {}
         metrics = (work / "run" / "metrics.jsonl").read_text().splitlines()
-        val_curve = [(r["step"], round(r["loss"], 4), round(r["accept_len"], 3))
+        val_curve = [(r["step"], round(r["loss"], 4), round(r["accept_len"], 3), round(r["tau"], 3))
                      for r in map(json.loads, metrics) if r.get("kind") == "val"]  # fmt: skip
-        logger.info("drafter held-out curve (step, loss, accept length): %s", val_curve)
+        logger.info("drafter held-out curve (step, loss, accept length, tau of decoding replayed): %s", val_curve)
         compile_phases = slow_compile_phases()
         logger.info("drafter compile, the phases over 1 s: %s", compile_phases)
         return {
@@ -992,6 +992,7 @@ def main(argv=None) -> int:
             "train_accept_len": round(last["accept_len"], 3),
             "val_loss": round(val["loss"], 4) if val else None,
             "val_accept_len": round(val["accept_len"], 3) if val else None,
+            "val_tau": round(val["tau"], 3) if val else None,
             "step_ms": round(last["step_ms"], 2),
             "prepare_s": {k: round(v, 1) for k, v in result["prepare_s"].items()},
             "compile_phases_s": compile_phases,

@@ -104,6 +104,23 @@ def sample_anchors(
     return torch.where(valid, anchors, T - block_size), valid
 
 
+def window_anchors(
+    loss_mask: Tensor, doc_ids: Tensor, window: Tensor, num_anchors: int, block_size: int
+) -> tuple[Tensor, Tensor]:
+    """Every position of window `window` (window * A .. window * A + A - 1) as an anchor, valid where eligible.
+
+    Windows 0 .. ceil(T / A) - 1 together anchor every eligible position once: validation scores all of them,
+    which the replay of decoding needs (loss.replay_decoding). window: an int64 device scalar, so that one
+    captured step replays every window. Returns anchors [R, A] (ascending; past T - B clamped there, invalid) and
+    valid [R, A] bool, like sample_anchors.
+    """
+    R, T = loss_mask.shape
+    positions = window * num_anchors + torch.arange(num_anchors, device=loss_mask.device)
+    eligible = eligible_anchors(loss_mask, doc_ids, block_size)
+    valid = (positions < T) & eligible.gather(1, positions.clamp(max=T - 1).expand(R, -1))
+    return positions.clamp(max=T - block_size).expand(R, -1).contiguous(), valid
+
+
 def block_inputs(
     input_ids: Tensor,
     position_ids: Tensor,

@@ -9,6 +9,7 @@ chunk and keeps only that [N x H] gradient; backward just scales it. That is two
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -96,7 +97,7 @@ class BlockStats(NamedTuple):
         """Mean over anchors of 1 (the bonus token) + the drafts temperature-0 verification would accept there.
 
         Anchors are uniform over response tokens; decoding's tau is a mean over verify rounds, which crowd into the
-        stretches the drafter misses, so tau is lower (docs/training.md)."""
+        stretches the drafter misses, so tau is lower (replay_decoding measures it)."""
         return self.accepted / self.anchors.clamp(min=1)
 
     def implied_acceptance_length(self) -> Tensor:
@@ -110,14 +111,46 @@ def block_stats(correct: Tensor, weights: Tensor, block_size: int) -> BlockStats
     correct / weights: [N] or [R, Q] in block-major order (as block_inputs makes them). A position counts when its
     weight is positive (valid anchor, loss mask on). A draft run stops at the first wrong or untrained position.
     """
-    hit = correct.reshape(-1, block_size)[:, 1:]
-    trained = weights.reshape(-1, block_size)[:, 1:] > 0
-    hit = hit & trained
-    counted_anchor = trained[:, 0]
-    run = hit.long().cumprod(dim=1).sum(dim=1)
+    hit, trained = _block_hits(correct, weights, block_size)
+    run, counted_anchor = leading_runs(correct, weights, block_size)
     return BlockStats(
         correct=hit.sum(dim=0).float(),
         counted=trained.sum(dim=0).float(),
         accepted=((1 + run) * counted_anchor).sum().float(),
         anchors=counted_anchor.sum().float(),
     )
+
+
+def _block_hits(correct: Tensor, weights: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    """[blocks, B-1] correct-and-trained and trained flags of positions k = 1..B-1."""
+    trained = weights.reshape(-1, block_size)[:, 1:] > 0
+    return correct.reshape(-1, block_size)[:, 1:] & trained, trained
+
+
+def leading_runs(correct: Tensor, weights: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    """Per block: the drafts temperature-0 verification accepts (leading correct and trained positions), and
+    whether the block counts (its k = 1 position is trained). Both [blocks]."""
+    hit, trained = _block_hits(correct, weights, block_size)
+    return hit.long().cumprod(dim=1).sum(dim=1), trained[:, 0]
+
+
+def replay_decoding(runs: np.ndarray) -> tuple[int, int]:
+    """(verify rounds, committed tokens) of temperature-0 speculative decoding replayed over known answers.
+
+    runs [R, T]: at every counted anchor the drafts accepted there (leading_runs), -1 elsewhere. A maximal
+    stretch of counted anchors is one answer (the last B-1 positions of a document never anchor, so stretches of
+    two documents never touch). Decoding anchors its first round on the stretch's first position and every next
+    one on the token after those committed (a + run + 1), until it leaves the stretch; a round commits the
+    accepted drafts and the target's own next token. Tokens / rounds is tau as `dflash eval` measures it when the
+    answers are the target's greedy ones, and is lower than the mean over uniform anchors wherever the drafter's
+    accuracy varies along the text: the rounds crowd into the stretches it misses.
+    """
+    rounds = tokens = 0
+    for row in runs:
+        edges = np.diff(np.concatenate([[0], (row >= 0).astype(np.int8), [0]]))
+        for a, end in zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)):
+            while a < end:
+                rounds += 1
+                tokens += int(row[a]) + 1
+                a += int(row[a]) + 1
+    return rounds, tokens

@@ -225,7 +225,7 @@ class DataPlan:
             yield rows, _row_keys(self.seed, epoch, rows)
 
     def val_batches(self, rows_per_batch: int):
-        """This rank's held-out rows in batches; anchors drawn the same way at every validation."""
+        """This rank's held-out rows in batches (with row keys, which validation's anchors do not use)."""
         mine = self.val_rows[self.rank :: self.world]
         for i in range(0, len(mine), rows_per_batch):
             rows = mine[i : i + rows_per_batch]
@@ -297,7 +297,8 @@ class Slots:
     """Names of the entries of the float64 metric accumulators (one vector: one device-to-host read per log)."""
 
     def __init__(self, block_size: int):
-        scalars = ["loss_sum", "weight_sum", "accepted", "blocks", "context_tokens", "pairs", "grad_norm", "steps"]
+        scalars = ["loss_sum", "weight_sum", "accepted", "blocks", "context_tokens", "pairs", "grad_norm", "steps",
+                   "replay_rounds", "replay_tokens"]  # fmt: skip
         self.index = {name: i for i, name in enumerate(scalars)}
         self.correct = slice(len(scalars), len(scalars) + block_size - 1)
         self.counted = slice(self.correct.stop, self.correct.stop + block_size - 1)
@@ -344,6 +345,12 @@ class Trainer:
         self.slots = Slots(cfg.block_size)
         self.acc = torch.zeros(self.slots.size, dtype=torch.float64, device=self.device)
         self.val_acc = torch.zeros_like(self.acc)
+        # Validation anchors every eligible position, one window of A positions per replay of its step, and
+        # keeps the drafts accepted at each one for the replay of decoding (-1: no counted anchor; column T
+        # takes the invalid anchors' writes).
+        self.val_windows = -(-T // self.num_anchors)
+        self.val_window = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.val_runs = torch.full((cfg.rows_per_step, T + 1), -1, dtype=torch.int32, device=self.device)
 
         self.val_store = self.store
         if cfg.val_shards:
@@ -404,13 +411,17 @@ class Trainer:
 
     # ---- the step (captured)
 
-    def _inputs(self, m: int) -> dict:
+    def _inputs(self, m: int, window: torch.Tensor | None = None) -> dict:
+        """Micro-batch m's blocks: random anchors, or every position of `window` (validation)."""
         s, cfg = self.static, self.cfg
         # Pieces of a split document share a doc id and may sit side by side: blocks must see one piece only.
         segments = blocks.segment_ids(s["doc_ids"][m], s["position_ids"][m])
-        anchors, valid = blocks.sample_anchors(
-            s["loss_mask"][m], segments, self.num_anchors, cfg.block_size, s["anchor_keys"][m][:, None]
-        )
+        if window is None:
+            anchors, valid = blocks.sample_anchors(
+                s["loss_mask"][m], segments, self.num_anchors, cfg.block_size, s["anchor_keys"][m][:, None]
+            )
+        else:
+            anchors, valid = blocks.window_anchors(s["loss_mask"][m], segments, window, self.num_anchors, cfg.block_size)
         block_ids, q_positions, labels, weights = blocks.block_inputs(
             s["input_ids"][m], s["position_ids"][m], s["loss_mask"][m], anchors, valid,
             self.dcfg.mask_token_id, cfg.block_size, self.gamma,
@@ -474,9 +485,13 @@ class Trainer:
 
     def _val_step(self):
         with torch.no_grad():
-            x = self._inputs(0)
+            x = self._inputs(0, self.val_window)
             mean_loss, correct = self._micro(0, x)
             self._count(self.val_acc, 0, x, mean_loss, correct)
+            run, counted = loss.leading_runs(correct, x["weights"], self.cfg.block_size)
+            anchors = x["anchors"]
+            column = torch.where(counted.view_as(anchors), anchors, self.val_runs.shape[1] - 1)
+            self.val_runs.scatter_(1, column, run.view_as(anchors).int())
 
     # ---- warmup, capture and state
 
@@ -556,21 +571,31 @@ class Trainer:
         return meter.summary()
 
     def validate(self, step: int) -> dict | None:
-        """Forward-only pass over this rank's held-out rows; block acceptance length summed over all ranks.
+        """Forward-only pass over this rank's held-out rows, every eligible anchor scored; sums over all ranks.
 
-        None when the held-out rows hold no block (no held-out rows, or --val-fraction 0)."""
+        Costs ceil(T / A) forward passes per held-out batch, and one host read of the accepted drafts per batch
+        for the replay of decoding. None when the held-out rows hold no block (no held-out rows, or
+        --val-fraction 0)."""
         shape = dataclasses.replace(self.shape, micro_batches=1)
         rows = self._reader(self.val_store, self.plan.val_batches(self.cfg.rows_per_step), shape)
         self.val_acc.zero_()
+        rounds = tokens = 0
         try:
             with graph.no_recompiles():
                 while (batch := rows.next()) is not None:
                     self.feed.stage(batch)
                     self.feed.commit()
-                    self.val_step()
+                    self.val_runs.fill_(-1)
+                    for window in range(self.val_windows):
+                        self.val_window.fill_(window)
+                        self.val_step()
+                    batch_rounds, batch_tokens = loss.replay_decoding(self.val_runs[:, :-1].cpu().numpy())
+                    rounds, tokens = rounds + batch_rounds, tokens + batch_tokens
         finally:
             self.feed.drain()
             rows.close()
+        self.val_acc[self.slots["replay_rounds"]] += rounds
+        self.val_acc[self.slots["replay_tokens"]] += tokens
         if self.env.world > 1:
             dist.all_reduce(self.val_acc)
         totals = self.val_acc.tolist()
@@ -583,7 +608,7 @@ class Trainer:
     def _summarise(self, acc: list[float], kind: str, step: int) -> dict:
         sl = self.slots
         correct, counted = acc[sl.correct], acc[sl.counted]
-        return {
+        record = {
             "kind": kind,
             "step": step,
             "loss": acc[sl["loss_sum"]] / max(acc[sl["weight_sum"]], 1e-12),
@@ -591,6 +616,9 @@ class Trainer:
             "acc": [c / max(n, 1) for c, n in zip(correct, counted)],
             "blocks": int(acc[sl["blocks"]]),
         }
+        if acc[sl["replay_rounds"]]:
+            record.update(tau=acc[sl["replay_tokens"]] / acc[sl["replay_rounds"]], rounds=int(acc[sl["replay_rounds"]]))
+        return record
 
 
 def visible_pairs(anchors, valid, doc_ids, block_size) -> torch.Tensor:
@@ -718,7 +746,8 @@ def format_record(r: dict) -> str:
         f"acc k1 {acc[0]:.3f} k{len(acc)} {acc[-1]:.3f}"
     )
     if r["kind"] != "train":
-        return head + f" ({r['blocks']} blocks)"
+        tau = f" tau {r['tau']:.2f} ({r['rounds']} rounds)" if "tau" in r else ""
+        return head + f"{tau} ({r['blocks']} blocks)"
     mfu = f" mfu {100 * r['mfu']:.1f}%" if r.get("mfu") is not None else ""
     mem = f" mem {r['mem_allocated'] / 2**30:.1f}/{r['mem_reserved'] / 2**30:.1f} GiB" if "mem_allocated" in r else ""
     return (

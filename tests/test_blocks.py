@@ -13,6 +13,7 @@ from dflash.blocks import (
     dense_block_mask,
     sample_anchors,
     segment_ids,
+    window_anchors,
 )
 from dflash.errors import DflashError
 
@@ -111,6 +112,20 @@ def test_anchors_are_eligible_distinct_sorted_and_counted():
             assert eligible[r, chosen].all() and len(set(chosen.tolist())) == len(chosen)
             assert not valid[r, int(valid[r].sum()) :].any()  # the surplus sorts last
             assert (anchors[r][~valid[r]] == 60 - B).all()
+
+
+def test_windows_anchor_every_eligible_position_once():
+    B, A, T = 4, 7, 60  # 9 windows, the last one partly past the row
+    _, _, loss_mask, doc_ids = make_row_data(3, T, seed=2)
+    eligible = eligible_by_rule(loss_mask, doc_ids, B)
+    seen = torch.zeros(3, T, dtype=torch.int64)
+    for window in range(math.ceil(T / A)):
+        anchors, valid = window_anchors(loss_mask, doc_ids, torch.tensor(window), A, B)
+        assert anchors.shape == valid.shape == (3, A) and (anchors[:, 1:] >= anchors[:, :-1]).all()
+        assert (anchors <= T - B).all()
+        for r in range(3):
+            seen[r, anchors[r][valid[r]]] += 1
+    assert torch.equal(seen, eligible.long())
 
 
 @pytest.mark.parametrize("seeded", ["generator", "tensor"])

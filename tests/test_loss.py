@@ -4,7 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash.loss import block_cross_entropy, block_stats, default_chunk_size
+import numpy as np
+
+from dflash.loss import block_cross_entropy, block_stats, default_chunk_size, leading_runs, replay_decoding
 
 
 def make_inputs(N=37, H=12, V=50, seed=0):
@@ -91,3 +93,21 @@ def test_block_stats_accepts_the_whole_block():
     correct, weights = torch.ones(2, 16, dtype=torch.bool), torch.ones(2, 16)
     stats = block_stats(correct, weights, 16)
     assert stats.acceptance_length().item() == 16 and math.isclose(stats.implied_acceptance_length().item(), 16)
+
+
+def test_leading_runs_hand_checked():
+    correct = torch.tensor([1, 1, 1, 0, 0, 1, 0, 1, 1, 1, 1, 1], dtype=torch.bool)
+    weights = torch.tensor([0, 1, 0.9, 0.8, 0, 1, 0.9, 0, 0, 0, 0, 0])
+    run, counted = leading_runs(correct, weights, 4)
+    assert run.tolist() == [2, 1, 0] and counted.tolist() == [True, True, False]
+
+
+def test_replay_decoding_hand_checked():
+    runs = np.array([
+        # answer at 0..5: a=0 accepts 3 (commits 4 tokens), a=4 accepts 1 (2 tokens), a=6 leaves it: 2 rounds, 6
+        # tokens; the 9 at 1 and the 5 at 3 are skipped. Answer at 8..9: a=8 accepts 0, a=9 accepts 0: 2 rounds.
+        [3, 9, 0, 5, 1, 0, -1, -1, 0, 0, -1],
+        [-1, -1, 15, 0, 0, 0, 0, 0, 0, 0, 0],  # one round commits 16 tokens and leaves the answer
+    ])  # fmt: skip
+    assert replay_decoding(runs) == (5, 6 + 2 + 16)
+    assert replay_decoding(np.full((2, 5), -1)) == (0, 0)

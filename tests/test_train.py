@@ -61,10 +61,11 @@ def train_records(out) -> list[dict]:
 # ---------------------------------------------------------------------------------------------- label alignment
 
 
-def write_knowable_store(src: Path, dst: Path, head: torch.Tensor, seed: int = 0):
+def write_knowable_store(src: Path, dst: Path, head: torch.Tensor, seed: int = 0, every: int = 1):
     """Rewrite a store so that the features at position j carry the ids of tokens j+1 .. j+B, as a perfect LM's
     would: slot s (one tapped layer wide) holds the LM-head row of token j+1+s. Documents of 8-19 random tokens
-    (16 distinct ids), loss mask off on each document's first token (which has no context)."""
+    (16 distinct ids), loss mask off on each document's first token (which has no context). With every = k only
+    every k-th document's features say anything (the others' are zero)."""
     shutil.copytree(src, dst)
     part = zarr.open_group(dst / "parts" / "rank00000", mode="r+")
     rows, T, width = part["hidden"].shape
@@ -88,7 +89,7 @@ def write_knowable_store(src: Path, dst: Path, head: torch.Tensor, seed: int = 0
             arrays["position_ids"][r, t : t + n] = np.arange(n)
             arrays["doc_ids"][r, t : t + n] = 100 * r + d
             arrays["loss_mask"][r, t + 1 : t + n] = 1
-            for j in range(n):
+            for j in range(n if d % every == 0 else 0):
                 for s in range(min(B, n - j - 1)):
                     hidden[r, t + j, s * H : (s + 1) * H] = unit[tokens[j + 1 + s]]
             t, d = t + n, d + 1
@@ -127,17 +128,18 @@ def shifted_labels(block_inputs):
 
 
 @torch.no_grad()
-def inference_accuracy(drafter_dir: Path, store_dir: Path, rows, embed, head) -> tuple[np.ndarray, float]:
+def inference_hits(drafter_dir: Path, store_dir: Path, rows, embed, head) -> list[dict[int, np.ndarray]]:
     """What speculative decoding would see, written from the rule alone: for every anchor a, the drafter gets the
-    features of its document strictly before a and the block [t_a, MASK...]; (accuracy per k, acceptance)."""
+    features of its document strictly before a and the block [t_a, MASK...]. Per row {a: hits at k = 1..B-1}."""
     model, cfg = load_drafter(drafter_dir)
     shards = ShardStore.open(store_dir)
-    hits, accepted = [], []
+    per_row = []
     for r in rows:
         row = shards.read_row(int(r))
         hidden = torch.from_numpy(row["hidden"].view(np.int16)).view(torch.bfloat16).float()
         ids, pos = torch.from_numpy(row["input_ids"]).long(), torch.from_numpy(row["position_ids"]).long()
         doc, mask = row["doc_ids"], row["loss_mask"]
+        hits = {}
         for a in range(len(ids) - B + 1):
             if doc[a] < 0 or doc[a + B - 1] != doc[a] or not mask[a]:
                 continue
@@ -145,10 +147,30 @@ def inference_accuracy(drafter_dir: Path, store_dir: Path, rows, embed, head) ->
             block = torch.full((B,), cfg.mask_token_id)
             block[0] = ids[a]
             out = model(embed[block][None], hidden[start:a][None], (pos[a] + torch.arange(B))[None], pos[start:a][None])
-            hit = ((out[0, 1:] @ head.T).argmax(-1) == ids[a + 1 : a + B]).numpy()
-            hits.append(hit)
-            accepted.append(1 + np.cumprod(hit).sum())
-    return np.mean(hits, axis=0), float(np.mean(accepted))
+            hits[a] = ((out[0, 1:] @ head.T).argmax(-1) == ids[a + 1 : a + B]).numpy()
+        per_row.append(hits)
+    return per_row
+
+
+def inference_accuracy(drafter_dir: Path, store_dir: Path, rows, embed, head) -> tuple[np.ndarray, float]:
+    """(accuracy per k, acceptance length) over every anchor of `rows`."""
+    hits = [hit for row in inference_hits(drafter_dir, store_dir, rows, embed, head) for hit in row.values()]
+    return np.mean(hits, axis=0), float(np.mean([1 + np.cumprod(hit).sum() for hit in hits]))
+
+
+def decode_by_hand(hits: list[dict[int, np.ndarray]]) -> tuple[int, int]:
+    """(rounds, tokens) of decoding every answer: in the knowable store every document is one answer whose
+    anchors are consecutive; start at its first one, draft, keep the leading hits and the target's token, repeat
+    from the token after them until the document's anchors run out."""
+    rounds = tokens = 0
+    for row in hits:
+        for a in sorted(row):
+            if a - 1 in row:
+                continue  # not a document's first anchor
+            while a in row:
+                accepted = int(np.cumprod(row[a]).sum())
+                rounds, tokens, a = rounds + 1, tokens + accepted + 1, a + accepted + 1
+    return rounds, tokens
 
 
 @pytest.mark.parametrize("bug", [None, "shifted_labels", "inclusive_mask"])
@@ -184,17 +206,42 @@ def test_label_alignment(bug, store, target, tmp_path, monkeypatch):
         assert min(val["acc"]) > 0.85  # the symptom of that bug: high training accuracy, low acceptance
 
 
+def test_validation_replays_decoding(store, target, tmp_path):
+    """Half the documents knowable, half not: the drafter accepts whole blocks in the one and almost nothing in
+    the other. Validation's tau must be the tau of decoding those answers (worked out by hand from the exported
+    drafter's own drafts), well below its mean over anchors, which counts every token of a knowable document."""
+    embed, head = (w.float() for w in load_embedding_and_head(str(target)))
+    write_knowable_store(store, tmp_path / "store", head, seed=1, every=2)
+    cfg = config(
+        tmp_path / "store", tmp_path / "run", draft_layers=2, rows_per_step=4, max_steps=300, lr=5e-3,
+        log_every=100, val_fraction=0.2, export=True, export_dtype="float32",
+    )  # fmt: skip
+    val = run_training(cfg)["val"]
+    _, val_rows = reader.split_rows(ShardStore.open(tmp_path / "store").num_rows, cfg.val_fraction)
+    rounds, tokens = decode_by_hand(inference_hits(tmp_path / "run" / "drafter", tmp_path / "store", val_rows, embed, head))
+    assert abs(val["rounds"] - rounds) <= 0.02 * rounds, (val, rounds)
+    assert abs(val["tau"] - tokens / rounds) < 0.05, (val, tokens / rounds)
+    assert val["accept_len"] - val["tau"] > 0.3, val
+
+
 # ---------------------------------------------------------------------------------------------- compile, resume
 
 
 def test_compiled_step_matches_eager_without_recompiles(store, tmp_path):
     """20 steps over different rows: compiled drafter + loss agree with eager, and nothing recompiles after
-    warmup (a recompile would raise). The BlockMask builder stays eager on the CPU (see Trainer.__init__)."""
-    eager = run_training(config(store, tmp_path / "eager", max_steps=20, compile=False))["records"]
-    compiled = run_training(config(store, tmp_path / "compiled", max_steps=20, compile=True))["records"]
-    assert [r["recompiles"] for r in compiled] == [0] * 20
-    np.testing.assert_allclose([r["loss"] for r in compiled], [r["loss"] for r in eager], rtol=1e-5)
-    np.testing.assert_allclose([r["grad_norm"] for r in compiled], [r["grad_norm"] for r in eager], rtol=1e-4)
+    warmup (a recompile would raise), validation's windows included. The BlockMask builder stays eager on the
+    CPU (see Trainer.__init__)."""
+    eager = run_training(config(store, tmp_path / "eager", max_steps=20, compile=False))
+    compiled = run_training(config(store, tmp_path / "compiled", max_steps=20, compile=True))
+    assert [r["recompiles"] for r in compiled["records"]] == [0] * 20
+    for key, rtol in (("loss", 1e-5), ("grad_norm", 1e-4)):
+        np.testing.assert_allclose([r[key] for r in compiled["records"]], [r[key] for r in eager["records"]], rtol=rtol)
+    assert_same_validation(compiled["val"], eager["val"])
+
+
+def assert_same_validation(val, reference):
+    assert val["blocks"] == reference["blocks"] > 0 and val["rounds"] == reference["rounds"] > 0
+    np.testing.assert_allclose([val[k] for k in ("loss", "tau")], [reference[k] for k in ("loss", "tau")], rtol=1e-3)
 
 
 def test_visible_pairs_count_the_mask():
@@ -441,6 +488,7 @@ def test_cuda_graph_is_flat_and_matches_the_ungraphed_step(store, tmp_path):
     assert graphed["allocated_spread"] == 0 and graphed["reserved_spread"] == 0
     assert [r["recompiles"] for r in graphed["records"]] == [0] * 12
     np.testing.assert_allclose([r["loss"] for r in graphed["records"]], [r["loss"] for r in plain["records"]], rtol=1e-3)
+    assert_same_validation(graphed["val"], plain["val"])  # one captured step replayed over every window
 
 
 def test_out_of_memory_at_capture_names_the_options():
