@@ -738,13 +738,28 @@ def merge_shares(name: str, drafter: str, records: list[dict], lookup: int, coun
                     warmup=False, **{**settings, "min_prompts": 0})  # fmt: skip
 
 
+def tau_ratio_interval(pairs: list[tuple[list[int], list[int]]], draws: int = 5000, seed: int = 0) -> list[float]:
+    """95 % percentile-bootstrap interval of tau(a) / tau(b) over prompts.
+
+    pairs: per prompt, the drafts accepted in each round by method a and by method b. A draw takes as many prompts
+    as there are, with replacement, and computes both taus over the drawn prompts' rounds, as the report does
+    (1 + accepted / rounds), so the interval says how far the ratio could move on other prompts like these."""
+    counts = np.array([[len(a), sum(a), len(b), sum(b)] for a, b in pairs], dtype=np.float64)
+    drawn = counts[np.random.default_rng(seed).integers(0, len(pairs), size=(draws, len(pairs)))].sum(axis=1)
+    ratios = (1 + drawn[:, 1] / drawn[:, 0]) / (1 + drawn[:, 3] / drawn[:, 2])
+    return np.percentile(ratios, [2.5, 97.5]).tolist()
+
+
 def bar(report, complete: bool) -> dict:
     """The issue's checks on the report; `pass` also needs the report to cover every held-out prompt."""
     tau = {name: m.tau for name, m in report.methods.items()}
     trained, lookup, untrained = tau.get("dflash"), tau.get("prompt-lookup"), tau.get("untrained-dflash")
     mismatches = {name: m.mismatches for name, m in report.methods.items()}
+    pairs = [(row["runs"]["dflash"].accepted, row["runs"]["prompt-lookup"].accepted) for row in report.prompts
+             if {"dflash", "prompt-lookup"} <= row["runs"].keys()]  # fmt: skip
     checks = {
         "trained_vs_prompt_lookup": trained / lookup if trained and lookup else None,
+        "trained_vs_prompt_lookup_95": tau_ratio_interval(pairs) if trained and lookup else None,
         "trained_vs_untrained": trained / untrained if trained and untrained else None,
     }
     checks["pass_1.5x_prompt_lookup"] = bool(checks["trained_vs_prompt_lookup"] and checks["trained_vs_prompt_lookup"] >= 1.5)
@@ -779,9 +794,11 @@ def markdown(results: dict, report) -> str:
                      f"{' '.join(map(str, m.accepted_histogram))} |")  # fmt: skip
     b = results["bar"]
     ratio = lambda x: f"{x:.2f}x" if x else "-"  # noqa: E731
+    low_high = b.get("trained_vs_prompt_lookup_95")
+    interval = f" (95 % over prompts: {low_high[0]:.2f}-{low_high[1]:.2f}x)" if low_high else ""
     lines += [
         "",
-        f"bar: trained / prompt lookup {ratio(b['trained_vs_prompt_lookup'])} (>= 1.5x: "
+        f"bar: trained / prompt lookup {ratio(b['trained_vs_prompt_lookup'])}{interval} (>= 1.5x: "
         f"{'pass' if b['pass_1.5x_prompt_lookup'] else 'FAIL'}), trained / untrained "
         f"{ratio(b['trained_vs_untrained'])} (>= 2x: {'pass' if b['pass_2x_untrained'] else 'FAIL'}), "
         f"mismatches {b['mismatches']} ({'pass' if b['pass_0_mismatches'] else 'FAIL'}) -> "

@@ -557,7 +557,8 @@ class Trainer:
                     self.train_step()
                     done = step + 1
                     if cfg.val_every and done % cfg.val_every == 0 and done < self.total_steps:
-                        log.write(self.validate(done))  # before staging: validation uses the same staging buffers
+                        # Before staging: validation uses the same staging buffers.
+                        log.write(meter.set_aside(lambda: self.validate(done)))
                     if done < self.total_steps:
                         # Queued right behind the step: the copy overlaps its compute.
                         self.feed.stage(meter.wait(rows.next))
@@ -665,6 +666,16 @@ class Meter:
         item = get()
         self.waited += time.perf_counter() - t0
         return item
+
+    def set_aside(self, fn):
+        """Run fn outside the timed training: validation's seconds count in no step's time. The steps queued
+        before it finish first, so that their time stays theirs."""
+        if self.t.cuda:
+            torch.cuda.synchronize(self.t.device)
+        t0 = time.perf_counter()
+        result = fn()
+        self.last += time.perf_counter() - t0
+        return result
 
     def read(self, step: int) -> dict:
         t, world = self.t, self.t.env.world

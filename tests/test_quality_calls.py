@@ -102,3 +102,12 @@ def test_merged_worker_reports_equal_one_process_evaluating_every_prompt(tiny_ta
         )  # fmt: skip
         assert got.accepted_histogram == method.accepted_histogram
         assert [r["runs"][name].accepted for r in merged.prompts] == [r["runs"][name].accepted for r in whole.prompts]
+
+
+def test_tau_ratio_interval_of_two_prompts_spans_the_all_one_and_all_other_draws():
+    """With two prompts a draw is {A, A}, {A, B} or {B, B}: the 2.5 and 97.5 percentiles of 5000 draws are the
+    ratios of the two one-prompt draws (each 1/4 likely); with identical prompts the interval is the ratio."""
+    a, b = ([3, 0, 15], [0, 0, 1, 0]), ([0, 1], [2, 2])  # prompt A: taus 7 and 1.25; prompt B: 1.5 and 3
+    low, high = quality.tau_ratio_interval([a, b])
+    assert (low, high) == pytest.approx((1.5 / 3, 7 / 1.25))
+    assert quality.tau_ratio_interval([a, a, a]) == pytest.approx([7 / 1.25, 7 / 1.25])

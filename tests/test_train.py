@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,7 @@ from dflash.harvest import HarvestConfig, run_harvest
 from dflash.store import ShardStore
 from dflash.target import load_embedding_and_head
 from dflash.tiny import CORPUS
-from dflash.train import TrainConfig, latest_checkpoint, run_training, visible_pairs
+from dflash.train import Trainer, TrainConfig, latest_checkpoint, run_training, visible_pairs
 
 ROOT = Path(__file__).resolve().parent.parent
 B = 4  # block size of these tests: 3 drafted tokens fit the features of the tiny target (5 layers x 64)
@@ -222,6 +223,20 @@ def test_validation_replays_decoding(store, target, tmp_path):
     assert abs(val["rounds"] - rounds) <= 0.02 * rounds, (val, rounds)
     assert abs(val["tau"] - tokens / rounds) < 0.05, (val, tokens / rounds)
     assert val["accept_len"] - val["tau"] > 0.3, val
+
+
+def test_validation_time_counts_in_no_training_step(store, tmp_path, monkeypatch):
+    """Validation every 2 steps made 1 s longer: were its time a step's, the records after it would read >= 500 ms
+    per step (2 steps per record); tiny CPU steps take tens of ms."""
+    validate = Trainer.validate
+
+    def slow_validate(self, step):
+        time.sleep(1.0)
+        return validate(self, step)
+
+    monkeypatch.setattr(Trainer, "validate", slow_validate)
+    records = run_training(config(store, tmp_path / "run", max_steps=6, log_every=2, val_every=2))["records"]
+    assert len(records) == 3 and max(r["step_ms"] for r in records) < 300, [r["step_ms"] for r in records]
 
 
 # ---------------------------------------------------------------------------------------------- compile, resume
