@@ -307,7 +307,8 @@ def _free_port() -> int:
 
 def test_two_gloo_ranks_match_one_process(store, tmp_path):
     """2 ranks x 1 row per step == 1 process x 2 micro-steps of 1 row: same global batches (strided epoch
-    order), same anchors (keyed by row), same normalisation (global weight sum), so the same weights."""
+    order), same anchors (keyed by row), same normalisation (global weight sum), so the same weights and the same
+    validation, its sums over the ranks' held-out rows included."""
     args = ["-m", "cli", "train", "--shards", str(store), "--draft-layers", "1", "--block-size", str(B),
             "--max-steps", "4", "--log-every", "1", "--val-fraction", "0.05", "--no-tensorboard", "--no-export",
             "--device", "cpu"]  # fmt: skip
@@ -322,9 +323,12 @@ def test_two_gloo_ranks_match_one_process(store, tmp_path):
     ]
     outputs = [p.communicate(timeout=240)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outputs  # a divergence of the ranks' weights would fail here
-    single = run_training(config(store, tmp_path / "single", max_steps=4, rows_per_step=1, grad_accum=2))["records"]
+    single = run_training(config(store, tmp_path / "single", max_steps=4, rows_per_step=1, grad_accum=2))
     two = train_records(tmp_path / "ranks")
-    np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in single], rtol=1e-6)
+    np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in single["records"]], rtol=1e-6)
+    lines = (tmp_path / "ranks" / "metrics.jsonl").read_text().splitlines()
+    two_val = [r for r in map(json.loads, lines) if r["kind"] == "val"][-1]
+    assert_same_validation(two_val, single["val"])  # each rank replays its half of the held-out rows
     weights = [torch.load(tmp_path / run / "checkpoints" / "step_4" / "model.pt") for run in ("ranks", "single")]
     for name, value in weights[0].items():
         torch.testing.assert_close(value, weights[1][name], rtol=1e-6, atol=1e-7)
