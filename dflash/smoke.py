@@ -78,6 +78,7 @@ def run_smoke(cfg: SmokeConfig) -> dict:
         "train_context_tok_s": last["context_tok_s"],
         "train_loss": last["loss"],
         "tau": report.methods["dflash"].tau,
+        "val_tau": (result.get("val") or {}).get("tau"),
         "mismatches": report.methods["dflash"].mismatches,
         "seconds": seconds,
     }
@@ -92,6 +93,7 @@ def summary_table(s: dict) -> str:
         ("train tokens/s (context)", f"{s['train_context_tok_s']:.0f}"),
         ("final train loss", f"{s['train_loss']:.3f}"),
         ("tau (acceptance length)", f"{s['tau']:.2f}"),
+        ("tau replayed on held-out rows", f"{s['val_tau']:.2f}" if s["val_tau"] is not None else "- (no held-out rows)"),
         ("greedy mismatches", str(s["mismatches"])),
         ("stage seconds", ", ".join(f"{k} {v:.1f}" for k, v in s["seconds"].items())),
     ]
