@@ -111,8 +111,8 @@ def block_stats(correct: Tensor, weights: Tensor, block_size: int) -> BlockStats
     correct / weights: [N] or [R, Q] in block-major order (as block_inputs makes them). A position counts when its
     weight is positive (valid anchor, loss mask on). A draft run stops at the first wrong or untrained position.
     """
-    hit, trained = _block_hits(correct, weights, block_size)
-    run, counted_anchor = leading_runs(correct, weights, block_size)
+    hit, trained = block_hits(correct, weights, block_size)
+    run, counted_anchor = leading_runs(hit, trained)
     return BlockStats(
         correct=hit.sum(dim=0).float(),
         counted=trained.sum(dim=0).float(),
@@ -121,16 +121,15 @@ def block_stats(correct: Tensor, weights: Tensor, block_size: int) -> BlockStats
     )
 
 
-def _block_hits(correct: Tensor, weights: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
-    """[blocks, B-1] correct-and-trained and trained flags of positions k = 1..B-1."""
+def block_hits(correct: Tensor, weights: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    """[blocks, B-1] correct-and-trained and trained flags of positions k = 1..B-1 (inputs as block_stats's)."""
     trained = weights.reshape(-1, block_size)[:, 1:] > 0
     return correct.reshape(-1, block_size)[:, 1:] & trained, trained
 
 
-def leading_runs(correct: Tensor, weights: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
-    """Per block: the drafts temperature-0 verification accepts (leading correct and trained positions), and
-    whether the block counts (its k = 1 position is trained). Both [blocks]."""
-    hit, trained = _block_hits(correct, weights, block_size)
+def leading_runs(hit: Tensor, trained: Tensor) -> tuple[Tensor, Tensor]:
+    """Per block, from block_hits: the drafts temperature-0 verification accepts (the leading hits), and whether
+    the block counts (its k = 1 position is trained). Both [blocks]."""
     return hit.long().cumprod(dim=1).sum(dim=1), trained[:, 0]
 
 

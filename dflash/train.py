@@ -488,7 +488,7 @@ class Trainer:
             x = self._inputs(0, self.val_window)
             mean_loss, correct = self._micro(0, x)
             self._count(self.val_acc, 0, x, mean_loss, correct)
-            run, counted = loss.leading_runs(correct, x["weights"], self.cfg.block_size)
+            run, counted = loss.leading_runs(*loss.block_hits(correct, x["weights"], self.cfg.block_size))
             anchors = x["anchors"]
             column = torch.where(counted.view_as(anchors), anchors, self.val_runs.shape[1] - 1)
             self.val_runs.scatter_(1, column, run.view_as(anchors).int())

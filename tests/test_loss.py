@@ -6,7 +6,14 @@ import torch.nn.functional as F
 
 import numpy as np
 
-from dflash.loss import block_cross_entropy, block_stats, default_chunk_size, leading_runs, replay_decoding
+from dflash.loss import (
+    block_cross_entropy,
+    block_hits,
+    block_stats,
+    default_chunk_size,
+    leading_runs,
+    replay_decoding,
+)
 
 
 def make_inputs(N=37, H=12, V=50, seed=0):
@@ -98,7 +105,7 @@ def test_block_stats_accepts_the_whole_block():
 def test_leading_runs_hand_checked():
     correct = torch.tensor([1, 1, 1, 0, 0, 1, 0, 1, 1, 1, 1, 1], dtype=torch.bool)
     weights = torch.tensor([0, 1, 0.9, 0.8, 0, 1, 0.9, 0, 0, 0, 0, 0])
-    run, counted = leading_runs(correct, weights, 4)
+    run, counted = leading_runs(*block_hits(correct, weights, 4))
     assert run.tolist() == [2, 1, 0] and counted.tolist() == [True, True, False]
 
 
