@@ -46,9 +46,10 @@ spent; the first chunk, which pays for compiling fla's kernels (119-153 s on a c
 Triton cache), always runs, and so does the second); store rows of 4096 tokens; drafter 5 layers (15.4 M
 parameters), B = 16, 30 epochs (at most 8000 steps of 2 rows); eval 256 new tokens per held-out prompt (53
 files), at most 360 s of it per call (at least 6 prompts per eval process), the target in float32. A call is
-budgeted at 530 s (the eval's budget shrinks to what is left of it). On `nvidia-h200-x2` that is two calls:
-data to harvest (472 s measured with 24576 prompts), then the drafter (about 230 s) and the eval (53 prompts
-over 4 processes: about 150 s, estimated). On one H200, three: the eval's 53 prompts need about 2 x 360 s.
+budgeted at 530 s (the eval's budget shrinks to what is left of it). On `nvidia-h200-x2` the whole run took
+946 s (docs/benchmarks.md): the stages data to harvest 395 s, the drafter 201 s, the eval's 52 prompts 326 s
+over 4 processes. In calls of 530 s the eval therefore goes on into a third call; detached, with
+`--set total_seconds=1150`, the run fits two (below). On one H200 the eval alone needs about 2 x 360 s.
 Data and steps decide the drafter: on the CPU at --tiny sizes, 4x the responses and 5x the steps moved the
 trained drafter's tau from 1.67 to 4.70 against prompt lookup's 3.15 and 2.74 (docs/benchmarks.md).
 
