@@ -6,6 +6,10 @@ the page cache, so they measure decoding, not the disk.
 
     .venv/bin/python bench/codecs.py                                   # tiny random target, CPU
     python bench/codecs.py --model /models/Qwen3-8B --device cuda --tokens 262144 --token-budget 12288
+
+Each store encoding is measured (--encodings): bf16, fp8, and subspaces (sub1/4: the top quarter of the
+directions, P from the activations' own second moment, as the harvest computes it), alone or with fp8. The
+ratio is to the encoded bytes; "of bf16" is the on-disk size over the raw bf16 bytes.
 """
 
 import argparse
@@ -19,13 +23,14 @@ import torch
 import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
+from dflash import features
 from dflash.store import disk_bytes, hidden_chunk_tokens
 from dflash.tiny import corpus_texts, make_tiny_target
 
 
-def candidates():
+def candidates(typesize: int):
     def blosc(cname, shuffle, clevel):
-        return BloscCodec(cname=cname, clevel=clevel, shuffle=shuffle, typesize=2)
+        return BloscCodec(cname=cname, clevel=clevel, shuffle=shuffle, typesize=typesize)
 
     return {
         "none": [],
@@ -59,11 +64,28 @@ def activations(model_path: str, tokens: int, device: str, token_budget: int, n_
     return flat.view(torch.int16).numpy().view(np.uint16).reshape(-1, token_budget, flat.shape[-1])
 
 
+def encode(data: np.ndarray, encoding: str) -> np.ndarray:
+    """bf16 bits [rows, T, F] -> the stored bits of `encoding` ("bf16", "fp8", "sub1/4", "sub1/4+fp8", ...)."""
+    x = torch.from_numpy(data.view(np.int16)).view(torch.bfloat16)
+    precision = "fp8" if encoding.endswith("fp8") else "bf16"
+    if encoding.startswith("sub"):
+        numerator, denominator = encoding[3:].split("+")[0].split("/")
+        width = x.shape[-1] * int(numerator) // int(denominator)
+        moment = features.SecondMoment(x.shape[-1], torch.device("cpu"))
+        moment.add(x.flatten(0, 1))
+        projection, captured = features.top_subspace(moment.sum, width)
+        print(f"  {encoding}: the top {width} of {x.shape[-1]} directions hold {captured:.2%} of the second moment")
+        x = features.project(x, projection)
+    if precision == "fp8":
+        return features.quantize_fp8(x, 1 if encoding.startswith("sub") else 5)[0].numpy()
+    return x.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
 def measure(data: np.ndarray, compressors, folder: Path, repeat: int) -> tuple[float, float, float]:
     """(ratio, write MB/s, read MB/s), the best of `repeat` timings: the machine may be shared."""
     rows, T, F = data.shape
     array = zarr.create_array(
-        folder, shape=data.shape, chunks=(1, hidden_chunk_tokens(T, F), F), dtype="uint16",
+        folder, shape=data.shape, chunks=(1, hidden_chunk_tokens(T, F * data.itemsize), F), dtype=data.dtype,
         compressors=[*compressors, Crc32cCodec()], fill_value=0,
     )  # fmt: skip
     write = read = float("inf")
@@ -89,6 +111,7 @@ def main():
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeat", type=int, default=3, help="timings per codec; the best is printed")
     parser.add_argument("--threads", type=int, help="zarr codec threads (default: zarr's)")
+    parser.add_argument("--encodings", default="bf16,fp8,sub1/4,sub1/4+fp8,sub1/8+fp8", help="store encodings to measure")
     args = parser.parse_args()
     if args.threads:
         zarr.config.set({"threading.max_workers": args.threads})
@@ -98,12 +121,15 @@ def main():
         data = activations(model, args.tokens, args.device, args.token_budget, args.layers)
         print(f"activations: {data.shape[0]} rows x {data.shape[1]} tokens x {data.shape[2]} features "
               f"({data.nbytes / 1e6:.0f} MB bf16) from {model}")  # fmt: skip
-        print(f"{'codec (+ crc32c)':<26} {'ratio':>6} {'write MB/s':>11} {'read MB/s':>10}")
-        for name, compressors in candidates().items():
-            folder = work / name.replace(" ", "_")
-            ratio, write, read = measure(data, compressors, folder, args.repeat)
-            shutil.rmtree(folder)
-            print(f"{name:<26} {ratio:>6.3f} {write:>11.0f} {read:>10.0f}")
+        print(f"{'encoding':<12} {'codec (+ crc32c)':<26} {'ratio':>6} {'of bf16':>8} {'write MB/s':>11} {'read MB/s':>10}")
+        for encoding in args.encodings.split(","):
+            encoded = encode(data, encoding)
+            for name, compressors in candidates(encoded.itemsize).items():
+                folder = work / name.replace(" ", "_")
+                ratio, write, read = measure(encoded, compressors, folder, args.repeat)
+                shutil.rmtree(folder)
+                of_bf16 = encoded.nbytes / ratio / data.nbytes
+                print(f"{encoding:<12} {name:<26} {ratio:>6.3f} {of_bf16:>8.4f} {write:>11.0f} {read:>10.0f}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -24,8 +24,8 @@ efficiency: tok/s per GPU at N ranks / tok/s of the one-GPU run, for the bare fo
 harvest/bare compares the whole pipeline run, from buffer allocation to the last commit, with the bare forward;
 steady/bare leaves out the once-per-run parts a harvest of hours amortises (allocating the pinned buffers, the
 last writes after the last forward), as timed by the pipeline itself (`harvest.PipelineStalls`, printed too).
-At full depth those parts took 7 s (2026-11-29), so harvest/bare depends on the run's length: 89.3 % over 12
-groups (70 s), 91.8 % over 16 (88 s; the whole call took 230 s), still short next to a real harvest of hours.
+Those parts take seconds whatever the run's length, so harvest/bare rises with --groups; measured values are in
+docs/benchmarks.md.
 
 Dense MFU = 2 * (non-embedding parameters run) * tokens / time / 792 TFLOP/s (the bf16 matmul rate measured on
 the machine); attention FLOPs are not counted, as in the baseline of shared/DEVICE.md.
@@ -46,7 +46,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repository's dflash
 
 from bench.train import gather_ranks  # noqa: E402
-from dflash import harvest, store  # noqa: E402
+from dflash import features, harvest, store  # noqa: E402
+from dflash.manifest import Manifest, TargetSpec, TokenizerSpec  # noqa: E402
 from dflash.data import Document  # noqa: E402
 from dflash.target import TappedTarget, default_layer_ids  # noqa: E402
 from dflash.tiny import tiny_config  # noqa: E402
@@ -57,7 +58,7 @@ TINY = dict(layers=8, groups=2, doc_length=96, token_budget=384, forward_tokens=
 SHAPE_KEYS = ("layers", "groups", "doc_length", "token_budget", "forward_tokens")  # equal for a scaling comparison
 HEADER = (
     "| depth | layers run | bare tok/s | bare MFU | harvest tok/s | harvest MFU | harvest/bare | steady/bare "
-    "| features GB/s | on-disk GB/s | ratio | peak GB |"
+    "| features GB/s | on-disk GB/s | raw bf16 / disk | peak GB |"
 )
 
 
@@ -128,24 +129,56 @@ def bare_forward(plan: harvest.PartPlan, target: TappedTarget, cfg: harvest.Harv
     return timed(run, target.device)
 
 
-def open_part(plan: harvest.PartPlan, target: TappedTarget, cfg: harvest.HarvestConfig, out: Path) -> store.PartWriter:
+def store_header(target: TappedTarget, cfg: harvest.HarvestConfig) -> Manifest:
+    """A harvest.json for the benchmark's store in the encoding of --precision / --subspace."""
+    feature_dim = len(target.layer_ids) * target.info.hidden_size
+    return store.new_manifest(
+        target=TargetSpec(**dataclasses.asdict(target.info)), layer_ids=target.layer_ids,
+        token_budget=cfg.token_budget, tokenizer=TokenizerSpec("bench", target.info.vocab_size, {}),
+        fingerprint={"model": "bench", "world_size": cfg.world_size},
+        features=harvest.feature_encoding(cfg, len(target.layer_ids), feature_dim),
+    )  # fmt: skip
+
+
+def open_part(plan: harvest.PartPlan, header: Manifest, cfg: harvest.HarvestConfig, out: Path) -> store.PartWriter:
     """This rank's part of a fresh store at `out`; rank 0 clears the folder before any rank creates its part."""
     if cfg.rank == 0:
         shutil.rmtree(out, ignore_errors=True)
-        store.create_store(out, {"bench": True})
+        store.create_store(out, header)
     barrier()
     return store.PartWriter(out, store.PartSpec(
-        cfg.rank, len(plan.rows), cfg.token_budget, len(target.layer_ids) * target.info.hidden_size,
-        plan.documents_table(), plan.counts(),
+        cfg.rank, len(plan.rows), cfg.token_budget, header.features, plan.documents_table(), plan.counts(),
     ))  # fmt: skip
 
 
-def harvest_rows(plan, target, cfg, part: store.PartWriter) -> tuple[float, harvest.PipelineStalls]:
+def random_projection(header: Manifest, device: torch.device) -> torch.Tensor | None:
+    """A random orthonormal P of the subspace's shape (the calibration is timed apart: `calibration`)."""
+    if header.features.subspace is None:
+        return None
+    g = torch.Generator(device).manual_seed(0)
+    basis = torch.randn(header.feature_dim, header.features.width, device=device, generator=g)
+    return torch.linalg.qr(basis)[0].T.contiguous()
+
+
+def calibration(plan: harvest.PartPlan, target: TappedTarget, cfg: harvest.HarvestConfig, width: int) -> dict:
+    """The one-off cost of a subspace harvest's calibration: the features' second moment over
+    --calibration-tokens tokens, then the eigendecomposition."""
+    moment = []
+    forward_s = timed(lambda: moment.append(harvest._second_moment(plan.docs, target, cfg.calibration_tokens,
+                                                                   cfg.forward_tokens)), target.device)  # fmt: skip
+    captured = []
+    eigh_s = timed(lambda: captured.append(features.top_subspace(moment[0][0].sum, width)[1]), target.device)
+    return {"calibration_tokens": moment[0][0].tokens, "calibration_forward_s": forward_s, "eigh_s": eigh_s,
+            "captured": captured[0]}  # fmt: skip
+
+
+def harvest_rows(plan, target, cfg, part: store.PartWriter, header: Manifest, projection) -> tuple[float, harvest.PipelineStalls]:
     """Seconds for the real pipeline over every row of the plan, until the last row is committed on disk, and
     where its forward thread waited."""
     stalls = []
     barrier()
-    seconds = timed(lambda: stalls.append(harvest._run_rows(cfg, plan, target, part)), target.device)
+    run = lambda: stalls.append(harvest._run_rows(cfg, plan, target, part, header.features, projection))  # noqa: E731
+    seconds = timed(run, target.device)
     return seconds, stalls[0]
 
 
@@ -158,14 +191,16 @@ def measure(args, env: Env) -> dict:
     target = build_target(args.layers, env.device, args.tiny)
     cfg = harvest.HarvestConfig(
         model="bench", data="bench", out=args.out, token_budget=args.token_budget, forward_tokens=args.forward_tokens,
-        device=str(env.device), rank=env.rank, world_size=env.world,
+        device=str(env.device), rank=env.rank, world_size=env.world_size, precision=args.precision,
+        subspace=args.subspace, calibration_tokens=args.calibration_tokens,
     )  # fmt: skip
+    header = store_header(target, cfg)
     rows_per_group = args.forward_tokens // args.token_budget
     docs_per_row = args.token_budget // args.doc_length
     docs_per_rank = (args.groups + 1) * rows_per_group * docs_per_row
     plan = harvest.PartPlan.build(
-        documents(env.world * docs_per_rank, args.doc_length, target.info.vocab_size),
-        env.rank, env.world, args.token_budget,
+        documents(env.world_size * docs_per_rank, args.doc_length, target.info.vocab_size),
+        env.rank, env.world_size, args.token_budget,
     )  # fmt: skip
     params = sum(p.numel() for n, p in target.model.named_parameters() if "embed_tokens" not in n)
     group_tokens = rows_per_group * docs_per_row * args.doc_length
@@ -174,11 +209,17 @@ def measure(args, env: Env) -> dict:
     bare = bare_forward(plan, target, cfg, min(3, args.groups)) / (min(3, args.groups) * group_tokens)
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
-    part = open_part(plan, target, cfg, Path(args.out))
-    seconds, stalls = harvest_rows(plan, target, cfg, part)  # every row of the plan, all shapes already warm
+    projection = random_projection(header, env.device)
+    if projection is not None:  # warm the encoding's kernels too, untimed
+        warm_encoder = harvest.RowEncoder(header.features, projection, (1, args.token_budget), env.device)
+        rows = torch.randn(1, args.token_budget, header.feature_dim, device=env.device).to(torch.bfloat16)
+        warm_encoder.encode(rows, warm_encoder.buffers(device=env.device))
+    part = open_part(plan, header, cfg, Path(args.out))
+    seconds, stalls = harvest_rows(plan, target, cfg, part, header, projection)  # every row, all shapes warm
+    calibrated = calibration(plan, target, cfg, header.features.width) if projection is not None else {}
     tokens = plan.counts()["tokens"]
     steady_s = seconds - stalls.setup_s - stalls.drain_s
-    written = tokens * len(target.layer_ids) * target.info.hidden_size * 2
+    written = tokens * len(target.layer_ids) * target.info.hidden_size * 2  # the features, as raw bf16
     on_disk = store.disk_bytes(part.folder)
     return {
         "layers": args.layers, "layers_run": len(target.model.layers), "tapped": target.layer_ids,
@@ -191,9 +232,11 @@ def measure(args, env: Env) -> dict:
         "steady_tok_s": tokens / steady_s, "steady_vs_bare": (tokens / steady_s) * bare,
         "GB_s_features": written / seconds / 1e9, "compression_ratio": written / on_disk,
         "GB_s_disk": on_disk / seconds / 1e9, "peak_mem_GB": peak_memory_gb(env.device),
-        "codec": [c.to_dict() for c in store.hidden_compressors()], "harvest_s": seconds,
+        "codec": [c.to_dict() for c in store.hidden_compressors(header.features)], "harvest_s": seconds,
+        "precision": args.precision, "subspace": args.subspace, "stored_width": header.features.width,
+        "of_raw_bf16": on_disk / written, **calibrated,
         "stalls": dataclasses.asdict(stalls),
-        "rank": env.rank, "world_size": env.world, "device": str(env.device), "tiny": args.tiny,
+        "rank": env.rank, "world_size": env.world_size, "device": str(env.device), "tiny": args.tiny,
         **{key: getattr(args, key) for key in SHAPE_KEYS if key != "layers"},
         "features_bytes": written, "disk_bytes": on_disk,
     }  # fmt: skip
@@ -246,10 +289,16 @@ def table_cells(r: dict) -> str:
 
 
 def report_one(result: dict) -> dict:
-    print("\n" + HEADER)
+    print(f"\nstore encoding: {result['precision']}, subspace {result['subspace']} ({result['stored_width']} values per "
+          f"token), on disk {result['of_raw_bf16']:.4f} of raw bf16")  # fmt: skip
+    print(HEADER)
     print("|---" * HEADER.count("|", 1) + "|")
     print(table_cells(result))
     print(f"harvest: {result['harvest_s']:.1f} s, {harvest.PipelineStalls(**result['stalls']).describe()}")
+    if "eigh_s" in result:
+        print(f"calibration (once per store): {result['calibration_tokens']} tokens' second moment in "
+              f"{result['calibration_forward_s']:.1f} s, eigendecomposition {result['eigh_s']:.1f} s, captured "
+              f"{result['captured']:.2%} (random weights)")  # fmt: skip
     return result
 
 
@@ -291,6 +340,9 @@ def parse_args():
     parser.add_argument("--token-budget", type=int, default=12288)
     parser.add_argument("--forward-tokens", type=int, default=49152)
     parser.add_argument("--out", default="/tmp/dflash-bench-store")
+    parser.add_argument("--precision", choices=["bf16", "fp8"], default="bf16", help="the store's feature precision")
+    parser.add_argument("--subspace", default="none", help="the store's subspace width (K, 1/4, or none)")
+    parser.add_argument("--calibration-tokens", type=int, default=32768, help="tokens of the timed calibration")
     parser.add_argument("--json", help="also write the results here (rank 0)")
     parser.add_argument("--compare-to", metavar="ONE.json", help="a one-GPU run's --json: print the scaling efficiency")
     parser.add_argument("--device", help="default: cuda:$LOCAL_RANK when CUDA is there, else the CPU")
@@ -307,7 +359,7 @@ def main():
     results = gather_ranks(measure(args, env), env)  # returns once every rank has measured: the store can go
     if env.main:
         shutil.rmtree(args.out, ignore_errors=True)
-        report = report_one(results[0]) if env.world == 1 else report_ranks(results)
+        report = report_one(results[0]) if env.world_size == 1 else report_ranks(results)
         if one is not None:
             report["scaling_efficiency"] = report_scaling(aggregate(results), one)
         print(json.dumps(report))

@@ -35,7 +35,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script: the repository's dflash
 
-from dflash.store import TOKEN_ARRAYS, ShardStore  # noqa: E402
+from dflash.store import TOKEN_ARRAYS, Store  # noqa: E402
 from dflash.tiny import corpus_texts, save_random_target  # noqa: E402
 
 LABELS = ("one", "many")  # the one-process store, the N-process store
@@ -114,7 +114,7 @@ def run_harvest(command: list[str], log: Path) -> float:
 # ---------------------------------------------------------------------------------------------- comparison
 
 
-def document_spans(shards: ShardStore) -> dict[tuple[int, int], tuple[int, slice]]:
+def document_spans(shards: Store) -> dict[tuple[int, int], tuple[int, slice]]:
     """(doc_id, piece) -> (global row, token slice in that row)."""
     return {
         (doc_id, piece): (row, slice(start, start + length))
@@ -141,7 +141,7 @@ def compare_document(one: dict, many: dict) -> dict:
 
 
 def compare_stores(one_path: Path, many_path: Path) -> dict:
-    stores = one, many = ShardStore.open(one_path), ShardStore.open(many_path)
+    stores = one, many = Store.open(one_path), Store.open(many_path)
     one_spans, many_spans = document_spans(one), document_spans(many)
     # The one-process store is read row by row; the other's rows hold other documents, so they stay cached.
     read_one, read_many = functools.lru_cache(maxsize=1)(one.read_row), functools.cache(many.read_row)

@@ -1,81 +1,31 @@
 """The quality run of issue 4: does dflash train a drafter that works, on real text nobody here wrote?
 
-Real text: the Python source files of this machine's own standard library (`sysconfig` stdlib, `*.py`, no
-site-packages / dist-packages, files of at most 400 KB that decode as UTF-8), split BY FILE by a hash of each
-file's relative path (deterministic on any machine) into three sets: the target's training files (70 %), the
-files the drafter's prompts come from (20 %) and the held-out files of the eval (10 %). The target sees neither
-of the last two, so the drafter learns how the target continues code it has not memorised, which is what the
-eval asks of it. (A first H200 run regenerated from the target's own training files: the drafter reached tau
-8-14 on held-out files close to training ones and 1.1-1.4 on the rest, 2.14 overall.)
-
-Stages, every one through the library entry points the CLI uses (except the fixture target's own training):
-  1. data      read the files, split them, train a byte-level BPE tokenizer on the train files (the special
-               tokens and chat template of dflash/tiny.py), tokenise the train / held-out files.
-  2. target    a small Qwen3.5 hybrid target (Qwen3_5TextConfig, 3 Gated-DeltaNet layers : 1 full-attention
-               layer) trained from scratch as a plain language model on the train files: random windows of the
-               concatenated files (EOS between files), AdamW, bf16 autocast on CUDA, cosine schedule over a
-               fixed time budget; saved with save_pretrained, so everything downstream loads it through
-               from_pretrained. It is only a fixture: small enough for one device call, good enough that its
-               greedy continuations of code are not trivial (its held-out loss and a sample are reported).
-  3. regenerate  `{"text": ...}` prompts (a few lines of code, cut at a line end) from the DRAFTER files, answered
-               greedily by the target with `dflash.regenerate.regenerate` (in chunks, resumable, within a time
-               budget; the prompts dealt out to a process per GPU): the drafter's training data is the target's
-               own output. Also 256 prompts from random windows of the EVAL files (they may overlap the eval's
-               prompts: nothing is chosen on them), answered the same way: the drafter's held-out set.
-  4. harvest   `dflash.harvest.run_harvest` of the responses (prompt / completion records: loss on the target's
-               responses only, as DFlash trains), and of the held-out responses into a store of their own.
-  5. drafter   `dflash.train.run_training` (5 layers, B = 16, the paper's optimiser settings), exported; its
-               loss and acceptance length on the held-out store (`--val-shards`) are logged 8 times over the
-               run. Held-out rows of its own store would continue prompts cut from its training files; this
-               store holds the eval's kind of text. It is still a mean over random anchors, where tau is a mean
-               over verify rounds (a stretch the drafter misses costs a round per token): expect it above tau.
-  6. eval      prompts from HELD-OUT files (one per file), dealt out to two processes per GPU. Per prompt, in
-               one process: plain greedy decoding of the target, then speculative decoding at temperature 0
-               with the trained drafter and with prompt lookup (transformers' PromptLookupCandidateGenerator
-               n-gram matcher, `prompt_lookup_num_tokens` = 10, verified by our loop: transformers' own `generate(prompt_lookup_num_tokens=...)` refuses
-               hybrid targets). Every held-out file gives one prompt, and the bar is judged on all of them: a
-               call evaluates prompts in order until its time budget is spent and saves the reports in --work
-               after every prompt; the next call goes on from there (the same command again). The untrained
-               (random-init) drafter runs first, on the first 6 prompts. The methods are dflash.speculative's;
-               every output is compared token for token with plain greedy decoding.
-
-Default (H200) sizes: target hidden 512, 8 layers (6 GDN + 2 full attention), 8 / 2 heads of 64, FFN 1408,
-vocabulary 8192 (33.9 M parameters, 25.5 M without embedding and LM head), 100 s of steady training on windows
-of 512 tokens x 64; up to 24576 drafter prompts answered with 256 new tokens (chunks of 512 until 240 s are
-spent; the first chunk, which pays for compiling fla's kernels (119-153 s on a cold H200, 13 s with the carried
-Triton cache), always runs, and so does the second); store rows of 4096 tokens; drafter 5 layers (15.4 M
-parameters), B = 16, 30 epochs (at most 8000 steps of 2 rows); eval 256 new tokens per held-out prompt (53
-files), at most 360 s of it per call (at least 6 prompts per eval process), the target in float32. A call is
-budgeted at 530 s (the eval's budget shrinks to what is left of it). On `nvidia-h200-x2` the whole run took
-946 s (docs/benchmarks.md): the stages data to harvest 395 s, the drafter 201 s, the eval's 52 prompts 326 s
-over 4 processes. In calls of 530 s the eval therefore goes on into a third call; detached, with
-`--set total_seconds=1150`, the run fits two (below). On one H200 the eval alone needs about 2 x 360 s.
-Data and steps decide the drafter: on the CPU at --tiny sizes, 4x the responses and 5x the steps moved the
-trained drafter's tau from 1.67 to 4.70 against prompt lookup's 3.15 and 2.74 (docs/benchmarks.md).
-
-Bar (issue 4): tau(trained) >= 1.5 x tau(prompt lookup), far above tau(untrained) (checked here as >= 2x), and
-0 mismatches against plain greedy decoding.
+The text is this machine's Python standard library, split by a hash of each file's path into the target's
+training files (70 %), the drafter's prompt files (20 %) and the eval's held-out files (10 %). Stages, through the
+library entry points the CLI uses (details, sizes and measured runs: docs/benchmarks.md, "Quality run"):
+  data        split the files, train a byte-level BPE tokenizer on the train files, tokenise;
+  target      a small Qwen3.5 hybrid trained from scratch for a fixed time: a fixture whose answers are the data;
+  regenerate  the target answers prompts from the drafter files, and 256 from the eval files (the held-out store);
+  harvest     both, with the loss on the responses only;
+  drafter     `dflash.train.run_training` (5 layers, B = 16), validated on the held-out store;
+  modes       only with --modes (issue 16): per store mode, both harvests in that encoding and the same drafter
+              trained on them, `mode_workers` modes at a time in worker processes sharing the GPUs;
+  eval        one prompt per held-out file, temperature 0: plain greedy, the trained drafter(s), prompt lookup and
+              (on the first 6) the untrained drafter, every output compared token for token with greedy.
+Bar: tau(trained) >= 1.5 x tau(prompt lookup) and >= 2 x tau(untrained), 0 mismatches. With --modes, a second
+table gives per mode the bytes per token on disk and the drafter's tau with its paired difference to the bf16
+drafter's over the same prompts (95 % bootstrap intervals), against issue 16's bar: within 2 %, 0 mismatches.
 
     .venv/bin/python bench/quality.py --tiny --out /tmp/quality-tiny/quality.json   # toy sizes, CPU, ~3 minutes
-
-On the GPU machine (from the repository root, `.device-wheels/` and `.device-cache/` carried along): calls on
-one machine, each issued within the 30 s that the machine stays warm (it keeps /tmp between calls). The stages
-target, regenerate, harvest and drafter are kept in --work when they finish, and a call with the same --work,
-sizes and seed skips the finished ones and goes on with the eval's prompts (repeat the last command until the
-bar is no longer PARTIAL):
-
     source bench/device_setup.sh && python3 bench/quality.py --work /tmp/q --stop-after harvest --out $OUT/q1.json
     source bench/device_setup.sh && python3 bench/quality.py --work /tmp/q --out $OUT/quality.json
+    ... the same, plus --modes fp8,sub1/2,sub1/4,sub1/8,sub1/4+fp8   # the store modes' table (issue 16)
 
-Or start the whole run detached (setsid) in the first call and, at once after it, wait for it in a second:
-docs/benchmarks.md ("Quality run on two GPUs, complete") gives the commands. The budgets and worker counts
-(Run.CALL_FIELDS) may differ between calls; any other --set value or --seed that differs from the run in --work
-is an error, since starting over would delete stages that took a device call (--restart does that on purpose).
-
-Every stage prints its time budget and the time it took; the JSON (written after every stage, so a run cut
-short still leaves what it measured) holds the sizes, the stage times, the target's losses and a sample, and
-the full eval report (per prompt). A markdown table is printed last. `--work` holds the fixture target, the
-prompts, the responses, the store and the drafter run (by default a fresh folder under /tmp).
+Finished stages are kept in --work and skipped by a later call with the same sizes and seed, and the eval saves
+its reports there after every prompt, so a run spans several calls: repeat the last command until the bar is no
+longer PARTIAL. --stop-after STAGE ends a call early; --set FIELD=VALUE overrides a `Scale` field; budgets and
+worker counts (Run.CALL_FIELDS) may change between calls, other differences are refused unless --restart. --out
+gets the JSON (rewritten after every stage) and a .log beside it; a markdown table is printed last.
 """
 
 import argparse
@@ -86,8 +36,10 @@ import json
 import logging
 import math
 import multiprocessing
+import multiprocessing.connection
 import os
 import random
+import re
 import shutil
 import sys
 import sysconfig
@@ -155,6 +107,9 @@ class Scale:
     drafter_max_steps: int = 8000
     harvest_workers: int = 4
     drafter_seconds: float = 240.0  # only printed: compile + capture + steps (no hard stop inside the trainer)
+    # store modes (--modes): this many modes harvested and trained at a time, one worker process each, sharing
+    # the GPUs (mode i on GPU i % GPUs)
+    mode_workers: int = 3
     # eval
     eval_prompts: int = 64
     # The drafter's held-out curve: answers to windows of the eval's files (unseen by target and drafter).
@@ -177,7 +132,8 @@ TINY = Scale(
     kv_heads=2, head_dim=16, intermediate=128, linear_value_heads=4, linear_key_heads=2, linear_head_dim=16,
     seq_len=256, batch=8, lr=3e-3, target_seconds=45.0, prompt_chars=200, train_prompts=256, new_tokens=48,
     regen_batch=64, regen_seconds=30.0, token_budget=512, rows_per_step=1, drafter_epochs=8, drafter_max_steps=300,
-    harvest_workers=1, drafter_seconds=100.0, eval_prompts=12, val_prompts=32, min_eval_prompts=4, baseline_prompts=4, eval_seconds=25.0,
+    harvest_workers=1, drafter_seconds=100.0, mode_workers=1,
+    eval_prompts=12, val_prompts=32, min_eval_prompts=4, baseline_prompts=4, eval_seconds=25.0,
     total_seconds=270.0,
 )  # fmt: skip
 
@@ -205,7 +161,7 @@ class Run:
     # them, so a later call on the same --work may change them (a longer eval budget, say) and keep its stages.
     CALL_FIELDS = frozenset(
         {"total_seconds", "eval_seconds", "drafter_seconds", "min_eval_prompts", "regen_workers_per_gpu",
-         "eval_workers_per_gpu"}
+         "eval_workers_per_gpu", "mode_workers"}
     )  # fmt: skip
 
     def __init__(self, out: Path, scale: Scale, work: Path, seed: int, restart: bool = False):
@@ -237,6 +193,9 @@ class Run:
             if not (self.stages / f"{name}.json").exists():
                 for path in (path for pattern in outputs for path in work.glob(pattern)):
                     shutil.rmtree(path) if path.is_dir() else path.unlink()
+        for path in (work / MODES).glob("*"):  # a store mode (--modes) is kept once its result is saved
+            if not mode_done(self.stages, path.name).exists():
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -427,7 +386,7 @@ def reference_gated_delta_rule():
     """
     from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
 
-    from dflash.target import GATED_DELTA_RULE
+    from dflash.kernels import GATED_DELTA_RULE
 
     fast = getattr(modeling, GATED_DELTA_RULE)
     setattr(modeling, GATED_DELTA_RULE, getattr(fast, "__wrapped__", fast))
@@ -553,6 +512,200 @@ def _sync(device: torch.device):
         torch.cuda.synchronize(device)
 
 
+# --------------------------------------------------------------------------------------- harvest and drafter
+
+
+def harvest_store(scale: Scale, target: Path, data: str, out: Path, device, mode: "StoreMode | None" = None,
+                  projection_from: Path | None = None) -> Path:  # fmt: skip
+    """`run_harvest` of the responses in `data` into the store `out`, in `mode` (default: bf16, full width)."""
+    from dflash.config import HarvestConfig
+    from dflash.harvest import run_harvest
+
+    mode = mode or BF16
+    return run_harvest(HarvestConfig(
+        model=str(target), data=str(data), out=str(out), token_budget=scale.token_budget,
+        workers=scale.harvest_workers, device=str(device), dtype="float32", precision=mode.precision,
+        subspace=mode.subspace, projection_from=str(projection_from) if projection_from else None,
+    ))  # fmt: skip
+
+
+def drafter_steps(scale: Scale, rows: int) -> int:
+    return min(scale.drafter_epochs * (rows // scale.rows_per_step), scale.drafter_max_steps)
+
+
+def train_drafter(scale: Scale, store: str, val_store: str, out: Path, steps: int, device, seed: int) -> dict:
+    """`run_training` of the quality run's drafter (5 layers, B = 16) on `store`, validated on `val_store` 8 times
+    over the run; its final numbers, held-out curve and metric records."""
+    from dflash.config import TrainConfig
+    from dflash.train import run_training
+
+    cuda = str(device).startswith("cuda")
+    result = run_training(TrainConfig(
+        store=str(store), out=str(out), draft_layers=5, block_size=16,
+        rows_per_step=scale.rows_per_step, max_steps=max(steps, 1), val_store=str(val_store),
+        log_every=50 if cuda else 10, ckpt_every=10**9, device=str(device), tensorboard=False,
+        seed=seed, val_every=max(1, steps // 8),  # a held-out curve: where overfitting starts
+    ))  # fmt: skip
+    last, val = result["records"][-1], result.get("val") or {}
+    metrics = (out / "metrics.jsonl").read_text().splitlines()
+    val_curve = [(r["step"], round(r["loss"], 4), round(r["accept_len"], 3), round(r["tau"], 3))
+                 for r in map(json.loads, metrics) if r.get("kind") == "val"]  # fmt: skip
+    logger.info("drafter held-out curve (step, loss, accept length, tau of decoding replayed): %s", val_curve)
+    compile_phases = slow_compile_phases()
+    logger.info("drafter compile, the phases over 1 s: %s", compile_phases)
+    return {
+        "export": result["export"],
+        "steps": last["step"],
+        "train_loss": round(last["loss"], 4),
+        "train_accept_len": round(last["accept_len"], 3),
+        "val_loss": round(val["loss"], 4) if val else None,
+        "val_accept_len": round(val["accept_len"], 3) if val else None,
+        "val_tau": round(val["tau"], 3) if val else None,
+        "step_ms": round(last["step_ms"], 2),
+        "prepare_s": {k: round(v, 1) for k, v in result["prepare_s"].items()},
+        "compile_phases_s": compile_phases,
+        "val_curve": val_curve,
+        "records": result["records"],
+    }
+
+
+# ----------------------------------------------------------------------------------------------- store modes
+
+MODES = "modes"  # WORK/modes/FOLDER: a store mode's stores and drafter run
+
+
+@dataclass(frozen=True)
+class StoreMode:
+    """A feature encoding of the store (issue 16), as `--modes` names it, with its harvest options."""
+
+    name: str
+    precision: str = "bf16"
+    subspace: str = "none"  # HarvestConfig.subspace: K or a fraction of the feature width ("1/4")
+
+    @property
+    def folder(self) -> str:
+        return self.name.replace("/", "_")
+
+    @property
+    def method(self) -> str:
+        """Its drafter's name in the eval report (bf16's keeps the name the bar reads)."""
+        return "dflash" if self == BF16 else f"dflash[{self.name}]"
+
+
+BF16 = StoreMode("bf16")
+
+
+def parse_modes(text: str) -> list[StoreMode]:
+    """`--modes`: store modes besides bf16, comma-separated: `fp8` (e4m3 values), `subK` or `subA/B` (the top K
+    directions, or A/B of the feature width), each subspace optionally `+fp8`."""
+    modes = []
+    for name in (part.strip() for part in text.split(",")):
+        if not name:
+            continue
+        match = re.fullmatch(r"fp8|sub(\d+)(?:/(\d+))?(\+fp8)?", name)
+        numerator, denominator = (int(match[1]), int(match[2] or 0)) if match and match[1] else (1, 1)
+        if not match or numerator < 1 or (match[2] is not None and not numerator <= denominator):
+            raise ValueError(
+                f"--modes: {name!r} is not a store mode; give fp8, subK or subA/B (the top K directions, or A/B <= 1 "
+                "of the feature width), a subspace optionally +fp8, e.g. fp8,sub1/4,sub1/4+fp8 (bf16 is always run)"
+            )
+        if name == "fp8":
+            mode = StoreMode(name, "fp8")
+        else:
+            width = f"{numerator}/{denominator}" if match[2] else str(numerator)
+            mode = StoreMode(name, "fp8" if match[3] else "bf16", width)
+        if mode in modes:
+            raise ValueError(f"--modes: {name} is given twice")
+        modes.append(mode)
+    return modes
+
+
+def mode_done(stages: Path, folder: str) -> Path:
+    """The saved result of a store mode: written last, so its presence means the mode is finished."""
+    return stages / f"mode_{folder}.json"
+
+
+def store_stats(path) -> dict:
+    """Bytes on disk of a store (all of it, and its features alone: hidden, scales, projection), per token and
+    against raw bf16 features (tokens x feature_dim x 2 bytes); its encoding and the calibration's captured share."""
+    from dflash.store import Store, disk_bytes
+
+    path = Path(path)
+    manifest = Store.open(path).manifest
+    f, tokens = manifest.features, manifest.counts.tokens
+    features = [*path.glob("parts/*/hidden"), *path.glob("parts/*/scales"), path / "projection"]
+    total, feature_bytes = disk_bytes(path), sum(disk_bytes(p) for p in features if p.exists())
+    raw = tokens * manifest.feature_dim * 2
+    return {
+        "path": str(path), "bytes": total, "feature_bytes": feature_bytes, "tokens": tokens,
+        "rows": manifest.counts.rows, "feature_dim": manifest.feature_dim, "precision": f.precision,
+        "width": f.width, "scale_groups": f.scale_groups, "captured": f.subspace.captured if f.subspace else None,
+        "bytes_per_token": total / max(tokens, 1), "raw_bf16_ratio": total / max(raw, 1),
+        "feature_ratio": feature_bytes / max(raw, 1),
+    }  # fmt: skip
+
+
+def data_wait_share(records: list[dict]) -> float | None:
+    """The share of the training loop's time spent waiting for rows, over the whole run: each train record's
+    `data_wait` (a share of its interval) weighted by the interval's time."""
+    train, weights, last = [r for r in records if r.get("kind", "train") == "train"], [], 0
+    for r in train:
+        weights.append(r["step_ms"] * (r["step"] - last))
+        last = r["step"]
+    total = sum(weights)
+    return sum(r["data_wait"] * w for r, w in zip(train, weights)) / total if total else None
+
+
+def mode_job(mode: StoreMode, scale: Scale, target: str, data: str, val_data: str, folder: str, steps: int,
+             device: str, seed: int, done: str):  # fmt: skip
+    """One store mode, in a worker: the drafter's responses and the held-out ones harvested in the mode (the
+    held-out store with the training store's projection), a drafter trained as the bf16 one, the result saved."""
+    from dflash.store import write_json_atomic
+
+    folder = Path(folder)
+    shutil.rmtree(folder, ignore_errors=True)  # an unfinished earlier attempt
+    t0 = time.perf_counter()
+    shards = harvest_store(scale, target, data, folder / "shards", device, mode)
+    projection = shards if mode.subspace != "none" else None
+    val_shards = harvest_store(scale, target, val_data, folder / "shards_val", device, mode, projection_from=projection)
+    harvest_s = time.perf_counter() - t0
+    store, val_store = store_stats(shards), store_stats(val_shards)
+    logger.info("mode %s: store %s", mode.name, store)
+    t0 = time.perf_counter()
+    drafter = train_drafter(scale, shards, val_shards, folder / "run", steps, device, seed)
+    result = {"mode": asdict(mode), "store": store, "val_store": val_store, "drafter": drafter,
+              "harvest_s": round(harvest_s, 1), "drafter_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
+    write_json_atomic(Path(done), result)
+
+
+def run_modes(scale: Scale, modes: list[StoreMode], target: Path, results: dict, work: Path, stages: Path,
+              device: torch.device, seed: int, log: Path) -> dict:  # fmt: skip
+    """Every store mode not finished by an earlier call, `scale.mode_workers` at a time in worker processes (mode
+    i on GPU i % GPUs), with the bf16 harvest's responses and its drafter's steps; then the saved results of all,
+    bf16's (the harvest and drafter stages) first."""
+    steps = drafter_steps(scale, results["harvest"]["rows"])
+    todo = [m for m in modes if not mode_done(stages, m.folder).exists()]
+    if todo:
+        logger.info("modes: %s to harvest and train (%s done by an earlier call), %d at a time, %d steps each",
+                    ", ".join(m.name for m in todo), ", ".join(m.name for m in modes if m not in todo) or "none",
+                    scale.mode_workers, steps)  # fmt: skip
+        jobs = [dict(mode=m, scale=scale, target=str(target), data=results["regenerate"]["file"],
+                     val_data=results["regenerate"]["val_file"], folder=str(work / MODES / m.folder), steps=steps,
+                     device=device.type, seed=seed, done=str(mode_done(stages, m.folder))) for m in todo]  # fmt: skip
+        in_workers(mode_job, jobs, gpu_count(device), log, at_once=max(scale.mode_workers, 1),
+                   names=[f"mode {m.name}" for m in todo])  # fmt: skip
+    out = {BF16.name: {
+        "mode": asdict(BF16), "store": store_stats(results["harvest"]["path"]),
+        "val_store": store_stats(results["harvest"]["val_path"]), "drafter": results["drafter"],
+    }}  # fmt: skip
+    for m in modes:
+        out[m.name] = json.loads(mode_done(stages, m.folder).read_text())
+        if out[m.name]["store"]["rows"] != out[BF16.name]["store"]["rows"]:
+            logger.warning("mode %s: %d rows, bf16 %d: the stores should hold the same rows", m.name,
+                           out[m.name]["store"]["rows"], out[BF16.name]["store"]["rows"])  # fmt: skip
+    return out
+
+
 # --------------------------------------------------------------------------------------------------- workers
 
 
@@ -560,23 +713,27 @@ def gpu_count(device: torch.device) -> int:
     return torch.cuda.device_count() if device.type == "cuda" else 0
 
 
-def in_workers(fn, jobs: list[dict], gpus: int, log: Path):
-    """fn(**job) in a spawned process per job, job i on GPU i % gpus (the CPU when gpus is 0); fails if one fails.
+def in_workers(fn, jobs: list[dict], gpus: int, log: Path, at_once: int | None = None, names: list[str] | None = None):
+    """fn(**job) in a spawned process per job, job i on GPU i % gpus (the CPU when gpus is 0), at most `at_once`
+    of them running at a time (default: all); fails if one fails, after all have ended.
 
     Each worker sees one GPU (CUDA_VISIBLE_DEVICES, inherited at spawn), so its reports name the device cuda:0
-    like the parent's, and logs to the run's log file.
+    like the parent's, and logs to the run's log file, its lines prefixed with its name (default "worker i/N").
     """
     context = multiprocessing.get_context("spawn")
     workers, environment = [], dict(os.environ)
-    try:
-        for i, job in enumerate(jobs):
+    names = names or [f"worker {i}/{len(jobs)}" for i in range(len(jobs))]
+    for i, job in enumerate(jobs):
+        while at_once and sum(w.exitcode is None for w in workers) >= at_once:
+            multiprocessing.connection.wait([w.sentinel for w in workers if w.exitcode is None])
+        try:
             if gpus:
                 os.environ["CUDA_VISIBLE_DEVICES"] = str(i % gpus)
-            workers.append(context.Process(target=_worker, args=(fn, job, str(log), f"worker {i}/{len(jobs)}")))
+            workers.append(context.Process(target=_worker, args=(fn, job, str(log), names[i])))
             workers[-1].start()
-    finally:
-        os.environ.clear()
-        os.environ.update(environment)
+        finally:
+            os.environ.clear()
+            os.environ.update(environment)
     for worker in workers:
         worker.join()
     failed = {i: w.exitcode for i, w in enumerate(workers) if w.exitcode != 0}
@@ -606,7 +763,8 @@ def _worker(fn, job: dict, log: str, name: str):
 
 def regenerate_within(scale: Scale, target: Path, prompts: list[dict], out: Path, device: str, budget: float):
     """`regenerate` on growing prefixes of the prompts (it resumes after the answered ones) until the budget."""
-    from dflash.regenerate import Sampling, regenerate
+    from dflash.config import RegenerateConfig
+    from dflash.regenerate import regenerate
 
     chunk = out.with_name(out.stem + "_prompts.jsonl")
     start, done, chunks, batch_seconds = time.perf_counter(), 0, 0, 0.0
@@ -618,8 +776,8 @@ def regenerate_within(scale: Scale, target: Path, prompts: list[dict], out: Path
         upto = min(len(prompts), done + scale.regen_batch)
         write_jsonl(chunk, [{"text": p["text"]} for p in prompts[:upto]])
         t0 = time.perf_counter()
-        regenerate(str(target), chunk, out, Sampling(max_new_tokens=scale.new_tokens), batch_size=scale.regen_batch,
-                   device=device, dtype="float32", progress=False)  # fmt: skip
+        regenerate(RegenerateConfig(str(target), str(chunk), str(out), max_new_tokens=scale.new_tokens,
+                                    batch_size=scale.regen_batch, device=device, dtype="float32"), progress=False)  # fmt: skip
         batch_seconds = time.perf_counter() - t0
         done, chunks = upto, chunks + 1
         logger.info("regenerate: %d / %d prompts answered, last chunk %.1f s", done, len(prompts), batch_seconds)
@@ -668,9 +826,10 @@ def response_stats(tokenizer, responses: Path) -> dict:
 
 
 def evaluate_all(scale: Scale, target_path: Path, drafter_path: Path, prompts: list[dict], device: torch.device,
-                 budget: float, seed: int, work: Path, log: Path):  # fmt: skip
-    """The trained drafter and prompt lookup in one `dflash.speculative.evaluate` run (one plain greedy decoding
-    per prompt is the reference of both: tokens/s and the mismatch check), after the untrained drafter on the first
+                 budget: float, seed: int, work: Path, log: Path, modes: dict[str, str] | None = None):  # fmt: skip
+    """The trained drafter and prompt lookup in one `dflash.evaluate.evaluate` run (one plain greedy decoding
+    per prompt is the reference of both: tokens/s and the mismatch check), with the drafters of the store modes
+    (`modes`: report name -> drafter folder) in the same run when given, after the untrained drafter on the first
     `scale.baseline_prompts` prompts. The untrained drafter's tau is 1 by construction and it pays a verify
     forward per token: run on every prompt, it took 38 % of the eval. Its speedup is against the plain decoding of
     its own run.
@@ -683,11 +842,16 @@ def evaluate_all(scale: Scale, target_path: Path, drafter_path: Path, prompts: l
     records = [{"prompt": p["text"]} for p in prompts]
     gpus = gpu_count(device)
     count = max(gpus, 1) * scale.eval_workers_per_gpu
-    settings = dict(target_path=target_path, device=device.type, dtype="float32", temperature=0.0, seed=seed,
+    settings = dict(model=str(target_path), device=device.type, dtype="float32", temperature=0.0, seed=seed,
                     max_new_tokens=scale.new_tokens, min_prompts=scale.min_eval_prompts)  # fmt: skip
-    runs = {  # report name: the drafter, the prompts, prompt lookup's draft length
+    main = "eval_main"
+    drafters = str(drafter_path)
+    if modes:  # another report: the one without modes (an earlier call's) has other methods
+        drafters = {BF16.method: str(drafter_path), **modes}
+        main = "eval_modes_" + hashlib.sha256(json.dumps(drafters).encode()).hexdigest()[:10]
+    runs = {  # report name: the drafter(s), the prompts, prompt lookup's draft length
         "eval_baseline": ("untrained", records[: scale.baseline_prompts], 0),
-        "eval_main": (str(drafter_path), records, scale.prompt_lookup_tokens),
+        main: (drafters, records, scale.prompt_lookup_tokens),
     }
     jobs = [dict(runs=runs, share=(w, count), work=work, budget=budget, **settings) for w in range(count)]
     in_workers(evaluate_share, jobs, gpus, log)
@@ -705,10 +869,37 @@ def share_path(work: Path, name: str, share: tuple[int, int]) -> Path:
     return work / f"{name}_{share[0]}of{share[1]}.json"
 
 
+@contextlib.contextmanager
+def named_drafters(drafters: str | dict[str, str]):
+    """The `drafters` list for `evaluate` of a run's drafter: one folder (or "untrained"), or {report name:
+    folder} for several trained drafters in one run, which `evaluate` would all name "dflash" (and refuse):
+    while it runs, its method table names each drafter's method by its key."""
+    import dflash.evaluate as evaluation
+
+    if isinstance(drafters, str):
+        yield [drafters]
+        return
+    build = evaluation._methods
+
+    def methods(cfg, target, tokenizer, folders, eos_ids):
+        named = {}
+        for name, folder in zip(drafters, folders):
+            (method,) = build(dataclasses.replace(cfg, prompt_lookup=0), target, tokenizer, [folder], eos_ids).values()
+            named[name] = method
+        return {**named, **build(cfg, target, tokenizer, [], eos_ids)}
+
+    evaluation._methods = methods
+    try:
+        yield list(drafters.values())
+    finally:
+        evaluation._methods = build
+
+
 def evaluate_share(runs: dict, share: tuple[int, int], work: Path, budget: float | None, **settings):
     """One worker's share of each run: prompts share[0], share[0] + share[1], ...; its reports saved in `work`
     after every prompt and resumed from there. The budget counts from the worker's start."""
-    from dflash.speculative import evaluate
+    from dflash.config import EvalConfig
+    from dflash.evaluate import evaluate
     from dflash.store import write_json_atomic
 
     start = time.perf_counter()
@@ -720,14 +911,17 @@ def evaluate_share(runs: dict, share: tuple[int, int], work: Path, budget: float
             logger.info("eval %s: %s", path.name, f"all {done} prompts done by earlier calls" if done == len(subset)
                         else f"going on after {done} of {len(subset)} prompts")  # fmt: skip
         left = None if budget is None or name == "eval_baseline" else max(0.0, budget - (time.perf_counter() - start))
-        evaluate(drafter=drafter, prompts=subset, prompt_lookup_tokens=lookup, resume=earlier, time_budget=left,
-                 on_prompt=lambda partial: write_json_atomic(path, asdict(partial)), **settings)  # fmt: skip
+        with named_drafters(drafter) as drafters:
+            evaluate(EvalConfig(data=subset, prompt_lookup=lookup, time_budget=left, **settings), drafters=drafters,
+                     resume=earlier, on_prompt=lambda partial: write_json_atomic(path, asdict(partial)))  # fmt: skip
 
 
-def merge_shares(name: str, drafter: str, records: list[dict], lookup: int, count: int, work: Path, settings: dict):
+def merge_shares(name: str, drafter: str | dict[str, str], records: list[dict], lookup: int, count: int, work: Path,
+                 settings: dict):  # fmt: skip
     """The workers' reports of one run as one report: rows renumbered to the prompts' own indices, then the whole
     report rebuilt (totals, histogram, tau) by `evaluate` resuming from it with nothing left to run."""
-    from dflash.speculative import evaluate
+    from dflash.config import EvalConfig
+    from dflash.evaluate import evaluate
 
     paths = {w: share_path(work, name, (w, count)) for w in range(count)}
     shares = {w: json.loads(path.read_text()) for w, path in paths.items() if path.exists()}
@@ -735,27 +929,43 @@ def merge_shares(name: str, drafter: str, records: list[dict], lookup: int, coun
         raise RuntimeError(f"no worker wrote a report of {name} in {work}")
     rows = [{**row, "index": row["index"] * count + w} for w, share in shares.items() for row in share["prompts"]]
     merged = {**next(iter(shares.values())), "prompts": rows}
-    return evaluate(drafter=drafter, prompts=records, prompt_lookup_tokens=lookup, resume=merged, time_budget=0.0,
-                    warmup=False, **{**settings, "min_prompts": 0})  # fmt: skip
+    cfg = EvalConfig(data=records, prompt_lookup=lookup, time_budget=0.0, warmup=False, **{**settings, "min_prompts": 0})
+    with named_drafters(drafter) as drafters:
+        return evaluate(cfg, drafters=drafters, resume=merged)
+
+
+def tau_interval(prompts: list[tuple[list[int], ...]], statistic=lambda tau: tau[0], draws: int = 5000,
+                 seed: int = 0) -> list[float]:  # fmt: skip
+    """95 % percentile-bootstrap interval over prompts of statistic(tau), tau the taus of the methods.
+
+    prompts: per prompt, the drafts accepted in each round by each method (in the same order on every prompt). A
+    draw takes as many prompts as there are, with replacement, and computes every method's tau over the drawn
+    prompts' rounds, as the report does (1 + accepted / rounds); `statistic` gets the [methods, draws] array and
+    returns one value per draw, so that a ratio or difference of two methods pairs them on the same prompts: the
+    interval says how far it could move on other prompts like these."""
+    counts = np.array([[x for accepted in row for x in (len(accepted), sum(accepted))] for row in prompts], np.float64)
+    drawn = counts[np.random.default_rng(seed).integers(0, len(prompts), size=(draws, len(prompts)))].sum(axis=1)
+    tau = 1 + drawn[:, 1::2] / drawn[:, 0::2]
+    return np.percentile(statistic(tau.T), [2.5, 97.5]).tolist()
 
 
 def tau_ratio_interval(pairs: list[tuple[list[int], list[int]]], draws: int = 5000, seed: int = 0) -> list[float]:
-    """95 % percentile-bootstrap interval of tau(a) / tau(b) over prompts.
+    """95 % percentile-bootstrap interval of tau(a) / tau(b) over prompts; pairs: per prompt, (a's, b's) accepted
+    drafts per round (`tau_interval`)."""
+    return tau_interval(pairs, lambda tau: tau[0] / tau[1], draws, seed)
 
-    pairs: per prompt, the drafts accepted in each round by method a and by method b. A draw takes as many prompts
-    as there are, with replacement, and computes both taus over the drawn prompts' rounds, as the report does
-    (1 + accepted / rounds), so the interval says how far the ratio could move on other prompts like these."""
-    counts = np.array([[len(a), sum(a), len(b), sum(b)] for a, b in pairs], dtype=np.float64)
-    drawn = counts[np.random.default_rng(seed).integers(0, len(pairs), size=(draws, len(pairs)))].sum(axis=1)
-    ratios = (1 + drawn[:, 1] / drawn[:, 0]) / (1 + drawn[:, 3] / drawn[:, 2])
-    return np.percentile(ratios, [2.5, 97.5]).tolist()
+
+def tau_difference_interval(pairs: list[tuple[list[int], list[int]]], draws: int = 5000, seed: int = 0) -> list[float]:
+    """The same of tau(a) - tau(b)."""
+    return tau_interval(pairs, lambda tau: tau[0] - tau[1], draws, seed)
 
 
 def bar(report, complete: bool) -> dict:
     """The issue's checks on the report; `pass` also needs the report to cover every held-out prompt."""
-    tau = {name: m.tau for name, m in report.methods.items()}
+    methods = {name: m for name, m in report.methods.items() if not name.startswith("dflash[")}  # not the modes'
+    tau = {name: m.tau for name, m in methods.items()}
     trained, lookup, untrained = tau.get("dflash"), tau.get("prompt-lookup"), tau.get("untrained-dflash")
-    mismatches = {name: m.mismatches for name, m in report.methods.items()}
+    mismatches = {name: m.mismatches for name, m in methods.items()}
     pairs = [(row["runs"]["dflash"].accepted, row["runs"]["prompt-lookup"].accepted) for row in report.prompts
              if {"dflash", "prompt-lookup"} <= row["runs"].keys()]  # fmt: skip
     checks = {
@@ -775,6 +985,101 @@ def bar(report, complete: bool) -> dict:
 def verdict(b: dict) -> str:
     word = "PASS" if b["pass_so_far"] else "FAIL"
     return word if b["complete"] else f"{word} so far (PARTIAL: not every held-out prompt yet)"
+
+
+def mode_rows(report, complete: bool, modes: dict) -> list[dict]:
+    """Issue 16's table, one row per store mode (bf16 first): the store's size, the drafter's tau on the held-out
+    prompts with its interval, and the paired difference to the bf16 drafter's over the same prompts."""
+    reference = report.methods[BF16.method].tau
+    rows = []
+    for saved in modes.values():
+        mode, store, drafter = StoreMode(**saved["mode"]), saved["store"], saved["drafter"]
+        method = report.methods.get(mode.method)
+        prompts = [(r["runs"][mode.method].accepted, r["runs"][BF16.method].accepted) for r in report.prompts
+                   if {mode.method, BF16.method} <= r["runs"].keys()]  # fmt: skip
+        tau = method.tau if method else None
+        difference = tau - reference if tau is not None and reference is not None else None
+        row = {
+            "mode": mode.name,
+            "bytes_per_token": store["bytes_per_token"],
+            "raw_bf16_ratio": store["raw_bf16_ratio"],
+            "feature_ratio": store["feature_ratio"],
+            "captured": store["captured"],
+            "prompts": len(prompts),
+            "tau": tau,
+            "tau_95": tau_interval(prompts) if prompts and tau is not None else None,
+            "mismatches": method.mismatches if method else None,
+            "train_loss": drafter["train_loss"],
+            "val_loss": drafter["val_loss"],
+            "val_tau": drafter["val_tau"],
+            "step_ms": drafter["step_ms"],
+            "data_wait": data_wait_share(drafter["records"]),
+        }
+        if mode != BF16:
+            relative = difference / reference if difference is not None and reference else None
+            interval = tau_difference_interval(prompts) if prompts and difference is not None else None
+            row.update(
+                difference=difference,
+                difference_95=interval,
+                relative=relative,
+                # the issue's bar, as measured: the point estimate, and whether the whole interval stays within it
+                within_2pct=relative is not None and relative >= -0.02,
+                within_2pct_95=interval is not None and interval[0] >= -0.02 * reference,
+                size_goal=store["raw_bf16_ratio"] <= 0.125,
+                complete=complete,
+            )
+        rows.append(row)
+    return rows
+
+
+def mode_verdict(row: dict) -> str:
+    if "difference" not in row:
+        return "reference"
+    if row["mismatches"]:
+        word = "FAIL (mismatches)"
+    elif row["within_2pct"]:
+        low = row["difference_95"][0] / (row["tau"] - row["difference"])  # relative to bf16's tau
+        word = "met (its 95 % interval too)" if row["within_2pct_95"] else f"met (its 95 % interval reaches {100 * low:+.1f} %)"
+    else:
+        word = "MISSED"
+    return word if row["complete"] else f"{word} so far (PARTIAL)"
+
+
+def modes_markdown(rows: list[dict], report, complete: bool, steps: int) -> str:
+    number = lambda x, f: format(x, f) if x is not None else "-"  # noqa: E731
+    span = lambda i, f: f" ({format(i[0], f)} to {format(i[1], f)})" if i else ""  # noqa: E731
+    lines = [
+        f"store modes (issue 16): the same target, responses and drafter settings ({steps} steps), one drafter per "
+        f"store mode, on {rows[0]['prompts']} held-out prompts{'' if complete else ' (PARTIAL)'}, temperature 0; "
+        "intervals: 95 % percentile bootstrap over prompts (the difference pairs both taus on each draw)",
+        "",
+        "| mode | bytes / token | x raw bf16 | features x raw bf16 | captured | tau (95 %) | tau - tau(bf16) (95 %) | "
+        "relative | mismatches | val tau | step ms | data wait | within 2 % of bf16 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        captured = f"{100 * r['captured']:.1f} %" if r["captured"] is not None else "-"
+        difference = "-"
+        if "difference" in r:
+            difference = f"{number(r['difference'], '+.3f')}{span(r['difference_95'], '+.3f')}"
+        relative = f"{100 * r['relative']:+.1f} %" if r.get("relative") is not None else "-"
+        wait = f"{100 * r['data_wait']:.0f} %" if r["data_wait"] is not None else "-"
+        lines.append(
+            f"| {r['mode']} | {r['bytes_per_token']:.1f} | {r['raw_bf16_ratio']:.3f} | {r['feature_ratio']:.3f} | "
+            f"{captured} | {number(r['tau'], '.3f')}{span(r['tau_95'], '.2f')} | {difference} | {relative} | "
+            f"{number(r['mismatches'], 'd')} | {number(r['val_tau'], '.3f')} | {number(r['step_ms'], '.1f')} | "
+            f"{wait} | {mode_verdict(r)} |"
+        )  # fmt: skip
+    others = rows[1:]
+    lines += [
+        "",
+        "bar (issue 16: tau within 2 % of the bf16 drafter's on these prompts, 0 mismatches): "
+        + "; ".join(f"{r['mode']} {mode_verdict(r)}" for r in others),
+        "size goal (at most 0.125 of raw bf16 bytes per token, on disk): "
+        + ", ".join(f"{r['mode']} {r['raw_bf16_ratio']:.3f} ({'met' if r['size_goal'] else 'not met'})"
+                    for r in others),
+    ]
+    return "\n".join(lines)
 
 
 def markdown(results: dict, report) -> str:
@@ -857,13 +1162,22 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a size or budget of the scale (repeatable), e.g. --set regen_seconds=120")
-    parser.add_argument("--stop-after", choices=list(Run.RESUMABLE),
+    parser.add_argument("--modes", default="", metavar="MODE,...",
+                        help="store modes to measure besides bf16 (issue 16): fp8, subK or subA/B, a subspace "
+                             "optionally +fp8, e.g. fp8,sub1/2,sub1/4,sub1/8,sub1/4+fp8")  # fmt: skip
+    parser.add_argument("--stop-after", choices=[*Run.RESUMABLE, "modes"],
                         help="end after this stage; a later call with the same --work goes on from there")
     parser.add_argument("--restart", action="store_true",
                         help="delete a run of other sizes or seed found in --work (by default that is an error)")
     args = parser.parse_args(argv)
 
     scale = scale_with_overrides(TINY if args.tiny else GPU, args.set, parser)
+    try:
+        modes = parse_modes(args.modes)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.stop_after == "modes" and not modes:
+        parser.error("--stop-after modes needs --modes")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     # Absolute: the paths saved in --work (the eval reports name the target and drafter) match on the next call.
@@ -943,13 +1257,14 @@ def main(argv=None) -> int:
 
     # 3. regenerate
     def regen():
-        from dflash.regenerate import Sampling, regenerate
+        from dflash.config import RegenerateConfig
+        from dflash.regenerate import regenerate
 
         info = regenerate_on_all(scale, target, train_prompts, work, device, scale.regen_seconds, log)
         info.update(response_stats(tokenizer, Path(info["file"])))
-        regenerate(str(target), work / "prompts_val.jsonl", work / "responses_val.jsonl",
-                   Sampling(max_new_tokens=scale.new_tokens), batch_size=scale.regen_batch, device=device.type,
-                   dtype="float32", progress=False)  # fmt: skip
+        regenerate(RegenerateConfig(str(target), str(work / "prompts_val.jsonl"), str(work / "responses_val.jsonl"),
+                                    max_new_tokens=scale.new_tokens, batch_size=scale.regen_batch, device=device.type,
+                                    dtype="float32"), progress=False)  # fmt: skip
         info["val_file"] = str(work / "responses_val.jsonl")
         logger.info("regenerate: %s", {k: v for k, v in info.items() if k != "sample_response"})
         logger.info("sample response:\n%s", info["sample_response"][:400])
@@ -961,19 +1276,12 @@ def main(argv=None) -> int:
 
     # 4. harvest
     def harvest():
-        from dflash.harvest import HarvestConfig, run_harvest
-        from dflash.store import ShardStore, disk_bytes
+        from dflash.store import Store, disk_bytes
 
-        def store(data: str, out: Path) -> Path:
-            return run_harvest(HarvestConfig(
-                model=str(target), data=data, out=str(out), token_budget=scale.token_budget,
-                workers=scale.harvest_workers, device=str(device), dtype="float32",
-            ))  # fmt: skip
-
-        shards = store(run.results["regenerate"]["file"], work / "shards")
-        val_shards = store(run.results["regenerate"]["val_file"], work / "shards_val")
-        counts = ShardStore.open(shards).manifest["counts"]
-        val_rows = ShardStore.open(val_shards).num_rows
+        shards = harvest_store(scale, target, run.results["regenerate"]["file"], work / "shards", device)
+        val_shards = harvest_store(scale, target, run.results["regenerate"]["val_file"], work / "shards_val", device)
+        counts = asdict(Store.open(shards).manifest.counts)
+        val_rows = Store.open(val_shards).num_rows
         return {**counts, "store_mb": disk_bytes(shards) / 1e6, "path": str(shards), "val_path": str(val_shards),
                 "val_rows": val_rows}  # fmt: skip
 
@@ -983,49 +1291,36 @@ def main(argv=None) -> int:
 
     # 5. drafter
     def drafter():
-        from dflash.train import TrainConfig, run_training
-
         rows = run.results["harvest"]["rows"]
-        steps = min(scale.drafter_epochs * (rows // scale.rows_per_step), scale.drafter_max_steps)
+        steps = drafter_steps(scale, rows)
         logger.info("drafter: %d train rows, %d rows per step, %d steps (%.1f epochs); held-out store of %d rows",
                     rows, scale.rows_per_step, steps, steps * scale.rows_per_step / max(rows, 1),
                     run.results["harvest"]["val_rows"])  # fmt: skip
-        result = run_training(TrainConfig(
-            shards=run.results["harvest"]["path"], out=str(work / "run"), draft_layers=5, block_size=16,
-            rows_per_step=scale.rows_per_step, max_steps=max(steps, 1), val_shards=run.results["harvest"]["val_path"],
-            log_every=50 if device.type == "cuda" else 10, ckpt_every=10**9, device=str(device), tensorboard=False,
-            seed=args.seed, val_every=max(1, steps // 8),  # a held-out curve: where overfitting starts
-        ))  # fmt: skip
-        last, val = result["records"][-1], result.get("val") or {}
-        metrics = (work / "run" / "metrics.jsonl").read_text().splitlines()
-        val_curve = [(r["step"], round(r["loss"], 4), round(r["accept_len"], 3), round(r["tau"], 3))
-                     for r in map(json.loads, metrics) if r.get("kind") == "val"]  # fmt: skip
-        logger.info("drafter held-out curve (step, loss, accept length, tau of decoding replayed): %s", val_curve)
-        compile_phases = slow_compile_phases()
-        logger.info("drafter compile, the phases over 1 s: %s", compile_phases)
-        return {
-            "export": result["export"],
-            "steps": last["step"],
-            "train_loss": round(last["loss"], 4),
-            "train_accept_len": round(last["accept_len"], 3),
-            "val_loss": round(val["loss"], 4) if val else None,
-            "val_accept_len": round(val["accept_len"], 3) if val else None,
-            "val_tau": round(val["tau"], 3) if val else None,
-            "step_ms": round(last["step_ms"], 2),
-            "prepare_s": {k: round(v, 1) for k, v in result["prepare_s"].items()},
-            "compile_phases_s": compile_phases,
-            "val_curve": val_curve,
-            "records": result["records"],
-        }
+        return train_drafter(scale, run.results["harvest"]["path"], run.results["harvest"]["val_path"], work / "run",
+                             steps, device, args.seed)  # fmt: skip
 
     run.results["drafter"] = run.stage("drafter", scale.drafter_seconds, drafter)
     if stop_here("drafter"):
         return 0
 
-    # 6. eval
+    # 6. store modes (issue 16)
+    mode_drafters = None
+    if modes:
+        left = sum(not mode_done(run.stages, m.folder).exists() for m in modes)
+        per_mode = scale.drafter_seconds + (60 if device.type == "cuda" else 40)  # + two harvests
+        budget = math.ceil(left / max(scale.mode_workers, 1)) * per_mode
+        run.results["modes"] = run.stage("modes", budget, lambda: run_modes(
+            scale, modes, target, run.results, work, run.stages, device, args.seed, log
+        ))  # fmt: skip
+        if stop_here("modes"):
+            return 0
+        mode_drafters = {m.method: run.results["modes"][m.name]["drafter"]["export"] for m in modes}
+
+    # 7. eval
     budget = max(0.0, min(scale.eval_seconds, run.left() - 10))
     report, complete = run.stage("eval", budget, lambda: evaluate_all(
-        scale, target, Path(run.results["drafter"]["export"]), eval_prompts, device, budget, args.seed, work, log
+        scale, target, Path(run.results["drafter"]["export"]), eval_prompts, device, budget, args.seed, work, log,
+        modes=mode_drafters,
     ))  # fmt: skip
     run.results["eval"] = asdict(report)
     run.results["bar"] = bar(report, complete)
@@ -1034,6 +1329,11 @@ def main(argv=None) -> int:
                     len(report.prompts), len(eval_prompts), work)  # fmt: skip
     table = markdown(run.results, report)
     run.results["table"] = table
+    if modes:
+        rows = mode_rows(report, complete, run.results["modes"])
+        steps = drafter_steps(scale, run.results["harvest"]["rows"])
+        run.results["modes_table"] = {"rows": rows, "markdown": modes_markdown(rows, report, complete, steps)}
+        table += "\n\n" + run.results["modes_table"]["markdown"]
     run.save()
     logger.info("wrote %s (%.0f s in all)", out, run.elapsed())
     print("\n" + table, flush=True)

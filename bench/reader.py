@@ -1,13 +1,14 @@
 """Read throughput of the trainer's row path against zarr's own reads, on the same store.
 
-The store is bench/train.py's synthetic one, rewritten in --work each run (random bf16 features compress about as real activations do,
-ratio ~1.3 with blosc-lz4 + bit shuffle), here with the quality run's row shape by default: 4096 tokens x 5
-layers x hidden 512, one 21 MB chunk per row. Rows come from the page cache (one untimed pass first), so this
-measures decoding and copies, not the disk. Per method and thread count: rows/s and GB/s of hidden features,
-each thread reading whole rows into its own destination row as the trainer's reader threads do:
-    zarr:   plain zarr reads of the row's five arrays, then a copy into the destination (the trainer's path
-            until this benchmark; any reader written with zarr alone does the same);
-    direct: `ShardStore.read_row_into` (the trainer's path now: chunk file, CRC32C, blosc / zstd into place,
+The store is bench/train.py's synthetic one, rewritten in --work each run (random bf16 features compress about
+as real activations do, ratio ~1.3 with blosc-lz4 + bit shuffle), here with the quality run's row shape by
+default: 4096 tokens x 5 layers x hidden 512, one 21 MB chunk per row. Rows come from the page cache (one
+untimed pass first), so this measures decoding and copies, not the disk. Per method and thread count: rows/s
+and GB/s of hidden features, each thread reading whole rows into its own destination row as the trainer's
+reader threads do:
+    zarr:   plain zarr reads of the row's five arrays, then a copy into the destination (what any reader
+            written with zarr alone does);
+    direct: `Store.read_row_into` (the trainer's path now: chunk file, CRC32C, blosc / zstd into place,
             for the hidden states and the token arrays alike).
 
     .venv/bin/python bench/reader.py                                   # CPU
@@ -34,19 +35,19 @@ from bench.train import synthetic_store, versions  # noqa: E402  (after the path
 from dflash import store  # noqa: E402
 
 
-def destinations(shards: store.ShardStore) -> dict[str, np.ndarray]:
+def destinations(shards: store.Store) -> dict[str, np.ndarray]:
     T, F = shards.token_budget, shards.feature_dim
     return {"hidden": np.empty((T, F), np.int16), **{n: np.empty(T, d) for n, d in store.TOKEN_ARRAYS.items()}}
 
 
-def zarr_read_into(shards: store.ShardStore, i: int, out: dict[str, np.ndarray]) -> None:
+def zarr_read_into(shards: store.Store, i: int, out: dict[str, np.ndarray]) -> None:
     part, row = shards.locate(i)
     for name, target in out.items():
         value = shards.parts[part][name][row]
         np.copyto(target, value.view(target.dtype) if name == "hidden" else value, casting="unsafe")
 
 
-def rows_per_second(read, shards: store.ShardStore, threads: int, passes: int) -> float:
+def rows_per_second(read, shards: store.Store, threads: int, passes: int) -> float:
     local = threading.local()
 
     def one(i: int):
@@ -79,7 +80,7 @@ def main():
     start = time.perf_counter()
     synthetic_store(work / "store", work / "no-target", shape, args.rows, torch.device("cpu"))
     write_s = time.perf_counter() - start
-    shards = store.ShardStore.open(work / "store")
+    shards = store.Store.open(work / "store")
     row_gb = shards.token_budget * shards.feature_dim * 2 / 1e9
     hidden_on_disk = sum(store.disk_bytes(p) for p in (work / "store" / "parts").glob("*/hidden"))
     info = {
@@ -92,7 +93,7 @@ def main():
     print(f"{'method':<8} {'threads':>7} {'rows/s':>8} {'GB/s':>6}")
     results = []
     for threads in [int(t) for t in args.threads.split(",")]:
-        for method, read in [("zarr", zarr_read_into), ("direct", store.ShardStore.read_row_into)]:
+        for method, read in [("zarr", zarr_read_into), ("direct", store.Store.read_row_into)]:
             rate = rows_per_second(read, shards, threads, args.passes)
             results.append({"method": method, "threads": threads, "rows_s": rate, "GB_s": rate * row_gb})
             print(f"{method:<8} {threads:>7} {rate:>8.1f} {rate * row_gb:>6.2f}", flush=True)

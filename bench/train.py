@@ -26,7 +26,7 @@ holds --rows rows (default 16), so the steps cycle through it in epochs (rows co
 
 Per drafter, the table reports the steady window of the issue (steps 10-50, clipped to --steps):
 - context / drafted tok/s, MFU and step time: time-weighted over the window, from the trainer's own metrics
-  (`dflash.train.Meter`, one record per step); MFU counts trainable matmuls 3x, the frozen LM head 2x and
+  (`dflash.metrics.Meter`, one record per step); MFU counts trainable matmuls 3x, the frozen LM head 2x and
   attention 3.5 x 4 x visible pairs x heads x head_dim, against 792 TFLOP/s (docs/training.md);
 - peak memory: torch.cuda max_memory_allocated / max_memory_reserved from construction to the last step
   (warmup and capture included), in GB (1e9 bytes);
@@ -68,11 +68,14 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repository's dflash
 
-from dflash import graph, loss, store
-from dflash import train as trainer_module
+from dflash import features, graph, loss, store
+from dflash.config import TrainConfig
 from dflash.errors import DflashError
+from dflash.harvest import RowEncoder, store_bits
+from dflash.manifest import FeatureSpec, Manifest, SubspaceSpec, TargetSpec, TokenizerSpec
+from dflash.metrics import MetricsLog
 from dflash.target import default_layer_ids
-from dflash.train import Env, MetricsLog, TrainConfig, Trainer, init_distributed
+from dflash.train import Env, Trainer, init_distributed
 
 WINDOW = (10, 50)  # steps whose records the summary uses (the issue's "steps 10-50")
 
@@ -112,74 +115,88 @@ def fake_target(folder: Path, s: dict, device: torch.device):
     save_file({"model.embed_tokens.weight": weight(), "lm_head.weight": weight()}, folder / "model.safetensors")
 
 
-def store_header(target: Path, s: dict) -> dict:
-    """harvest.json as a harvest of the fake target would write it (the fields the trainer reads)."""
+ENCODINGS = ("bf16", "fp8", "sub1/4", "sub1/4+fp8")
+
+
+def store_header(target: Path, s: dict, encoding: str) -> Manifest:
+    """harvest.json as a harvest of the fake target would write it, in the store `encoding`."""
     layers = default_layer_ids(s["target_layers"])
-    return {
-        "format": "dflash-harvest",
-        "format_version": store.FORMAT_VERSION,
-        "fingerprint": {"model": str(target), "layers": layers, "world_size": 1},
-        "target": {
-            "name": str(target), "model_type": "qwen3", "config_hash": "synthetic", "hidden_size": s["hidden"],
-            "num_layers": s["target_layers"], "vocab_size": s["vocab"],
-        },  # fmt: skip
-        "layer_ids": layers,
-        "feature_dim": len(layers) * s["hidden"],
-        "dtype": "bfloat16",
-        "token_budget": s["doc_len"] * s["docs_per_row"],
-        "tokenizer": {"special_ids": {"mask": s["vocab"] - 1}},
-    }
+    feature_dim = len(layers) * s["hidden"]
+    width = feature_dim // 4 if encoding.startswith("sub") else feature_dim
+    fp8 = encoding.endswith("fp8")
+    groups = features.default_scale_groups(width, len(layers), encoding.startswith("sub")) if fp8 else 0
+    subspace = SubspaceSpec(width, 1.0, 0, 0) if encoding.startswith("sub") else None
+    return store.new_manifest(
+        target=TargetSpec(
+            name=str(target), model_type="qwen3", config_hash="synthetic", num_layers=s["target_layers"],
+            hidden_size=s["hidden"], vocab_size=s["vocab"], intermediate_size=s["ffn"], num_attention_heads=s["heads"],
+            num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"], rms_norm_eps=1e-6, rope_theta=1e6,
+            max_position_embeddings=40960,
+        ),  # fmt: skip
+        layer_ids=layers,
+        token_budget=s["doc_len"] * s["docs_per_row"],
+        tokenizer=TokenizerSpec(str(target), s["vocab"], {"mask": s["vocab"] - 1}),
+        fingerprint={"model": str(target), "layers": layers, "world_size": 1},
+        features=FeatureSpec("fp8" if fp8 else "bf16", width, groups, subspace),
+    )
 
 
-def synthetic_store(out: Path, target: Path, s: dict, rows: int, device: torch.device):
-    """`rows` rows of `docs_per_row` whole documents each, written through the real part writer."""
-    header = store_header(target, s)
-    T, F, L, D = header["token_budget"], header["feature_dim"], s["doc_len"], s["docs_per_row"]
-    documents = np.array([[r * D + d, 0, r, d * L, L] for r in range(rows) for d in range(D)], np.int64)
-    counts = {"documents": rows * D, "tokens": rows * T, "loss_tokens": rows * T, "padding_tokens": 0}
-    store.create_store(out, header)
-    part = store.PartWriter(out, store.PartSpec(0, rows, T, F, documents, counts))
+def synthetic_store(out: Path, target: Path, s: dict, rows: int, device: torch.device, encoding: str):
+    """`rows` rows of `docs_per_row` whole documents each, random bf16 features encoded as a harvest would
+    (a random orthonormal projection for a subspace), written through the real part writer."""
+    header = store_header(target, s, encoding)
+    T, F, L, D = header.token_budget, header.feature_dim, s["doc_len"], s["docs_per_row"]
     g = torch.Generator(device).manual_seed(1)
     rng = np.random.default_rng(1)
-    for r in range(rows):
-        hidden = torch.randn(T, F, device=device, generator=g, dtype=torch.bfloat16)
+    projection = None
+    if header.features.subspace is not None:
+        basis = torch.randn(F, header.features.width, device=device, generator=g, dtype=torch.float32)
+        projection = torch.linalg.qr(basis)[0].T.contiguous()
+    encoder = RowEncoder(header.features, projection, (1, T), device)
+    encoded = None if encoder.identity else encoder.buffers(device=device)
+
+    def row(r: int):
+        hidden = torch.randn(1, T, F, device=device, generator=g, dtype=torch.bfloat16)
+        stored = {name: store_bits(t[0].cpu()) for name, t in encoder.encode(hidden, encoded).items()}
         tokens = {
-            "input_ids": rng.integers(0, s["vocab"] - 1, (1, T), dtype=np.int32),  # never the mask token
-            "position_ids": (np.arange(T) % L)[None].astype(np.int32),
-            "doc_ids": (r * D + np.arange(T) // L)[None].astype(np.int32),
-            "loss_mask": np.ones((1, T), np.uint8),
+            "input_ids": rng.integers(0, s["vocab"] - 1, T, dtype=np.int32),  # never the mask token
+            "position_ids": (np.arange(T) % L).astype(np.int32),
+            "doc_ids": (r * D + np.arange(T) // L).astype(np.int32),
+            "loss_mask": np.ones(T, np.uint8),
         }
-        part.write_rows(r, hidden.view(torch.int16).cpu().numpy().view(np.uint16)[None], tokens)
-    part.commit(rows)
-    if not store.finalize(out, 1, header):
-        raise RuntimeError(f"the synthetic store at {out} did not complete")
+        return stored.pop("hidden"), {**stored, **tokens}
+
+    documents = np.array([[r * D + d, 0, r, d * L, L] for r in range(rows) for d in range(D)], np.int64)
+    counts = {"documents": rows * D, "tokens": rows * T, "loss_tokens": rows * T, "padding_tokens": 0}
+    content = store.PartContent(rows, documents, counts, row)
+    store.write_store(out, header, [content], None if projection is None else projection.cpu().numpy())
 
 
-def prepare_data(root: Path, s: dict, rows: int, device: torch.device) -> float:
+def prepare_data(root: Path, s: dict, rows: int, device: torch.device, encoding: str) -> float:
     """Fake target + store under `root`, reused when a previous run made them with the same shapes."""
-    spec = {**s, "rows": rows}
+    spec = {**s, "rows": rows, "encoding": encoding, "format_version": store.FORMAT_VERSION}
     done = root / "spec.json"
     if done.exists() and json.loads(done.read_text()) == spec:
         return 0.0
     t0 = time.perf_counter()
     shutil.rmtree(root, ignore_errors=True)
     fake_target(root / "target", s, device)
-    synthetic_store(root / "store", root / "target", s, rows, device)
+    synthetic_store(root / "store", root / "target", s, rows, device, encoding)
     done.write_text(json.dumps(spec))  # last: marks both complete
     return time.perf_counter() - t0
 
 
-def shared_data(root: Path, s: dict, rows: int, env: Env) -> float:
+def shared_data(root: Path, s: dict, rows: int, env: Env, encoding: str) -> float:
     """Rank 0 builds the data and empties the run folder while the other ranks wait. If rank 0 fails, the others
     stop with an error here rather than wait for collectives that never come."""
     built = [None]
     try:
         if env.main:
-            built[0] = prepare_data(root, s, rows, env.device)
+            built[0] = prepare_data(root, s, rows, env.device, encoding)
             shutil.rmtree(root / "run", ignore_errors=True)
             (root / "run").mkdir(parents=True)
     finally:
-        if env.world > 1:
+        if env.world_size > 1:
             dist.broadcast_object_list(built, src=0)  # also the barrier
     if built[0] is None:
         raise DflashError("rank 0 could not build the synthetic data (its error is in its output)")
@@ -269,7 +286,7 @@ def replica_check(trainer: Trainer) -> dict:
     diff = torch.zeros((), dtype=torch.float32, device=trainer.device)
     for p in trainer.params:
         reference = p.detach().clone()
-        if trainer.env.world > 1:
+        if trainer.env.world_size > 1:
             dist.broadcast(reference, 0)
         diff = torch.maximum(diff, (p.detach() - reference).abs().max())
     checksum = sum(p.detach().sum(dtype=torch.float64) for p in trainer.params)
@@ -286,7 +303,7 @@ def rank_summary(summary: dict, env: Env, weights: dict) -> dict:
     u = summary["ungraphed"]
     return {
         "rank": env.rank,
-        "context_tok_s": summary["context_tok_s"] / env.world,
+        "context_tok_s": summary["context_tok_s"] / env.world_size,
         **{key: summary.get(key) for key in RANK_KEYS},
         "recompiles": summary["recompiles"] + u.get("recompiles", 0),
         "ungraphed_step_ms": u.get("step_ms"),
@@ -295,9 +312,9 @@ def rank_summary(summary: dict, env: Env, weights: dict) -> dict:
 
 
 def gather_ranks(mine: dict, env: Env) -> list[dict]:
-    if env.world == 1:
+    if env.world_size == 1:
         return [mine]
-    ranks = [None] * env.world
+    ranks = [None] * env.world_size
     dist.all_gather_object(ranks, mine)
     return ranks
 
@@ -359,10 +376,10 @@ def rank_view(summary: dict, trainer: Trainer, baseline: dict | None, path: str 
 def bench_one(name: str, s: dict, args, env: Env, baseline: dict | None) -> dict:
     device = env.device
     root = Path(args.work) / (f"tiny-{name}" if args.tiny else name)
-    build_s = shared_data(root, s, args.rows, env)
+    build_s = shared_data(root, s, args.rows, env, args.encoding)
     run = root / "run"
     cfg = TrainConfig(
-        shards=str(root / "store"), out=str(run), target=str(root / "target"),
+        store=str(root / "store"), out=str(run), target=str(root / "target"),
         anchors=s["anchors_per_doc"] * s["docs_per_row"], loss_chunk=args.loss_chunk,
         max_steps=args.steps, val_fraction=0.0, log_every=1, ckpt_every=10**9, export=False, tensorboard=False,
         device=str(device), cuda_graph=True,
@@ -374,7 +391,7 @@ def bench_one(name: str, s: dict, args, env: Env, baseline: dict | None) -> dict
     prep = trainer.prepare(None)
     log = MetricsLog(run, env.main, False)  # rank 0 writes the records: they describe all ranks
     try:
-        with mock.patch.object(trainer_module, "save_checkpoint", lambda trainer, step: None):
+        with mock.patch.object(trainer.checkpoints, "save", lambda trainer, step: None):
             result = trainer.fit(0, log)
     finally:
         log.close()
@@ -485,7 +502,7 @@ def scaling_line(r: dict) -> str:
 
 def report(info: dict, results: list[dict], args, world: int):
     script = "bench/train.py" if world == 1 else f"torchrun --nproc-per-node {world} bench/train.py"
-    print(f"\n## {script} {'--tiny ' if args.tiny else ''}--drafter {args.drafter} --steps {args.steps}")
+    print(f"\n## {script} {'--tiny ' if args.tiny else ''}--drafter {args.drafter} --encoding {args.encoding} --steps {args.steps}")
     print(", ".join(f"{k} {v}" for k, v in info.items()))
     for r in results:
         if "error" not in r:
@@ -521,6 +538,7 @@ def main():
     parser.add_argument("--ungraphed-steps", type=int, help="timed steps without the graph  [default: 10, tiny 3]")
     parser.add_argument("--tiny", action="store_true", help="toy shapes (runs on the CPU in well under a minute)")
     parser.add_argument("--rows", type=int, default=16, help="rows in the synthetic store (steps cycle through it)")
+    parser.add_argument("--encoding", choices=ENCODINGS, default="bf16", help="the synthetic store's feature encoding")
     parser.add_argument("--loss-chunk", type=int, help="LM-head rows per loss chunk  [default: the trainer's]")
     parser.add_argument("--work", default="/tmp/dflash-bench-train", help="where the fake target, store and runs go")
     parser.add_argument("--json", help="also write the results (with every step's record) here")
@@ -536,8 +554,8 @@ def main():
         parser.error(f"--compare-to {args.compare_to}: {exc}")
 
     env = init_distributed(None)
-    if args.rows < env.world:  # the reader gives each rank rows // world rows per epoch, and a step takes one
-        parser.error(f"--rows {args.rows} leaves some of the {env.world} ranks without a row; use at least {env.world}")
+    if args.rows < env.world_size:  # the reader gives each rank rows // world_size rows per epoch, and a step takes one
+        parser.error(f"--rows {args.rows} leaves some of the {env.world_size} ranks without a row; use at least {env.world_size}")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("dflash").setLevel(logging.INFO)  # the trainer's line per step (rank 0 writes them)
     if args.tiny and env.device.type == "cpu":
@@ -558,11 +576,11 @@ def main():
         if env.main:
             print(f"RESULT {table_row(results[-1])}", flush=True)
             if args.json:
-                out = {"versions": info, "world_size": env.world, "args": vars(args), "results": results}
+                out = {"versions": info, "world_size": env.world_size, "args": vars(args), "results": results}
                 Path(args.json).write_text(json.dumps(out, indent=1))
     if env.main:
-        report(info, results, args, env.world)
-    if env.world > 1:
+        report(info, results, args, env.world_size)
+    if env.world_size > 1:
         dist.destroy_process_group()
     if any("error" in r for r in results):
         raise SystemExit(1)

@@ -11,7 +11,7 @@ The drafter has no embedding and no LM head: both are the target's, frozen, and 
 """
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -40,11 +40,19 @@ class DrafterConfig:
     mask_token_id: int
     target_layer_ids: list[int] = field(default_factory=list)
     num_target_layers: int | None = None
+    # fc's input width in training when the store holds projected features P h (k of them); None: feature_dim.
+    # Never exported: the export folds P into fc, which then takes the full features.
+    feature_width: int | None = None
 
     @property
     def feature_dim(self) -> int:
-        """Width of the concatenated target features that `fc` fuses."""
+        """Width of the concatenated target features that the exported `fc` fuses."""
         return len(self.target_layer_ids) * self.hidden_size
+
+    @property
+    def input_width(self) -> int:
+        """Width of the features this drafter's `fc` takes: the stored width when trained on a subspace."""
+        return self.feature_width or self.feature_dim
 
     @classmethod
     def from_target_config(cls, hf_config, target_layer_ids, mask_token_id, num_layers=5, **overrides):
@@ -62,7 +70,7 @@ class DrafterConfig:
             head_dim=_get(text, "head_dim", None) or hidden // heads,
             num_layers=num_layers,
             rms_norm_eps=_get(text, "rms_norm_eps", 1e-6),
-            rope_theta=_rope_theta(text),
+            rope_theta=rope_theta_of(text),
             max_position_embeddings=_get(text, "max_position_embeddings"),
             vocab_size=_get(text, "vocab_size"),
             mask_token_id=int(mask_token_id),
@@ -130,7 +138,7 @@ class DrafterConfig:
             head_dim=config.get("head_dim") or config["hidden_size"] // heads,
             num_layers=config["num_hidden_layers"],
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=_rope_theta(config),
+            rope_theta=rope_theta_of(config),
             max_position_embeddings=config["max_position_embeddings"],
             vocab_size=config["vocab_size"],
             block_size=int(dflash_field("block_size", 16)),
@@ -147,7 +155,7 @@ def _get(config, name, *default):
     return getattr(config, name, *default)
 
 
-def _rope_theta(config) -> float:
+def rope_theta_of(config) -> float:
     params = _get(config, "rope_parameters", None) or {}
     theta = params.get("rope_theta") or _get(config, "rope_theta", None)
     if theta is None:
@@ -248,7 +256,7 @@ class DFlashDrafter(nn.Module):
     def __init__(self, config: DrafterConfig):
         super().__init__()
         self.config = config
-        self.fc = nn.Linear(config.feature_dim, config.hidden_size, bias=False)
+        self.fc = nn.Linear(config.input_width, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -304,15 +312,31 @@ def checkpoint_keys(config: DrafterConfig) -> list[str]:
     return sorted(["fc.weight", "hidden_norm.weight", "norm.weight", *layers])
 
 
-def export_drafter(model, config: DrafterConfig, folder, dtype: torch.dtype | None = None) -> Path:
+def fold_projection(state: dict, config: DrafterConfig, projection: Tensor) -> tuple[dict, DrafterConfig]:
+    """A drafter trained on projected features P h as a standard one: fc = fc' P (float64 product), so that
+    fc h = fc' (P h) for full features h."""
+    if tuple(projection.shape) != (config.input_width, config.feature_dim):
+        raise DflashError(
+            f"the projection is {tuple(projection.shape)} but the drafter takes {config.input_width} of "
+            f"{config.feature_dim} features; export with the store the drafter was trained on"
+        )
+    fc = state["fc.weight"]
+    folded = (fc.double() @ projection.to(fc.device, torch.float64)).to(fc.dtype)
+    return {**state, "fc.weight": folded}, replace(config, feature_width=None)
+
+
+def export_drafter(model, config: DrafterConfig, folder, dtype: torch.dtype | None = None, projection: Tensor | None = None) -> Path:
     """Write `config.json` + `model.safetensors` in the public layout; returns the folder.
 
     model: the drafter (compiled or not) or a full state dict (e.g. gathered from FSDP).
     dtype: the saved dtype; None keeps the parameters' dtype, which makes a reload reproduce outputs exactly.
+    projection: P [k, n*H] of a subspace store, folded into fc (`fold_projection`).
     """
     from safetensors.torch import save_file
 
     state = model if isinstance(model, dict) else getattr(model, "_orig_mod", model).state_dict()
+    if projection is not None:
+        state, config = fold_projection(state, config, projection)
     expected = checkpoint_keys(config)
     if sorted(state) != expected:
         extra, missing = sorted(set(state) - set(expected)), sorted(set(expected) - set(state))

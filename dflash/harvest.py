@@ -17,43 +17,27 @@ import os
 import queue
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from dflash import __version__, store
+from dflash import __version__, features, manifest, store
+from dflash.config import HarvestConfig
 from dflash.data import DataConfig, Document, load_documents, load_tokenizer
+from dflash.device import DTYPES, local_device
+from dflash.drafter import rope_theta_of
 from dflash.errors import DflashError
-from dflash.target import (
-    DTYPES, MASK_TOKEN, TappedTarget, check_layer_ids, default_layer_ids, load_config, local_device,
-)
+from dflash.target import TappedTarget, check_layer_ids, default_layer_ids
+from dflash.target_files import MASK_TOKEN, load_config
 
 logger = logging.getLogger("dflash")
 
 BLOCK_SIZE = 16  # a row must hold at least one DFlash block
 PAD_MULTIPLE = 64  # forward lengths are rounded up to this: few distinct shapes for the kernels
 HOST_BUFFERS = 3  # pinned row-group buffers: one being filled, up to two queued or being written
-
-
-@dataclass
-class HarvestConfig:
-    model: str
-    data: str
-    out: str
-    layers: list[int] | None = None  # default: the DFlash rule
-    token_budget: int = 12288  # tokens per stored row
-    max_length: int | None = None  # longest document kept whole; default: token_budget
-    overflow: str = "truncate"  # longer documents: "truncate" | "split"
-    forward_tokens: int = 32768  # padded tokens per forward batch
-    workers: int = 4  # tokenizer processes
-    rank: int | None = None  # default: $RANK or 0
-    world_size: int | None = None  # default: $WORLD_SIZE or 1
-    device: str | None = None  # default: cuda:$LOCAL_RANK if CUDA is available, else cpu
-    dtype: str = "bfloat16"  # the target's compute dtype; the store always holds bf16
-    allow_slow_kernels: bool = False
 
 
 # ---------------------------------------------------------------------------------------------- packing plan
@@ -179,7 +163,46 @@ def _resolve(cfg: HarvestConfig) -> HarvestConfig:
         raise DflashError(f"rank {cfg.rank} must be in 0..{cfg.world_size - 1} for world size {cfg.world_size}")
     if cfg.dtype not in DTYPES:
         raise DflashError(f"dtype {cfg.dtype!r} is not one of {', '.join(DTYPES)}")
+    if cfg.precision not in manifest.PRECISIONS:
+        raise DflashError(f"--precision {cfg.precision!r} is not one of {', '.join(manifest.PRECISIONS)}")
+    if cfg.scale_groups is not None and (cfg.precision != "fp8" or cfg.scale_groups < 1):
+        raise DflashError("--scale-groups takes a positive number, and only with --precision fp8")
+    if cfg.calibration_tokens < 1:
+        raise DflashError(f"--calibration-tokens must be positive, got {cfg.calibration_tokens}")
+    if cfg.projection_from is not None and subspace_width(cfg.subspace, 1 << 30) is None:
+        raise DflashError("--projection-from takes the projection of a subspace store: give --subspace too")
     return cfg
+
+
+def subspace_width(value: str | int | None, feature_dim: int) -> int | None:
+    """`--subspace`: K, a fraction of the feature width ("1/4"), or none."""
+    text = str(value).strip().lower() if value is not None else "none"
+    if text in ("none", "0", ""):
+        return None
+    try:
+        numerator, _, denominator = text.partition("/")
+        width = int(numerator) if not denominator else round(feature_dim * int(numerator) / int(denominator))
+    except ValueError:
+        width = -1
+    if not 1 <= width <= feature_dim:
+        raise DflashError(
+            f"--subspace {value} is not a width between 1 and the feature width {feature_dim}; give K (e.g. "
+            f"{feature_dim // 4}), a fraction such as 1/4, or none"
+        )
+    return width
+
+
+def feature_encoding(cfg: HarvestConfig, num_layers: int, feature_dim: int) -> manifest.FeatureSpec:
+    """The stored encoding the options ask for (the subspace's calibration record is filled in once it is done)."""
+    width = subspace_width(cfg.subspace, feature_dim)
+    stored = width or feature_dim
+    groups = 0
+    if cfg.precision == "fp8":
+        groups = cfg.scale_groups or features.default_scale_groups(stored, num_layers, width is not None)
+        if stored % groups:
+            raise DflashError(f"--scale-groups {groups} does not divide the stored width {stored}; pick a divisor")
+    subspace = manifest.SubspaceSpec(width, 0.0, 0, 0) if width else None
+    return manifest.FeatureSpec(cfg.precision, stored, groups, subspace)
 
 
 def _file_identity(path: str) -> dict:
@@ -197,10 +220,18 @@ def _file_identity(path: str) -> dict:
 
 def _fingerprint(cfg: HarvestConfig) -> dict:
     """What decides the store's content: a store is only ever resumed by a run with the same fingerprint."""
-    num_layers = load_config(cfg.model).get_text_config().num_hidden_layers
+    text = load_config(cfg.model).get_text_config()
+    num_layers = text.num_hidden_layers
     layers = default_layer_ids(num_layers) if cfg.layers is None else check_layer_ids(cfg.layers, num_layers)
     model = str(Path(cfg.model).resolve()) if Path(cfg.model).exists() else cfg.model
+    encoding = feature_encoding(cfg, len(layers), len(layers) * text.hidden_size)
     return {
+        "precision": encoding.precision,
+        "stored_width": encoding.width,
+        "scale_groups": encoding.scale_groups,
+        "subspace": encoding.subspace is not None,
+        "calibration_tokens": cfg.calibration_tokens if encoding.subspace is not None and not cfg.projection_from else None,
+        "projection_sha256": _borrowed_projection(cfg, encoding, len(layers) * text.hidden_size)[1],
         "model": model,
         "layers": layers,
         **_file_identity(cfg.data),
@@ -213,14 +244,47 @@ def _fingerprint(cfg: HarvestConfig) -> dict:
     }
 
 
-def _tokenizer_info(model: str) -> dict:
+def _borrowed_projection(cfg: HarvestConfig, encoding: manifest.FeatureSpec, feature_dim: int):
+    """(P, calibration record, sha256 of P) of --projection-from's store; (None, None, None) without it."""
+    if cfg.projection_from is None:
+        return None, None, None
+    stored = store.read_projection(Path(cfg.projection_from))
+    if stored is None:
+        raise DflashError(f"--projection-from {cfg.projection_from} is not a subspace store (it has no projection)")
+    projection, record = stored
+    if projection.shape != (encoding.width, feature_dim):
+        raise DflashError(
+            f"the projection of {cfg.projection_from} is {projection.shape[0]} x {projection.shape[1]}, this harvest "
+            f"stores {encoding.width} of {feature_dim} features; give the --subspace and --layers it was made with"
+        )
+    return projection, record, hashlib.sha256(projection.tobytes()).hexdigest()
+
+
+def _tokenizer_spec(model: str) -> manifest.TokenizerSpec:
     tokenizer = load_tokenizer(model)
     vocab = tokenizer.get_vocab()
     mask_id = vocab.get(MASK_TOKEN)
     if mask_id is None:
         logger.warning("the tokenizer of %s has no %s token; the drafter will need a mask token id", model, MASK_TOKEN)
     special = {name: getattr(tokenizer, f"{name}_token_id") for name in ("bos", "eos", "pad", "unk")}
-    return {"name": model, "vocab_size": len(tokenizer), "special_ids": {**special, "mask": mask_id}}
+    return manifest.TokenizerSpec(model, len(tokenizer), {**special, "mask": mask_id})
+
+
+def target_spec(model: str, target: TappedTarget) -> manifest.TargetSpec:
+    """The target as the manifest records it: identity plus the text-model fields the drafter is shaped from."""
+    config = load_config(model)
+    text = config.get_text_config()
+    return manifest.TargetSpec(
+        **asdict(target.info),
+        intermediate_size=getattr(text, "intermediate_size", None),
+        num_attention_heads=text.num_attention_heads,
+        num_key_value_heads=getattr(text, "num_key_value_heads", None),
+        head_dim=getattr(text, "head_dim", None),
+        rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta_of(text),
+        max_position_embeddings=text.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),  # the checkpoint's, not a VL text part's
+    )
 
 
 # ---------------------------------------------------------------------------------------------- the harvest
@@ -242,7 +306,7 @@ def run_harvest(cfg: HarvestConfig) -> Path:
 def _harvest(cfg: HarvestConfig) -> Path:
     out = Path(cfg.out)
     fingerprint = _fingerprint(cfg)
-    state = store.check_folder(out, {"fingerprint": fingerprint})
+    state = store.check_folder(out, fingerprint)
     if state == "complete":
         logger.info("%s is already a complete store; nothing to do", out)
         return out
@@ -259,15 +323,18 @@ def _harvest(cfg: HarvestConfig) -> Path:
         torch.cuda.set_device(cfg.device)
     target = TappedTarget(cfg.model, fingerprint["layers"], cfg.device, DTYPES[cfg.dtype], cfg.allow_slow_kernels)
     header = _header(cfg, fingerprint, target, stats)
-    if state == "resume" and store.read_json(out / store.HARVEST_FILE)["target"] != header["target"]:
+    if state == "resume" and store.read_manifest(out / store.HARVEST_FILE).target != header.target:
         raise DflashError(
             f"the checkpoint at {cfg.model} changed since {out} was started (its config differs); harvest into a new folder"
         )
     plan = PartPlan.build(documents, cfg.rank, cfg.world_size, cfg.token_budget)
+    projection = None
+    if header.features.subspace is not None:
+        projection, header = _calibrated(out, cfg, header, documents, target)
 
-    store.create_store(out, header)  # the first write of this run
+    store.create_store(out, header)  # harvest.json: the first write of this run but the calibration
     part = store.PartWriter(out, store.PartSpec(
-        cfg.rank, len(plan.rows), cfg.token_budget, header["feature_dim"], plan.documents_table(), plan.counts(),
+        cfg.rank, len(plan.rows), cfg.token_budget, header.features, plan.documents_table(), plan.counts(),
     ))  # fmt: skip
     counts = plan.counts()
     logger.info(
@@ -276,41 +343,85 @@ def _harvest(cfg: HarvestConfig) -> Path:
         100 * counts["padding_tokens"] / max(1, len(plan.rows) * cfg.token_budget),
         f"; resuming after row {part.rows_committed}" if part.rows_committed else "",
     )  # fmt: skip
-    stalls = _run_rows(cfg, plan, target, part)
+    stalls = _run_rows(cfg, plan, target, part, header.features, projection)
     logger.info("rank %d: %s", cfg.rank, stalls.describe())
     _finish(out, cfg)
     return out
 
 
-def _header(cfg: HarvestConfig, fingerprint: dict, target: TappedTarget, stats) -> dict:
+def _header(cfg: HarvestConfig, fingerprint: dict, target: TappedTarget, stats) -> manifest.Manifest:
     """harvest.json: everything the manifest states that no part's progress decides."""
-    return {
-        "format": "dflash-harvest",
-        "format_version": store.FORMAT_VERSION,
-        "dflash_version": __version__,
-        "fingerprint": fingerprint,
-        "options": {k: v for k, v in asdict(cfg).items() if k not in ("rank", "device")},
-        "target": asdict(target.info),
-        "layer_ids": target.layer_ids,
-        "feature_dim": len(target.layer_ids) * target.info.hidden_size,
-        "dtype": "bfloat16",
-        "storage": {"hidden": "uint16 holding bfloat16 bit patterns"},
-        "token_budget": cfg.token_budget,
-        "tokenizer": _tokenizer_info(cfg.model),
-        "data": {
+    return store.new_manifest(
+        target=target_spec(cfg.model, target),
+        layer_ids=target.layer_ids,
+        token_budget=cfg.token_budget,
+        tokenizer=_tokenizer_spec(cfg.model),
+        fingerprint=fingerprint,
+        features=feature_encoding(cfg, len(target.layer_ids), len(target.layer_ids) * target.info.hidden_size),
+        options={k: v for k, v in asdict(cfg).items() if k not in ("rank", "device")},
+        data={
             "file": Path(cfg.data).name,
             **{key: fingerprint[key] for key in ("data_bytes", "data_sha256")},
             "stats": asdict(stats),
         },
-        "codecs": {
-            "hidden": [codec.to_dict() for codec in store.hidden_compressors()],
-            "tokens": [codec.to_dict() for codec in store.token_compressors()],
-        },
-    }
+        dflash_version=__version__,
+    )
+
+
+def _calibrated(out: Path, cfg: HarvestConfig, header: manifest.Manifest, documents: list[Document], target: TappedTarget):
+    """The store's projection (calibrating it first if no rank has yet) and the header that records it."""
+    out.mkdir(parents=True, exist_ok=True)
+    stored = store.read_projection(out)
+    if stored is None and cfg.projection_from is not None:
+        projection, record, _ = _borrowed_projection(cfg, header.features, header.feature_dim)
+        stored = store.write_projection(out, projection, record)
+    if stored is None:
+        width = header.features.subspace.width
+        moment, sample = _second_moment(documents, target, cfg.calibration_tokens, cfg.forward_tokens)
+        projection, captured = features.top_subspace(moment.sum, width)
+        logger.info(
+            "calibration: %d tokens of %d documents; the top %d of %d directions hold %.2f%% of the second moment",
+            moment.tokens, sample, width, header.feature_dim, 100 * captured,
+        )  # fmt: skip
+        record = {"captured": captured, "calibration_tokens": moment.tokens, "calibration_documents": sample}
+        stored = store.write_projection(out, projection.numpy(), record)
+    projection, record = stored
+    subspace = manifest.SubspaceSpec(header.features.width, float(record["captured"]), int(record["calibration_tokens"]),
+                                     int(record["calibration_documents"]))  # fmt: skip
+    header = replace(header, features=replace(header.features, subspace=subspace))
+    return torch.from_numpy(projection).to(cfg.device), header
+
+
+def _second_moment(documents: list[Document], target: TappedTarget, tokens: int, forward_tokens: int):
+    """The uncentered second moment of the target's features over a seeded sample of the documents (the same on
+    every rank): whole documents in a random order until `tokens` tokens, the last one cut to fit."""
+    order = np.random.default_rng(0).permutation(len(documents))
+    sample, total = [], 0
+    for i in order:
+        ids = documents[i].input_ids[: tokens - total]
+        sample.append(ids)
+        total += len(ids)
+        if total >= tokens:
+            break
+    sample.sort(key=len, reverse=True)
+    device = target.device
+    moment = features.SecondMoment(len(target.layer_ids) * target.info.hidden_size, device)
+    start = 0
+    while start < len(sample):
+        width = _round_up(len(sample[start]), PAD_MULTIPLE)
+        batch = sample[start : start + max(1, forward_tokens // width)]
+        ids = np.zeros((len(batch), width), np.int64)
+        for b, doc in enumerate(batch):
+            ids[b, : len(doc)] = doc
+        hidden = target.features(torch.from_numpy(ids).to(device))
+        for b, doc in enumerate(batch):
+            moment.add(hidden[b, : len(doc)])
+        start += len(batch)
+    return moment, len(sample)
 
 
 def _finish(out: Path, cfg: HarvestConfig) -> None:
-    if store.finalize(out, cfg.world_size, store.read_json(out / store.HARVEST_FILE)):
+    if store.finalize(out, store.read_manifest(out / store.HARVEST_FILE)):
         logger.info("store complete: %s", out)
     else:
         parts = store.part_progress(out, cfg.world_size)
@@ -346,7 +457,7 @@ class PipelineStalls:
 class RowGroup:
     first: int
     last: int
-    host: torch.Tensor  # int16 [rows, T, F]: bf16 bits, pinned on CUDA
+    host: dict[str, torch.Tensor]  # hidden [rows, T, W] (bf16 or fp8 bits), scales for fp8; pinned on CUDA
     tokens: dict[str, np.ndarray]
     ready: torch.cuda.Event | None  # the host copy is complete once this fires
 
@@ -365,7 +476,8 @@ class RowWriter(threading.Thread):
             if self.error is None:
                 try:
                     n = group.last - group.first
-                    self.part.write_rows(group.first, group.host[:n].numpy().view(np.uint16), group.tokens)
+                    host = {name: store_bits(buffer[:n]) for name, buffer in group.host.items()}
+                    self.part.write_rows(group.first, host.pop("hidden"), {**host, **group.tokens})
                     self.part.commit(group.last)
                     self.on_commit(group)
                 except BaseException as exc:  # handed to the main thread, which raises it
@@ -401,20 +513,66 @@ class Progress:
         self.bar.close()
 
 
-def _run_rows(cfg: HarvestConfig, plan: PartPlan, target: TappedTarget, part: store.PartWriter) -> PipelineStalls:
+class RowEncoder:
+    """Turns row groups of full bf16 features into the stored encoding, on their device, into preallocated
+    buffers: the identity (a view) for bf16 at full width; the projection P h for a subspace; FP8 bits and
+    exponents for fp8."""
+
+    def __init__(self, spec: manifest.FeatureSpec, projection: torch.Tensor | None, shape: tuple[int, int], device):
+        self.spec, self.projection = spec, projection
+        self.identity = spec.precision == "bf16" and projection is None
+        self.shapes = {"hidden": (*shape, spec.width)}
+        if spec.precision == "fp8":
+            self.shapes["scales"] = (*shape, spec.scale_groups)
+        self.dtypes = {"hidden": torch.uint8 if spec.precision == "fp8" else torch.int16, "scales": torch.int8}
+        self.device = device
+
+    def buffers(self, pin: bool = False, device=None) -> dict[str, torch.Tensor]:
+        return {
+            name: torch.empty(shape, dtype=self.dtypes[name], device=device or "cpu", pin_memory=pin)
+            for name, shape in self.shapes.items()
+        }
+
+    def encode(self, rows: torch.Tensor, out: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """rows bf16 [R, T, n*H] -> the stored arrays (`out` filled, or a view of `rows` for the identity)."""
+        if self.identity:
+            return {"hidden": rows.view(torch.int16)}
+        values = rows if self.projection is None else features.project(rows, self.projection)
+        if self.spec.precision == "fp8":
+            bits, exponents = features.quantize_fp8(values, self.spec.scale_groups)
+            out["hidden"].copy_(bits)
+            out["scales"].copy_(exponents)
+        else:
+            out["hidden"].copy_(values.view(torch.int16))
+        return out
+
+
+def store_bits(buffer: torch.Tensor) -> np.ndarray:
+    """A host buffer as the numpy dtype the store holds (uint16 for bf16 bits, uint8 for fp8 bits, int8 scales)."""
+    array = buffer.numpy()
+    return array.view(np.uint16) if array.dtype == np.int16 else array
+
+
+def _run_rows(
+    cfg: HarvestConfig, plan: PartPlan, target: TappedTarget, part: store.PartWriter, spec: manifest.FeatureSpec,
+    projection: torch.Tensor | None,
+) -> PipelineStalls:  # fmt: skip
     setup_start = time.perf_counter()
     device, T = torch.device(cfg.device), cfg.token_budget
     F = len(target.layer_ids) * target.info.hidden_size
     rows_per_group = max(1, cfg.forward_tokens // T)
     cuda = device.type == "cuda"
     copy_stream = torch.cuda.Stream(device) if cuda else None
+    encoder = RowEncoder(spec, projection, (rows_per_group, T), device)
     # Two device buffers on CUDA: the next group fills one while the other is still being copied to the host.
     device_rows = [torch.zeros(rows_per_group, T, F, dtype=torch.bfloat16, device=device) for _ in range(1 + cuda)]
+    encoded = [None if encoder.identity else encoder.buffers(device=device) for _ in device_rows]
     copied = [None] * len(device_rows)  # event: device buffer k may be overwritten
     free: queue.Queue = queue.Queue()
     for _ in range(HOST_BUFFERS):
-        free.put(torch.empty(rows_per_group, T, F, dtype=torch.int16, pin_memory=cuda))
-    row_bytes = T * (2 * F + sum(np.dtype(d).itemsize for d in store.TOKEN_ARRAYS.values()))
+        free.put(encoder.buffers(pin=cuda))
+    stored_bytes = T * (spec.width * spec.bytes_per_value + spec.scale_groups)
+    row_bytes = stored_bytes + T * sum(np.dtype(d).itemsize for d in store.TOKEN_ARRAYS.values())
     progress = Progress(plan, part.rows_committed, row_bytes, cfg.rank)
     writer = RowWriter(part, free, progress.commit)
     writer.start()
@@ -432,7 +590,8 @@ def _run_rows(cfg: HarvestConfig, plan: PartPlan, target: TappedTarget, part: st
                 torch.cuda.current_stream(device).wait_event(copied[k])
             rows = device_rows[k]
             _fill_rows(rows, plan, first, last, target, cfg.forward_tokens)
-            copied[k] = _copy_to_host(rows[: last - first], host[: last - first], copy_stream)
+            stored = encoder.encode(rows, encoded[k])
+            copied[k] = _copy_to_host(stored, host, last - first, copy_stream)
             group = RowGroup(first, last, host, plan.token_arrays(first, last), copied[k])
             if pending is not None:  # hand over the previous group once its copy is done: one group of lag
                 stalls.gpu_wait_s += _submit(writer, pending)
@@ -467,14 +626,16 @@ def _fill_rows(rows: torch.Tensor, plan: PartPlan, first: int, last: int, target
             rows[r - first, start : start + n] = features[b, :n]
 
 
-def _copy_to_host(rows: torch.Tensor, host: torch.Tensor, copy_stream) -> torch.cuda.Event | None:
-    """Start the device-to-host copy of finished rows on the side stream; returns its completion event."""
+def _copy_to_host(stored: dict, host: dict, n: int, copy_stream) -> torch.cuda.Event | None:
+    """Start the device-to-host copy of the first n encoded rows on the side stream; returns its completion event."""
     if copy_stream is None:
-        host.copy_(rows.view(torch.int16))
+        for name, source in stored.items():
+            host[name][:n].copy_(source[:n])
         return None
-    copy_stream.wait_stream(torch.cuda.current_stream(rows.device))
+    copy_stream.wait_stream(torch.cuda.current_stream(copy_stream.device))
     with torch.cuda.stream(copy_stream):
-        host.copy_(rows.view(torch.int16), non_blocking=True)
+        for name, source in stored.items():
+            host[name][:n].copy_(source[:n], non_blocking=True)
         done = torch.cuda.Event()
         done.record(copy_stream)
     return done

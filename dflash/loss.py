@@ -24,8 +24,8 @@ class _BlockCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, head, labels, weights, chunk_size, mm_dtype, need_grad):
         head = head.to(mm_dtype)  # a no-op when the caller keeps the frozen head in the matmul dtype
-        acc = torch.promote_types(mm_dtype, torch.float32)  # softmax math in fp32 (fp64 stays fp64)
-        scale = weights.to(acc) / weights.to(acc).sum().clamp(min=1e-6)
+        math_dtype = torch.promote_types(mm_dtype, torch.float32)  # softmax math in fp32 (fp64 stays fp64)
+        scale = weights.to(math_dtype) / weights.to(math_dtype).sum().clamp(min=1e-6)
         vocab = torch.arange(head.shape[0], device=hidden.device)
         losses, corrects, grads = [], [], []
         for start in range(0, hidden.shape[0], chunk_size):
@@ -33,14 +33,14 @@ class _BlockCrossEntropy(torch.autograd.Function):
             logits = hidden[rows].to(mm_dtype) @ head.T
             label = labels[rows, None]
             # Each use upcasts on its own, so that compiled, no fp32 copy of the logits is ever written.
-            lse = logits.to(acc).logsumexp(dim=-1)
-            losses.append(lse - logits.gather(1, label)[:, 0].to(acc))
+            lse = logits.to(math_dtype).logsumexp(dim=-1)
+            losses.append(lse - logits.gather(1, label)[:, 0].to(math_dtype))
             corrects.append(logits.argmax(dim=-1) == labels[rows])
             if need_grad:
                 # d(sum_i s_i * CE_i)/d logits = s_i * (softmax_i - onehot_i), then through the head to hidden.
                 # One pointwise expression (no scatter), so compiled it is one kernel writing mm_dtype directly.
-                softmax = (logits.to(acc) - lse[:, None]).exp()
-                grad_logits = (softmax - (vocab == label).to(acc)) * scale[rows, None]
+                softmax = (logits.to(math_dtype) - lse[:, None]).exp()
+                grad_logits = (softmax - (vocab == label).to(math_dtype)) * scale[rows, None]
                 grads.append((grad_logits.to(mm_dtype) @ head).to(hidden.dtype))
         loss = (torch.cat(losses) * scale).sum()
         correct = torch.cat(corrects)
@@ -58,9 +58,8 @@ class _BlockCrossEntropy(torch.autograd.Function):
 def default_chunk_size(vocab_size: int) -> int:
     """The largest power of two with chunk x V <= 2^29 logits (2048 rows for a 152 K or 248 K vocabulary).
 
-    Measured on the H200 (torch 2.11, compiled, V = 248320, H = 2560, N = 32768): 2048 rows peak at 2.1 GB over
-    the inputs, 4096 rows at 17 GB and 8192 at 19 GB (past ~2^30 logits Inductor writes fp32 temporaries), all at
-    the same 139 ms: smaller chunks cost nothing.
+    Past about 2^30 logits per chunk Inductor writes fp32 temporaries and the peak memory jumps, while smaller
+    chunks cost no time (docs/benchmarks.md).
     """
     return 1 << max(0, (2**29 // vocab_size).bit_length() - 1)
 
@@ -83,26 +82,17 @@ def block_cross_entropy(
 
 
 class BlockStats(NamedTuple):
-    """Sums over anchors (add them across steps or all-reduce them across ranks, then read the means)."""
+    """Sums over anchors (add them across steps or all-reduce them across ranks, then divide).
+
+    accepted / anchors is the acceptance length: the mean over anchors of 1 (the bonus token) + the drafts
+    temperature-0 verification would accept there. Anchors are uniform over response tokens; decoding's tau is a
+    mean over verify rounds, which crowd into the stretches the drafter misses, so tau is lower (replay_decoding
+    measures it)."""
 
     correct: Tensor  # [B-1] correct predictions at block positions k = 1..B-1, over weighted positions
     counted: Tensor  # [B-1] weighted (trained) positions at k = 1..B-1
     accepted: Tensor  # [] sum over counted anchors of 1 + the number of leading correct predictions
     anchors: Tensor  # [] counted anchors: those whose k = 1 position is trained
-
-    def position_accuracy(self) -> Tensor:
-        return self.correct / self.counted.clamp(min=1)
-
-    def acceptance_length(self) -> Tensor:
-        """Mean over anchors of 1 (the bonus token) + the drafts temperature-0 verification would accept there.
-
-        Anchors are uniform over response tokens; decoding's tau is a mean over verify rounds, which crowd into the
-        stretches the drafter misses, so tau is lower (replay_decoding measures it)."""
-        return self.accepted / self.anchors.clamp(min=1)
-
-    def implied_acceptance_length(self) -> Tensor:
-        """1 + sum_k prod_{j<=k} acc_j: the acceptance length the per-position accuracies imply if independent."""
-        return 1 + self.position_accuracy().cumprod(0).sum()
 
 
 def block_stats(correct: Tensor, weights: Tensor, block_size: int) -> BlockStats:

@@ -1,9 +1,10 @@
 """Streams store rows into the trainer's static step buffers.
 
 Three pieces, each with one job:
-- `split_rows` / `epoch_order`: which rows, in which order. Pure functions of (seed, epoch, rank, world), so a
-  resumed run and a run on another number of ranks see the same global batches.
-- `RowReader`: CPU threads decode rows straight into pinned host batches (`ShardStore.read_row_into`), a
+- `split_rows` / `epoch_order` / `DataPlan`: which rows, in which order, with which anchor keys. Pure functions of
+  (seed, epoch, rank, world_size), so a resumed run and a run on another number of ranks see the same global
+  batches.
+- `RowReader`: CPU threads decode rows straight into pinned host batches (`Store.read_row_into`), a
   bounded number of steps ahead. No GPU work happens off the main thread.
 - `DeviceFeed`: the main thread copies a host batch to the device on a side stream into staging buffers while
   the previous step runs, then into the static buffers just before the next step (event-synchronised).
@@ -20,14 +21,13 @@ import torch
 
 from dflash.errors import DflashError
 
-# Fields of a store row and the host dtype each one travels in. The hidden states are bf16 bits (uint16 in the
-# store); they travel as bfloat16 so that the device copy is a plain byte copy.
-FIELDS = {
-    "hidden": torch.bfloat16,
-    "input_ids": torch.int32,
-    "position_ids": torch.int32,
-    "doc_ids": torch.int32,
-    "loss_mask": torch.uint8,
+# The torch dtype each stored dtype travels in. bf16 hidden states (uint16 bits in the store) travel as
+# bfloat16 and fp8 ones as their uint8 bits, so that every device copy is a plain byte copy.
+TRAVEL_DTYPES = {
+    np.dtype(np.uint16): torch.bfloat16,
+    np.dtype(np.uint8): torch.uint8,
+    np.dtype(np.int8): torch.int8,
+    np.dtype(np.int32): torch.int32,
 }
 _SPLIT_SEED = 0x5D1F  # the held-out split must not move when the training seed changes
 
@@ -41,29 +41,82 @@ def split_rows(num_rows: int, val_fraction: float) -> tuple[np.ndarray, np.ndarr
     return np.sort(perm[n_val:]), np.sort(perm[:n_val])
 
 
-def epoch_order(rows: np.ndarray, seed: int, epoch: int, rank: int, world: int) -> np.ndarray:
+def epoch_order(rows: np.ndarray, seed: int, epoch: int, rank: int, world_size: int) -> np.ndarray:
     """This rank's rows for `epoch`: a strided slice of one permutation shared by all ranks.
 
-    Striding (rank r takes positions r, r+world, ...) rather than contiguous slices keeps the union of the
-    ranks' k-th steps equal to the k-th step of one process that takes `world` times as many rows per step,
+    Striding (rank r takes positions r, r+world_size, ...) rather than contiguous slices keeps the union of the
+    ranks' k-th steps equal to the k-th step of one process that takes `world_size` times as many rows per step,
     so the global batches do not depend on the number of ranks. The remainder is dropped so that every rank
     runs the same number of steps.
     """
     perm = rows[np.random.default_rng([seed, epoch]).permutation(len(rows))]
-    per_rank = len(rows) // world
-    return perm[rank : per_rank * world : world]
+    per_rank = len(rows) // world_size
+    return perm[rank : per_rank * world_size : world_size]
+
+
+def _row_keys(seed: int, epoch: int, rows: np.ndarray) -> np.ndarray:
+    """Per-row anchor seeds: a function of (seed, epoch, row) only, so anchors do not depend on which rank or
+    batch slot a row lands in (one process and N ranks draw the same anchors for the same row)."""
+    mix = np.random.SeedSequence([seed, epoch + 1]).generate_state(1, np.uint32)[0]
+    return (rows.astype(np.int64) * 0x9E3779B1 + int(mix)) & 0xFFFFFFFF
+
+
+@dataclass
+class DataPlan:
+    """Which rows each step of this rank reads: a pure function of the store size, the config and the rank."""
+
+    train_rows: np.ndarray
+    val_rows: np.ndarray
+    rows_per_step: int
+    seed: int
+    rank: int
+    world_size: int
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return (len(self.train_rows) // self.world_size) // self.rows_per_step
+
+    def position(self, step: int) -> tuple[int, int]:
+        """(epoch, index of the first row of `step` in this rank's epoch order)."""
+        epoch, i = divmod(step, self.steps_per_epoch)
+        return epoch, i * self.rows_per_step
+
+    def steps(self, start: int, stop: int):
+        """(rows, anchor keys) of steps start..stop-1, crossing epochs."""
+        order, order_epoch = None, None
+        for step in range(start, stop):
+            epoch, i = self.position(step)
+            if epoch != order_epoch:
+                order = epoch_order(self.train_rows, self.seed, epoch, self.rank, self.world_size)
+                order_epoch = epoch
+            rows = order[i : i + self.rows_per_step]
+            yield rows, _row_keys(self.seed, epoch, rows)
+
+    def val_batches(self, rows_per_batch: int):
+        """This rank's held-out rows in batches (with row keys, which validation's anchors do not use)."""
+        mine = self.val_rows[self.rank :: self.world_size]
+        for i in range(0, len(mine), rows_per_batch):
+            rows = mine[i : i + rows_per_batch]
+            yield rows, _row_keys(self.seed, -1, rows)  # -1: a key of its own, never a training epoch
+
+
+def row_fields(row_layout: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """A store's row arrays (`Store.row_layout`: name -> (shape, numpy dtype)) as the tensors they travel in."""
+    return {name: (shape, TRAVEL_DTYPES[np.dtype(dtype)]) for name, (shape, dtype) in row_layout.items()}
 
 
 @dataclass(frozen=True)
 class BatchShape:
     micro_batches: int  # gradient-accumulation micro-steps per step
     rows: int  # rows per micro-step
-    tokens: int  # the store's token budget
-    feature_dim: int
+    fields: dict  # row array -> (shape of one row's array, travel dtype): `row_fields` of the store
+
+    @property
+    def tokens(self) -> int:
+        return self.fields["input_ids"][0][0]
 
     def field_shape(self, name: str) -> tuple[int, ...]:
-        lead = (self.micro_batches, self.rows, self.tokens)
-        return lead + (self.feature_dim,) if name == "hidden" else lead
+        return (self.micro_batches, self.rows, *self.fields[name][0])
 
     @property
     def rows_per_step(self) -> int:
@@ -72,8 +125,8 @@ class BatchShape:
 
 def allocate_batch(shape: BatchShape, device, pin: bool = False) -> dict[str, torch.Tensor]:
     """Zeroed buffers for one step's rows; `pin` (host only) makes them page-locked for asynchronous copies."""
-    shapes = {name: (shape.field_shape(name), dtype) for name, dtype in FIELDS.items()}
-    # The anchor generator's seed for each row (see train._row_keys).
+    shapes = {name: (shape.field_shape(name), dtype) for name, (_, dtype) in shape.fields.items()}
+    # The anchor generator's seed for each row (see _row_keys).
     shapes["anchor_keys"] = ((shape.micro_batches, shape.rows), torch.int64)
     return {name: torch.zeros(s, dtype=dtype, device=device, pin_memory=pin) for name, (s, dtype) in shapes.items()}
 
@@ -142,7 +195,7 @@ class RowReader:
     def _read_into(self, slot: int, i: int, row: int):
         micro, r = divmod(i, self.shape.rows)
         views = self._views[slot]
-        self.store.read_row_into(row, {name: views[name][micro, r] for name in FIELDS})
+        self.store.read_row_into(row, {name: views[name][micro, r] for name in self.shape.fields})
 
     def next(self) -> HostBatch | None:
         """The next step's batch, fully read (None after the last step); raises a reader error here."""

@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash.config import RegenerateConfig
 from dflash.data import check_record, jsonl_lines, parse_line
 from dflash.errors import DflashError
 
@@ -112,7 +113,7 @@ def completed_count(out: Path, records: list[dict]) -> int:
         except (ValueError, AttributeError):  # not UTF-8, not JSON, not an object
             same = False
         if not same:
-            # dflash before 2026-11-29 wrote {"text": prompt + response} for text prompts.
+            # Earlier versions wrote {"text": prompt + response} for text prompts: say so rather than blame the prompts.
             source = "by an older dflash" if b'"text"' in line and "prompt" in record else "from other prompts"
             raise DflashError(
                 f"{out} line {number} does not answer prompt {number} of the data file; it was written {source}: "
@@ -136,35 +137,27 @@ def append_lines(out: Path, records: list[dict]) -> None:
 
 
 @dataclass
-class Sampling:
-    max_new_tokens: int = 512
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off (overrides a top_k in the target's generation_config)
-    seed: int = 0
-
-
-@dataclass
 class RegenerateStats:
     prompts: int
     already_done: int
     written: int
 
 
-def generate_batch(model, tokenizer, prompts: list[list[int]], sampling: Sampling, eos_ids: set[int]) -> list[str]:
-    """Generate for a batch of token-id prompts, left-padded; returns each response up to its first EOS."""
+def generate_batch(model, tokenizer, prompts: list[list[int]], cfg: RegenerateConfig, eos_ids: set[int]) -> list[str]:
+    """Generate for a batch of token-id prompts, left-padded, with `cfg`'s sampling settings; returns each response
+    up to its first EOS. A top_k of 0 turns off a top_k in the target's generation_config."""
     import torch
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
     width = max(len(ids) for ids in prompts)
     input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in prompts], device=model.device)
     attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts], device=model.device)
-    sample = sampling.temperature > 0
-    options = dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k) if sample else {}
+    sample = cfg.temperature > 0
+    options = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k) if sample else {}
     out = model.generate(
         input_ids,
         attention_mask=attention_mask,
-        max_new_tokens=sampling.max_new_tokens,
+        max_new_tokens=cfg.max_new_tokens,
         do_sample=sample,
         pad_token_id=pad_id,
         **options,
@@ -187,36 +180,29 @@ def eos_token_ids(model, tokenizer) -> set[int]:
     return ids
 
 
-def regenerate(
-    model_path: str | Path,
-    data: str | Path,
-    out: str | Path,
-    sampling: Sampling = Sampling(),
-    batch_size: int = 8,
-    device: str = "cpu",
-    dtype: str = "float32",
-    progress: bool = True,
-) -> RegenerateStats:
-    """Answer every prompt of `data` with the target at `model_path`, appending to `out` (resumable)."""
+def regenerate(cfg: RegenerateConfig, progress: bool = True) -> RegenerateStats:
+    """Answer every prompt of `cfg.data` with the target at `cfg.model`, appending to `cfg.out` (resumable)."""
     import torch
     from tqdm import tqdm
 
-    from dflash.speculative import load_target
+    from dflash.target import load_target
 
-    records = load_prompts(data)
-    out = Path(out)
+    records = load_prompts(cfg.data)
+    out = Path(cfg.out)
+    if out.is_dir():
+        raise DflashError(f"--out {out} is a folder; give the path of a JSONL file to write the responses to")
     out.parent.mkdir(parents=True, exist_ok=True)
     done = completed_count(out, records)
     if done == len(records):
         return RegenerateStats(len(records), done, 0)
-    model, tokenizer = load_target(model_path, device, dtype)
+    model, tokenizer = load_target(cfg.model, cfg.device, cfg.dtype)
     eos_ids = eos_token_ids(model, tokenizer)
     bar = tqdm(total=len(records), initial=done, unit="prompt", desc="regenerate", disable=not progress)
-    for start in range(done, len(records), batch_size):
-        batch = records[start : start + batch_size]
+    for start in range(done, len(records), cfg.batch_size):
+        batch = records[start : start + cfg.batch_size]
         # Seeded by position so that a resumed sampled run does not repeat the first run's random stream.
-        torch.manual_seed(sampling.seed + start)
-        responses = generate_batch(model, tokenizer, [encode_prompt(tokenizer, r) for r in batch], sampling, eos_ids)
+        torch.manual_seed(cfg.seed + start)
+        responses = generate_batch(model, tokenizer, [encode_prompt(tokenizer, r) for r in batch], cfg, eos_ids)
         append_lines(out, [response_record(r, text) for r, text in zip(batch, responses)])
         bar.update(len(batch))
     bar.close()

@@ -30,11 +30,12 @@ class SmokeConfig:
 
 def run_smoke(cfg: SmokeConfig) -> dict:
     """Run every stage fresh (only the tiny target is cached) and return the summary."""
+    from dflash.config import EvalConfig, RegenerateConfig, TrainConfig
+    from dflash.evaluate import evaluate
     from dflash.harvest import HarvestConfig, run_harvest
-    from dflash.regenerate import Sampling, regenerate
-    from dflash.speculative import evaluate
-    from dflash.store import ShardStore, disk_bytes
-    from dflash.train import TrainConfig, run_training
+    from dflash.regenerate import regenerate
+    from dflash.store import Store, disk_bytes
+    from dflash.train import run_training
 
     work = Path(cfg.work)
     for stale in ("shards", "run"):  # every stage but the target reruns from scratch
@@ -53,7 +54,9 @@ def run_smoke(cfg: SmokeConfig) -> dict:
     prompts = work / "prompts.jsonl"
     prompts.write_text("".join(PROMPTS.read_text().splitlines(keepends=True)[: cfg.prompts]))
     responses = work / "responses.jsonl"
-    stage("regenerate", lambda: regenerate(target, prompts, responses, Sampling(max_new_tokens=cfg.max_new_tokens)))
+    stage("regenerate", lambda: regenerate(RegenerateConfig(
+        target, str(prompts), str(responses), max_new_tokens=cfg.max_new_tokens, device="cpu", dtype="float32",
+    )))  # fmt: skip
     data = work / "train.jsonl"
     data.write_text(responses.read_text() + CORPUS.read_text())
     shards = work / "shards"
@@ -61,14 +64,15 @@ def run_smoke(cfg: SmokeConfig) -> dict:
         model=target, data=str(data), out=str(shards), token_budget=cfg.token_budget, workers=1, device="cpu",
         dtype="float32",
     )))  # fmt: skip
-    store = ShardStore.open(shards)
+    store = Store.open(shards)
     result = stage("train", lambda: run_training(TrainConfig(
-        shards=str(shards), out=str(work / "run"), max_steps=cfg.train_steps, log_every=10, device="cpu",
+        store=str(shards), out=str(work / "run"), max_steps=cfg.train_steps, log_every=10, device="cpu",
         tensorboard=False,
     )))  # fmt: skip
-    report = stage("eval", lambda: evaluate(
-        target, result["export"], prompts, max_new_tokens=cfg.eval_new_tokens, device="cpu", dtype="float32",
-    ))  # fmt: skip
+    report = stage("eval", lambda: evaluate(EvalConfig(
+        target, str(prompts), drafter=result["export"], max_new_tokens=cfg.eval_new_tokens, device="cpu",
+        dtype="float32",
+    )))  # fmt: skip
     tokens = store.manifest["counts"]["tokens"]
     last = result["records"][-1]
     summary = {

@@ -1,8 +1,9 @@
 """The harvest store: a folder holding a Zarr v3 group of per-rank parts and JSON bookkeeping.
 
-    harvest.json                      written first: format version, fingerprint, options
+    harvest.json                      written first: the manifest without counts (dflash.manifest)
     zarr.json, parts/zarr.json        Zarr v3 groups
-    parts/rank00000/<array>/          hidden, input_ids, position_ids, doc_ids, loss_mask, documents
+    projection/                       subspace stores only: P [width, feature_dim] float32
+    parts/rank00000/<array>/          hidden, (scales,) input_ids, position_ids, doc_ids, loss_mask, documents
     parts/rank00000/progress.json     rows committed; rewritten only after those rows' chunks are on disk
     manifest.json                     written last: the store is complete only once it exists
 
@@ -12,9 +13,11 @@ The exact format, and how to read it with plain zarr, is in docs/shard-format.md
 """
 
 import bisect
+import dataclasses
 import json
 import math
 import os
+import shutil
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,38 +30,70 @@ import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
 from dflash.errors import DflashError, describe_differences
-
-FORMAT_VERSION = 1
+from dflash.manifest import FORMAT_VERSION, FeatureSpec, Manifest, PartEntry, TargetSpec, TokenizerSpec, identity_of
 HARVEST_FILE = "harvest.json"
 MANIFEST_FILE = "manifest.json"
 PROGRESS_FILE = "progress.json"
+PROJECTION = "projection"
 TMP_PREFIX = ".dflash-tmp-"
 CHUNK_BYTES = 32 << 20  # uncompressed size of one hidden chunk: a row is read in a few large, parallel reads
 DOC_CHUNK = 65536
 TOKEN_ARRAYS = {"input_ids": "int32", "position_ids": "int32", "doc_ids": "int32", "loss_mask": "uint8"}
-ARRAYS = ("hidden", *TOKEN_ARRAYS, "documents")
 DOCUMENT_COLUMNS = ["doc_id", "piece", "row", "start", "length"]
-HIDDEN_ATTRIBUTES = {
-    "dtype": "bfloat16",
-    "encoding": "uint16 bit patterns of bfloat16 (zarr has no bfloat16): torch.from_numpy(a).view(torch.bfloat16)",
+HIDDEN_ENCODINGS = {
+    "bf16": "uint16 bit patterns of bfloat16 (zarr has no bfloat16): torch.from_numpy(a).view(torch.bfloat16)",
+    "fp8": "uint8 bit patterns of float8 e4m3fn (OCP, no infinities); value = fp8 * 2**scales[..., group]",
 }
+HIDDEN_DTYPES = {"bf16": np.uint16, "fp8": np.uint8}
+SCALE_DTYPE = np.int8  # power-of-two exponents: one byte per scale group
 
 
 HIDDEN_BLOSC = {"cname": "lz4", "clevel": 5}  # with bit shuffle, typesize 2
 
 
-def hidden_compressors():
-    """Blosc-LZ4 with bit shuffle: chosen by bench/codecs.py (numbers in docs/shard-format.md); CRC32C last."""
+def arrays_of(features: FeatureSpec) -> tuple[str, ...]:
+    """The arrays of one part, in write order."""
+    scales = ("scales",) if features.precision == "fp8" else ()
+    return ("hidden", *scales, *TOKEN_ARRAYS, "documents")
+
+
+def row_arrays(features: FeatureSpec, token_budget: int) -> dict[str, tuple[tuple[int, ...], type]]:
+    """Name -> (shape, numpy dtype) of every per-row array: what a reader allocates for one row."""
+    T = token_budget
+    out = {"hidden": ((T, features.width), HIDDEN_DTYPES[features.precision])}
+    if features.precision == "fp8":
+        out["scales"] = ((T, features.scale_groups), SCALE_DTYPE)
+    out.update({name: ((T,), np.dtype(dtype).type) for name, dtype in TOKEN_ARRAYS.items()})
+    return out
+
+
+def hidden_compressors(features: FeatureSpec):
+    """The codec of the stored features, chosen by bench/codecs.py (docs/shard-format.md); CRC32C last. bf16:
+    Blosc-LZ4 with bit shuffle (sign and exponent bits gather into runs). fp8: zstd, which finds what is left in
+    e4m3 bytes and bit shuffle does not."""
+    if features.precision == "fp8":
+        return [ZstdCodec(level=1), Crc32cCodec()]
     return [BloscCodec(**HIDDEN_BLOSC, shuffle="bitshuffle", typesize=2), Crc32cCodec()]
+
+
+def _hidden_encoder(features: FeatureSpec):
+    """numcodecs' implementation of hidden_compressors' first codec: the chunk writer's encoder."""
+    if features.precision == "fp8":
+        return numcodecs.Zstd(level=1)
+    return numcodecs.Blosc(**HIDDEN_BLOSC, shuffle=numcodecs.Blosc.BITSHUFFLE, typesize=2)
 
 
 def token_compressors():
     return [ZstdCodec(level=1), Crc32cCodec()]
 
 
-def hidden_chunk_tokens(token_budget: int, feature_dim: int) -> int:
+def compressors_of(name: str, features: FeatureSpec) -> list:
+    return hidden_compressors(features) if name == "hidden" else token_compressors()
+
+
+def hidden_chunk_tokens(token_budget: int, row_bytes_per_token: int) -> int:
     """Tokens per hidden chunk: the fewest equal token slices of a row that keep a chunk under CHUNK_BYTES."""
-    slices = max(1, math.ceil(token_budget * feature_dim * 2 / CHUNK_BYTES))
+    slices = max(1, math.ceil(token_budget * row_bytes_per_token / CHUNK_BYTES))
     return math.ceil(token_budget / slices)
 
 
@@ -67,20 +102,33 @@ def part_name(rank: int) -> str:
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:
-    """Write through a temporary file and rename, so readers and killed writers never see half a file."""
+    """Write through a temporary file, fsync it and rename, so readers, killed writers and a power loss never
+    leave half a file."""
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{uuid.uuid4().hex}")
     try:
-        tmp.write_text(json.dumps(obj, indent=2) + "\n")
+        with open(tmp, "w") as f:
+            f.write(json.dumps(obj, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
 
 
 def read_json(path: Path) -> dict | None:
+    """A JSON file's contents, None when it does not exist; DflashError when it is damaged."""
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
         return None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DflashError(f"{path} is damaged ({exc}); restore it, or start again in a new folder") from None
+
+
+def read_manifest(path: Path) -> Manifest | None:
+    """harvest.json or manifest.json at `path`, validated; None when the file does not exist."""
+    raw = read_json(path)
+    return None if raw is None else Manifest.from_json(raw, str(path))
 
 
 def _array_config(read: bool) -> dict:
@@ -94,8 +142,8 @@ def _array_config(read: bool) -> dict:
 # ---------------------------------------------------------------------------------------------- write side
 
 
-def check_folder(out: Path, header: dict) -> str:
-    """Classify `out` for the harvest described by `header`, writing nothing: 'new', 'resume' or 'complete'.
+def check_folder(out: Path, fingerprint: dict) -> str:
+    """Classify `out` for a harvest of this `fingerprint`, writing nothing: 'new', 'resume' or 'complete'.
 
     Refuses a folder with other content and a store made with a different fingerprint (naming the fields).
     """
@@ -103,21 +151,22 @@ def check_folder(out: Path, header: dict) -> str:
         return "new"
     if not out.is_dir():
         raise DflashError(f"--out {out} is a file, not a folder; choose a new or empty folder")
-    existing = read_json(out / HARVEST_FILE)
-    if existing is None:
-        others = sorted(p.name for p in out.iterdir() if not p.name.startswith(TMP_PREFIX))
+    raw = read_json(out / HARVEST_FILE)
+    if raw is None:  # a harvest stopped before harvest.json may have left its calibration
+        others = sorted(p.name for p in out.iterdir() if not p.name.startswith(TMP_PREFIX) and p.name != PROJECTION)
         if others:
             shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
             raise DflashError(
                 f"--out {out} holds other content ({shown}) and is not a dflash store; choose a new or empty folder"
             )
         return "new"
-    if existing.get("format_version") != FORMAT_VERSION:
+    if raw.get("format_version") != FORMAT_VERSION:
         raise DflashError(
-            f"{out} is a dflash store of format version {existing.get('format_version')}, this dflash writes "
+            f"{out} is a dflash store of format version {raw.get('format_version')}, this dflash writes "
             f"version {FORMAT_VERSION}; harvest into a new folder"
         )
-    details = describe_differences(existing["fingerprint"], header["fingerprint"], "store has", "this run")
+    existing = Manifest.from_json(raw, str(out / HARVEST_FILE))
+    details = describe_differences(existing.fingerprint, fingerprint, "store has", "this run")
     if details:
         raise DflashError(
             f"{out} holds a harvest made with different settings ({details}); rerun with the store's settings "
@@ -126,11 +175,11 @@ def check_folder(out: Path, header: dict) -> str:
     return "complete" if (out / MANIFEST_FILE).exists() else "resume"
 
 
-def create_store(out: Path, header: dict) -> None:
+def create_store(out: Path, header: Manifest) -> None:
     """Create the folder, `harvest.json` (first) and the root groups; a no-op on an existing store."""
     out.mkdir(parents=True, exist_ok=True)
     if not (out / HARVEST_FILE).exists():
-        write_json_atomic(out / HARVEST_FILE, header)
+        write_json_atomic(out / HARVEST_FILE, header.header().to_json())
     _ensure_group(out)
     _ensure_group(out / "parts")
 
@@ -150,7 +199,7 @@ class PartSpec:
     rank: int
     rows: int
     token_budget: int
-    feature_dim: int
+    features: FeatureSpec
     documents: np.ndarray  # int64 [n, 5]: DOCUMENT_COLUMNS, row local to the part
     counts: dict  # documents, tokens, loss_tokens, padding_tokens
 
@@ -172,17 +221,25 @@ class PartWriter:
             for leftover in [*self.folder.rglob("*.partial"), *self.folder.glob(f"{TMP_PREFIX}*")]:
                 leftover.unlink(missing_ok=True)
         group = zarr.open_group(self.folder, mode="r+")
-        self.arrays = {name: group[name].with_config(_array_config(read=False)) for name in ARRAYS}
-        self.hidden = HiddenChunkWriter(self.arrays["hidden"], self.folder / "hidden")
+        self.arrays = {name: group[name].with_config(_array_config(read=False)) for name in arrays_of(spec.features)}
+        self.hidden = HiddenChunkWriter(self.arrays["hidden"], self.folder / "hidden", spec.features)
 
     def _create(self, out: Path, spec: PartSpec) -> None:
         group = _ensure_group(self.folder)
-        T, F = spec.token_budget, spec.feature_dim
+        T, f = spec.token_budget, spec.features
         write = dict(overwrite=True, config=_array_config(read=False))
+        chunk = hidden_chunk_tokens(T, f.width * f.bytes_per_value)
         group.create_array(
-            "hidden", shape=(spec.rows, T, F), chunks=(1, hidden_chunk_tokens(T, F), F), dtype="uint16",
-            compressors=hidden_compressors(), fill_value=0, attributes=HIDDEN_ATTRIBUTES, **write,
+            "hidden", shape=(spec.rows, T, f.width), chunks=(1, chunk, f.width), dtype=HIDDEN_DTYPES[f.precision],
+            compressors=hidden_compressors(f), fill_value=0, **write,
+            attributes={"precision": f.precision, "encoding": HIDDEN_ENCODINGS[f.precision]},
         )  # fmt: skip
+        if f.precision == "fp8":
+            group.create_array(
+                "scales", shape=(spec.rows, T, f.scale_groups), chunks=(1, T, f.scale_groups), dtype=SCALE_DTYPE,
+                compressors=token_compressors(), fill_value=0, attributes={"meaning": "log2 of each group's scale"},
+                **write,
+            )  # fmt: skip
         for name, dtype in TOKEN_ARRAYS.items():
             fill = -1 if name == "doc_ids" else 0
             group.create_array(
@@ -201,12 +258,14 @@ class PartWriter:
     def rows_committed(self) -> int:
         return self.progress["rows_committed"]
 
-    def write_rows(self, first_row: int, hidden: np.ndarray, tokens: dict[str, np.ndarray]) -> None:
-        """Write rows [first_row, first_row + len(hidden)): hidden uint16 [r, T, F] and TOKEN_ARRAYS [r, T]."""
+    def write_rows(self, first_row: int, hidden: np.ndarray, others: dict[str, np.ndarray]) -> None:
+        """Write rows [first_row, first_row + len(hidden)): hidden [r, T, W] (bf16 or fp8 bits), and the other
+        row arrays (scales [r, T, G] for fp8, TOKEN_ARRAYS [r, T])."""
         rows = slice(first_row, first_row + len(hidden))
         self.hidden.write_rows(first_row, hidden)
-        for name in TOKEN_ARRAYS:
-            self.arrays[name][rows] = tokens[name]
+        for name in self.arrays:
+            if name not in ("hidden", "documents"):
+                self.arrays[name][rows] = others[name]
 
     def commit(self, rows_committed: int) -> None:
         """Record rows as durable; call only once write_rows for them has returned."""
@@ -223,11 +282,11 @@ class HiddenChunkWriter:
     and renamed, as zarr does, so a killed write never leaves a half chunk.
     """
 
-    def __init__(self, array: zarr.Array, folder: Path, threads: int | None = None):
+    def __init__(self, array: zarr.Array, folder: Path, features: FeatureSpec, threads: int | None = None):
         self.array, self.folder = array, folder
         threads = threads or max(1, min(8, (os.cpu_count() or 2) - 1))  # leave a core to the launching thread
         self.chunk_tokens = array.chunks[1]
-        self.codec = numcodecs.Blosc(**HIDDEN_BLOSC, shuffle=numcodecs.Blosc.BITSHUFFLE)
+        self.codec = _hidden_encoder(features)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="dflash-chunks")
 
     def write_rows(self, first_row: int, hidden: np.ndarray) -> None:
@@ -255,44 +314,129 @@ def part_progress(out: Path, world_size: int) -> list[dict | None]:
     return [read_json(out / "parts" / part_name(rank) / PROGRESS_FILE) for rank in range(world_size)]
 
 
-def finalize(out: Path, world_size: int, header: dict) -> bool:
+def finalize(out: Path, header: Manifest) -> bool:
     """Write `manifest.json` if every part is done; whichever rank finishes last does it (idempotently).
 
-    The manifest is `header` (the contents of harvest.json) plus the counts and rows of every part.
+    The manifest is `header` (the contents of harvest.json) plus its identity and the counts and rows of every part.
     """
-    progress = part_progress(out, world_size)
+    progress = part_progress(out, header.world_size)
     if any(p is None or p["rows_committed"] < p["rows"] for p in progress):
         return False
-    parts = [{"name": part_name(rank), "rows": p["rows"], **p["counts"]} for rank, p in enumerate(progress)]
-    counts = {key: sum(part[key] for part in parts) for key in progress[0]["counts"]}
-    counts["rows"] = sum(part["rows"] for part in parts)
-    write_json_atomic(out / MANIFEST_FILE, {**header, "counts": counts, "parts": parts})
+    parts = [PartEntry(part_name(rank), p["rows"], **p["counts"]) for rank, p in enumerate(progress)]
+    manifest = dataclasses.replace(header, identity=identity_of(header)).with_parts(parts)
+    write_json_atomic(out / MANIFEST_FILE, manifest.to_json())
     return True
+
+
+def write_projection(out: Path, projection: np.ndarray, calibration: dict) -> tuple[np.ndarray, dict]:
+    """Store P [width, feature_dim] (float32) with its calibration record, once: the first rank to finish its
+    calibration wins and every later rank reads the stored one, so all ranks project with the same matrix.
+    Returns the stored (P, calibration)."""
+    if (out / PROJECTION / "zarr.json").exists():
+        return read_projection(out)
+    tmp = out / f"{TMP_PREFIX}{PROJECTION}.{uuid.uuid4().hex}"
+    zarr.create_array(tmp, data=projection.astype(np.float32), chunks=projection.shape, compressors=token_compressors(),
+                      attributes={"meaning": "stored features = P @ concatenated features", **calibration})  # fmt: skip
+    try:
+        os.rename(tmp, out / PROJECTION)  # atomic; fails when another rank's is already there, which then wins
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return read_projection(out)
+
+
+def read_projection(out: Path) -> tuple[np.ndarray, dict] | None:
+    """(P, calibration record) of a subspace store, None when it has none (yet)."""
+    if not (out / PROJECTION / "zarr.json").exists():
+        return None
+    array = zarr.open_array(out / PROJECTION, mode="r")
+    return np.asarray(array[:]), dict(array.attrs)
+
+
+def new_manifest(
+    *,
+    target: TargetSpec,
+    layer_ids: list[int],
+    token_budget: int,
+    tokenizer: TokenizerSpec,
+    fingerprint: dict,
+    features: FeatureSpec | None = None,
+    options: dict | None = None,
+    data: dict | None = None,
+    dflash_version: str = "",
+) -> Manifest:
+    """The header of a new store (harvest.json): what the harvest, the tests and the benchmarks all write."""
+    feature_dim = len(layer_ids) * target.hidden_size
+    features = features or FeatureSpec("bf16", feature_dim, 0, None)
+    return Manifest(
+        format_version=FORMAT_VERSION,
+        dflash_version=dflash_version,
+        fingerprint={**fingerprint, "format_version": FORMAT_VERSION},
+        options=options or {},
+        target=target,
+        layer_ids=tuple(layer_ids),
+        feature_dim=feature_dim,
+        features=features,
+        dtype="bfloat16",
+        token_budget=token_budget,
+        tokenizer=tokenizer,
+        data=data or {},
+        codecs={
+            "hidden": [codec.to_dict() for codec in hidden_compressors(features)],
+            "tokens": [codec.to_dict() for codec in token_compressors()],
+        },
+    )
+
+
+def write_store(out: Path, header: Manifest, parts: list["PartContent"], projection: np.ndarray | None = None) -> "Store":
+    """A complete store of given rows through the real writers, for tests and benchmarks (no target involved);
+    `projection`: P of a subspace store."""
+    if projection is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        write_projection(out, projection, {"captured": header.features.subspace.captured, "calibration_tokens": 0,
+                                           "calibration_documents": 0})  # fmt: skip
+    create_store(out, header)
+    for rank, content in enumerate(parts):
+        writer = PartWriter(out, PartSpec(rank, content.rows, header.token_budget, header.features, content.documents,
+                                          content.counts))  # fmt: skip
+        for r in range(content.rows):
+            hidden, others = content.row(r)
+            writer.write_rows(r, hidden[None], {name: value[None] for name, value in others.items()})
+        writer.commit(content.rows)
+    if not finalize(out, header):
+        raise RuntimeError(f"the store at {out} did not complete")
+    return Store.open(out)
+
+
+@dataclass
+class PartContent:
+    """One part's rows for `write_store`: row(r) -> (hidden [T, W] stored bits, {other row array: [T] or [T, G]})."""
+
+    rows: int
+    documents: np.ndarray  # int64 [n, 5]: DOCUMENT_COLUMNS
+    counts: dict  # documents, tokens, loss_tokens, padding_tokens
+    row: object
 
 
 # ----------------------------------------------------------------------------------------------- read side
 
 
-def _open_manifest(path: Path) -> dict:
-    manifest = read_json(path / MANIFEST_FILE)
-    if manifest is None:
-        header = read_json(path / HARVEST_FILE)
-        if header is None:
-            raise DflashError(f"{path} is not a dflash store (no {HARVEST_FILE} or {MANIFEST_FILE})")
-        done = sum(
-            p is not None and p["rows_committed"] == p["rows"]
-            for p in part_progress(path, header["fingerprint"]["world_size"])
-        )
-        raise DflashError(
-            f"{path} is an incomplete store ({done} of {header['fingerprint']['world_size']} parts done, no "
-            f"{MANIFEST_FILE}); rerun the same harvest command to finish it"
-        )
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise DflashError(
-            f"{path} has store format version {manifest.get('format_version')}; this dflash reads version "
-            f"{FORMAT_VERSION}: use a matching dflash version or harvest again"
-        )
-    return manifest
+def _open_manifest(path: Path) -> Manifest:
+    if not path.is_dir():
+        raise DflashError(f"{path} is not a folder; pass the folder a harvest wrote (it holds {MANIFEST_FILE})")
+    manifest = read_manifest(path / MANIFEST_FILE)
+    if manifest is not None:
+        if not manifest.complete:
+            raise DflashError(f"{path / MANIFEST_FILE} has no counts; the file is damaged: restore it or harvest again")
+        return manifest
+    header = read_manifest(path / HARVEST_FILE)
+    if header is None:
+        raise DflashError(f"{path} is not a dflash store (no {HARVEST_FILE} or {MANIFEST_FILE})")
+    progress = part_progress(path, header.world_size)
+    done = sum(p is not None and p["rows_committed"] == p["rows"] for p in progress)
+    raise DflashError(
+        f"{path} is an incomplete store ({done} of {header.world_size} parts done, no {MANIFEST_FILE}); rerun the "
+        "same harvest command to finish it"
+    )
 
 
 # The codecs the direct reader decodes itself (zarr's codec name -> numcodecs' implementation of the same format).
@@ -353,35 +497,47 @@ class ChunkReader:
         return encoded
 
 
-class ShardStore:
+class Store:
     """Read side: opening reads only the manifest and the arrays' metadata, whatever the store's size."""
 
-    def __init__(self, path: Path, manifest: dict):
+    def __init__(self, path: Path, manifest: Manifest):
         self.path = path
         self.manifest = manifest
-        self.token_budget = manifest["token_budget"]
-        self.feature_dim = manifest["feature_dim"]
-        self.num_rows = manifest["counts"]["rows"]
-        self.part_names = [part["name"] for part in manifest["parts"]]
-        self.part_starts = np.cumsum([0] + [part["rows"] for part in manifest["parts"]]).tolist()
+        self.features = manifest.features
+        self.token_budget = manifest.token_budget
+        self.num_rows = manifest.counts.rows
+        self.part_names = [part.name for part in manifest.parts]
+        self.part_starts = np.cumsum([0] + [part.rows for part in manifest.parts]).tolist()
+        self.row_layout = row_arrays(self.features, self.token_budget)
         group = zarr.open_group(path, mode="r")
+        names = arrays_of(self.features)
         self.parts = [
-            {name: group[f"parts/{part}/{name}"].with_config(_array_config(read=True)) for name in ARRAYS}
+            {name: group[f"parts/{part}/{name}"].with_config(_array_config(read=True)) for name in names}
             for part in self.part_names
         ]
         self.row_readers = [
             {
-                name: ChunkReader(arrays[name], path / "parts" / part / name,
-                                  hidden_compressors() if name == "hidden" else token_compressors())
-                for name in ("hidden", *TOKEN_ARRAYS)
+                name: ChunkReader(arrays[name], path / "parts" / part / name, compressors_of(name, self.features))
+                for name in self.row_layout
             }
             for arrays, part in zip(self.parts, self.part_names)
-        ]  # fmt: skip
+        ]
+        self.projection = None  # P [width, feature_dim] float32 for a subspace store
+        if self.features.subspace is not None:
+            stored = read_projection(path)
+            if stored is None or stored[0].shape != (self.features.width, manifest.feature_dim):
+                raise DflashError(f"{path} is a subspace store without a valid {PROJECTION} array; the store is damaged: harvest again")
+            self.projection = stored[0]
 
     @classmethod
-    def open(cls, path) -> "ShardStore":
+    def open(cls, path) -> "Store":
         path = Path(path)
         return cls(path, _open_manifest(path))
+
+    @property
+    def feature_dim(self) -> int:
+        """Width of the target's concatenated features (what the exported drafter's fc takes)."""
+        return self.manifest.feature_dim
 
     def locate(self, i: int) -> tuple[int, int]:
         """(part index, row within the part) of global row i."""
@@ -391,24 +547,24 @@ class ShardStore:
         return part, i - self.part_starts[part]
 
     def read_row(self, i: int) -> dict[str, np.ndarray]:
-        """Row i as new arrays: hidden [T, F] uint16 (bfloat16 bits), the token arrays [T]."""
-        T, F = self.token_budget, self.feature_dim
-        out = {"hidden": np.empty((T, F), np.uint16)}
-        out.update({name: np.empty(T, dtype) for name, dtype in TOKEN_ARRAYS.items()})
+        """Row i as new arrays (`row_layout`: hidden [T, W] as stored bits, scales [T, G] for fp8, token arrays [T])."""
+        out = {name: np.empty(shape, dtype) for name, (shape, dtype) in self.row_layout.items()}
         self.read_row_into(i, out)
         return out
 
     def read_row_into(self, i: int, out: dict[str, np.ndarray]) -> None:
-        """Row i into the caller's arrays (hidden [T, F] int16 or uint16: bfloat16 bits; token arrays [T]):
-        the trainer's reader decodes straight into its pinned batch, with no copy in between."""
+        """Row i into the caller's arrays (the trainer's pinned slots): integers of the stored size for hidden and
+        scales (the stored bits, e.g. int16 for bf16), the token arrays' own dtypes; no copy in between."""
         part, row = self.locate(i)
-        T = self.token_budget
-        for name, shape in {"hidden": (T, self.feature_dim), **{name: (T,) for name in TOKEN_ARRAYS}}.items():
+        for name, (shape, dtype) in self.row_layout.items():
             if out[name].shape != shape:
                 raise DflashError(f"the store's rows have {name} of shape {shape}, the reader expects {out[name].shape}")
-        if out["hidden"].dtype not in (np.int16, np.uint16):
-            raise DflashError(f"hidden states are bfloat16 bits: read them into int16 or uint16 (a view of a bfloat16 "
-                              f"tensor), not {out['hidden'].dtype}")  # fmt: skip
+        stored = np.dtype(self.row_layout["hidden"][1])
+        if out["hidden"].dtype.kind not in "iu" or out["hidden"].dtype.itemsize != stored.itemsize:
+            raise DflashError(
+                f"hidden states are stored as {self.features.precision} bits: read them into {stored.itemsize}-byte "
+                f"integers (a view of the tensor), not {out['hidden'].dtype}"
+            )
         for name, chunk_reader in self.row_readers[part].items():
             try:
                 chunk_reader.read_row_into(row, out[name])
@@ -435,7 +591,7 @@ def disk_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
-def verify(store: ShardStore, progress=None, threads: int = 8) -> list[str]:
+def check_chunks(store: Store, progress=None, threads: int = 8) -> list[str]:
     """Read every chunk of every array; return one line per missing or corrupt chunk, naming part/array/row."""
     jobs = [
         (part, name, array, coords)

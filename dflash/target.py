@@ -1,4 +1,7 @@
-"""The frozen target: loaded truncated after its last tapped layer, it yields the drafter's context features.
+"""The frozen target: tapped for the harvest, or whole for generation (`load_target`).
+
+For the harvest, `TappedTarget` is loaded truncated after its last tapped layer and yields the drafter's context
+features; `default_layer_ids` is the DFlash rule for which layers to tap.
 
 Only the embedding and layers 0..max(layer_ids) are loaded (no later layer, final norm or LM head); forward
 hooks copy each tapped layer's output into one preallocated [B, T, n*H] tensor, so nothing else is kept.
@@ -7,34 +10,20 @@ padding or another document, and its features equal those of a standalone forwar
 """
 
 import hashlib
-import inspect
-import json
 import logging
 import numbers
-import os
-import sys
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
 
+from dflash.device import local_device, resolve_dtype
 from dflash.errors import DflashError
+from dflash.kernels import GPU_EXTRA, describe_kernels, select_kernels
+from dflash.target_files import config_hash, load_config
 
 logger = logging.getLogger("dflash")
-
-GPU_EXTRA = "pip install 'dflash[gpu]'"
-EMBEDDING_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "embed_tokens.weight")
-HEAD_KEYS = ("lm_head.weight", "model.lm_head.weight")
-# The module globals of transformers' hybrid modeling files (qwen3_5, qwen3_5_moe, qwen3_next) that the layers
-# look up at call time: patching them changes the kernel a layer runs. A forward over a sequence (the harvest,
-# prefill, verify) runs the first two; decoding one token at a time with a cache runs the last two.
-GATED_DELTA_RULE = "torch_chunk_gated_delta_rule"
-CAUSAL_CONV1D = "causal_conv1d_fn"
-SEQUENCE_FUNCTIONS = {"gated_delta_rule": GATED_DELTA_RULE, "causal_conv1d": CAUSAL_CONV1D}
-DECODE_FUNCTIONS = {"recurrent_gated_delta_rule": "torch_recurrent_gated_delta_rule", "causal_conv1d_update": "causal_conv1d_update"}
-MASK_TOKEN = "<|MASK|>"  # the token of the target's vocabulary that fills a drafter block after its first slot
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -45,20 +34,6 @@ class TargetInfo:
     hidden_size: int
     num_layers: int  # of the whole target, not of the truncated copy
     vocab_size: int
-
-
-def local_device(requested: str | None) -> torch.device:
-    """This process's device: the requested one, else cuda:$LOCAL_RANK when CUDA is there, else the CPU. A bare
-    "cuda" also means this process's own GPU (LOCAL_RANK under torchrun), never GPU 0 for every rank."""
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device(requested or ("cuda" if torch.cuda.is_available() else "cpu"))
-    device = torch.device("cuda", local) if device.type == "cuda" and device.index is None else device
-    if device.type == "cuda" and device.index >= torch.cuda.device_count():
-        raise DflashError(
-            f"device {device} asked for, but this machine has {torch.cuda.device_count()} CUDA device(s) "
-            f"(torch {torch.__version__}); use --device cpu, or fewer processes per node"
-        )
-    return device
 
 
 def default_layer_ids(num_layers: int, n: int = 5) -> list[int]:
@@ -112,7 +87,7 @@ class TappedTarget:
         info = TargetInfo(
             name=Path(path).name if Path(path).is_dir() else str(path),
             model_type=config.model_type,
-            config_hash=_config_hash(path),
+            config_hash=config_hash(path),
             hidden_size=text_config.hidden_size,
             num_layers=num_layers,
             vocab_size=text_config.vocab_size,
@@ -175,74 +150,7 @@ class TappedTarget:
         self._features[..., slot * size : (slot + 1) * size] = hidden
 
 
-def load_embedding_and_head(path: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's embed_tokens [V, H] and lm_head [V, H] weights, read alone from its safetensors files."""
-    from safetensors import safe_open
-
-    file_of = _tensor_files(path)
-    embed_key = _find_key(file_of, EMBEDDING_KEYS, "embed_tokens.weight", path)
-    # Tying is a property of the whole checkpoint, so the top-level config decides (not a VL text_config).
-    tied = bool(getattr(load_config(path, "--target"), "tie_word_embeddings", False))
-    head_key = embed_key if tied else _find_key(file_of, HEAD_KEYS, "lm_head.weight", path)
-    tensors = {}
-    for key in {embed_key, head_key}:
-        with safe_open(_checkpoint_file(path, file_of[key]), framework="pt") as shard:
-            tensors[key] = shard.get_tensor(key)
-    return tensors[embed_key], tensors[head_key]
-
-
-def _tensor_files(path: str) -> dict[str, str]:
-    """Tensor name -> the checkpoint file (name within the checkpoint) that holds it."""
-    from safetensors import safe_open
-
-    index = _checkpoint_file(path, "model.safetensors.index.json")
-    if index is not None:
-        return json.loads(Path(index).read_text())["weight_map"]
-    single = _checkpoint_file(path, "model.safetensors")
-    if single is None:
-        raise DflashError(f"{path} holds no model.safetensors nor model.safetensors.index.json; save the target as safetensors")
-    with safe_open(single, framework="pt") as shard:
-        return dict.fromkeys(shard.keys(), "model.safetensors")
-
-
-def _find_key(file_of: dict[str, str], preferred: tuple[str, ...], suffix: str, path: str) -> str:
-    """The first preferred name present, else the one text-model tensor whose name ends with `suffix`."""
-    for key in preferred:
-        if key in file_of:
-            return key
-    candidates = [k for k in file_of if k.endswith(suffix) and not any(part in k for part in ("mtp", "visual", "vision"))]
-    if len(candidates) == 1:
-        return candidates[0]
-    found = f"candidates {candidates}" if candidates else "no tensor of that name"
-    raise DflashError(f"cannot find the target's {suffix} in {path} ({found}); is this a complete causal-LM checkpoint?")
-
-
 # ---- loading ------------------------------------------------------------------------------------------------
-
-
-def load_config(path: str, flag: str = "--model"):
-    """The checkpoint's transformers config; `flag` names the option that takes the checkpoint, for the error."""
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        raise DflashError(f"cannot load a model config from {path}: {exc}; pass {flag} a transformers checkpoint folder") from exc
-
-
-def _checkpoint_file(path: str, filename: str) -> str | None:
-    """Local path of a checkpoint file (downloaded when `path` is a hub name), None when there is none."""
-    from transformers.utils import cached_file
-
-    try:
-        return cached_file(path, filename, _raise_exceptions_for_missing_entries=False)
-    except OSError as exc:
-        raise DflashError(f"cannot read {filename} of {path}: {exc}; pass --model a transformers checkpoint folder") from exc
-
-
-def _config_hash(path: str) -> str:
-    config = json.loads(Path(_checkpoint_file(path, "config.json")).read_text())
-    return hashlib.sha256(json.dumps(config, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _load_truncated(path: str, text_config, keep: int, dtype) -> torch.nn.Module:
@@ -272,84 +180,22 @@ def _load_truncated(path: str, text_config, keep: int, dtype) -> torch.nn.Module
     return model.eval().requires_grad_(False)
 
 
-# ---- kernels ------------------------------------------------------------------------------------------------
+def load_target(path: str | Path, device: str | torch.device | None = "cpu", dtype: str | torch.dtype = "float32"):
+    """The full target (with LM head) for generation, frozen, and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-
-def select_kernels(model: torch.nn.Module, device: torch.device, allow_slow: bool, generation: bool = False) -> dict[str, str]:
-    """Name the kernel of each hybrid-layer function and patch transformers' choice where it falls short.
-
-    On CPU: the reference code (fla, if installed, is kept for CUDA tensors only). On CUDA: fla's Triton conv
-    when causal-conv1d is missing, and a DflashError when a sequence function would run on the reference code
-    (unless `allow_slow`). `generation`: the target also decodes with a cache: the one-token functions are
-    reported too, and transformers' conv is not replaced (fla's conv wrapper is checked on cacheless forwards
-    only). The patches are module globals, so they hold for the whole process: generation after a harvest in
-    the same process keeps the harvest's conv (and reports it).
-    """
-    kernels = {"attention": model.config._attn_implementation}
-    modeling = sys.modules[type(model).__module__]
-    is_hybrid = "linear_attention" in (getattr(model.config, "layer_types", None) or [])
-    if not (is_hybrid and all(hasattr(modeling, name) for name in SEQUENCE_FUNCTIONS.values())):
-        return kernels
-    reported = {**SEQUENCE_FUNCTIONS, **(DECODE_FUNCTIONS if generation else {})}
-    reported = {role: name for role, name in reported.items() if hasattr(modeling, name)}
-    if device.type != "cuda":
-        # transformers binds fla's Triton kernels whatever the device, and they take CUDA tensors only.
-        for name in {**SEQUENCE_FUNCTIONS, **DECODE_FUNCTIONS}.values():
-            function = getattr(modeling, name, None)
-            if function is not None and _kernel_name(function) != "torch-reference" and not hasattr(function, "fast"):
-                setattr(modeling, name, _cuda_only(function, function.__wrapped__))
-        return {**kernels, **{role: "torch-reference" for role in reported}}
-    kernels.update({role: _kernel_name(getattr(modeling, name)) for role, name in reported.items()})
-    if kernels["causal_conv1d"] == "torch-reference" and kernels["gated_delta_rule"] == "fla" and not generation:
-        # causal-conv1d is missing (it builds from source only): fla's Triton conv is the next best.
-        setattr(modeling, CAUSAL_CONV1D, _cuda_only(_fla_causal_conv1d_fn, getattr(modeling, CAUSAL_CONV1D)))
-        kernels["causal_conv1d"] = "fla-triton"
-    slow = [role for role in SEQUENCE_FUNCTIONS if kernels[role] == "torch-reference"]
-    if slow and not allow_slow:
-        raise DflashError(
-            f"the target's {' and '.join(slow)} would run on PyTorch reference code, more than 10x slower on GPU: "
-            f"flash-linear-attention is not installed; run {GPU_EXTRA} (and optionally pip install causal-conv1d), "
-            "or pass --allow-slow-kernels to accept the slow path"
-        )
-    return kernels
-
-
-def describe_kernels(kernels: dict[str, str]) -> str:
-    """The log line's `role kernel, ...`."""
-    return ", ".join(f"{role} {kernel}" for role, kernel in kernels.items())
-
-
-def _kernel_name(function) -> str:
-    """Which implementation transformers' kernel-with-fallback wrapper (or our patch) dispatches to on CUDA."""
-    function = getattr(function, "fast", function)
-    if function is _fla_causal_conv1d_fn:
-        return "fla-triton"
-    try:
-        bound = inspect.getclosurevars(function).nonlocals
-    except TypeError:
-        return "unknown"
-    implementation = bound.get("implementation")
-    if implementation is None:
-        return "unknown"
-    if implementation is bound.get("torch_function"):
-        return "torch-reference"
-    return implementation.__module__.split(".")[0].replace("_", "-")
-
-
-def _cuda_only(fast, reference):
-    """A module-global replacement that sends CUDA tensors to `fast` and any other to the reference code."""
-
-    def routed(*args, **kwargs):
-        return (fast if args[0].is_cuda else reference)(*args, **kwargs)
-
-    routed.fast, routed.__wrapped__ = fast, reference
-    return routed
-
-
-def _fla_causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **_kwargs):
-    """transformers' causal_conv1d_fn contract ([B, D, T] in and out) on fla's Triton conv ([B, T, D])."""
-    from fla.modules.causal_conv1d import causal_conv1d
-
-    # transformers hands in a transposed view of a contiguous [B, T, D]: transposing back costs no copy.
-    output, _ = causal_conv1d(x=hidden_states.transpose(1, 2), weight=weight, bias=bias, activation=activation)
-    return output.transpose(1, 2)
+    if not (Path(path) / "config.json").is_file():
+        raise DflashError(f"{path} is not a model folder (no config.json); pass the target's local folder")
+    device = local_device(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device))
+    kernels = select_kernels(model, device, allow_slow=True, generation=True)
+    model = model.to(device).eval()
+    model.requires_grad_(False)
+    logger.info("target %s on %s; kernels: %s", path, device, describe_kernels(kernels))
+    # The convolutions' reference code is a small op: the delta rules are the ones that cost.
+    slow = [role for role in ("gated_delta_rule", "recurrent_gated_delta_rule")
+            if device.type == "cuda" and kernels.get(role) == "torch-reference"]  # fmt: skip
+    if slow:
+        logger.warning("the target's %s run on PyTorch reference code on the GPU: correct but slow; run %s for the "
+                       "fast kernels", " and ".join(slow), GPU_EXTRA)  # fmt: skip
+    return model, AutoTokenizer.from_pretrained(path)

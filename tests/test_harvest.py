@@ -7,6 +7,7 @@ rounding by one unit in the last place, so stored values must be within 1 bf16 u
 absolute near zero) of the reference, and almost all of them (>= 99 %) bit-identical.
 """
 
+import dataclasses
 import errno
 import json
 import os
@@ -27,7 +28,7 @@ from cli.main import main
 from dflash.data import DataConfig, load_documents, load_tokenizer
 from dflash.harvest import HarvestConfig, run_harvest
 from dflash import store
-from dflash.store import ShardStore
+from dflash.store import Store
 from dflash.tiny import CORPUS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,7 +72,7 @@ def harvested(tiny_target, data_file, tmp_path_factory):
 
 def stored_documents(path) -> dict[tuple[int, int], dict[str, np.ndarray]]:
     """(doc_id, piece) -> that document's slice of every row array, located through the documents table."""
-    shards = ShardStore.open(path)
+    shards = Store.open(path)
     rows, documents = {}, {}
     for doc_id, piece, row, start, length in shards.documents().tolist():
         if row not in rows:
@@ -123,7 +124,7 @@ def test_features_equal_a_standalone_forward_of_each_document(arch, harvested, t
     documents = stored_documents(harvested(arch))
     lengths = [len(doc["input_ids"]) for doc in documents.values()]
     assert min(lengths) <= 4 and max(lengths) == BUDGET  # very different lengths share rows and batches
-    layers = ShardStore.open(harvested(arch)).manifest["layer_ids"]
+    layers = list(Store.open(harvested(arch)).manifest.layer_ids)
     model = AutoModelForCausalLM.from_pretrained(tiny_target(arch), dtype=torch.float32).eval()
     identical = []
     with torch.no_grad():
@@ -175,7 +176,7 @@ def test_every_document_once_in_exact_rows_with_padding_masked(harvested, tiny_t
         np.testing.assert_array_equal(got["position_ids"], np.arange(len(doc.input_ids)))
         assert (got["doc_ids"] == doc.doc_id).all()
 
-    shards = ShardStore.open(path)
+    shards = Store.open(path)
     covered = np.zeros((shards.num_rows, BUDGET), np.int64)
     for _, _, row, start, length in shards.documents().tolist():
         covered[row, start : start + length] += 1
@@ -187,7 +188,7 @@ def test_every_document_once_in_exact_rows_with_padding_masked(harvested, tiny_t
         assert (row["doc_ids"][pad] == -1).all() and (row["doc_ids"][~pad] >= 0).all()
         assert not row["loss_mask"][pad].any() and not row["input_ids"][pad].any() and not row["position_ids"][pad].any()
         assert not row["hidden"][pad].any()
-    counts = shards.manifest["counts"]
+    counts = dataclasses.asdict(shards.manifest.counts)
     assert counts["documents"] == len(expected) and counts["tokens"] == int((covered == 1).sum())
     assert counts["padding_tokens"] == int((covered == 0).sum()) < 0.05 * covered.size  # tight packing
 
@@ -251,9 +252,9 @@ def test_two_ranks_make_one_store_equal_to_one_rank(harvested, tiny_target, data
     for process in processes:
         _, stderr = process.communicate(timeout=300)
         assert process.returncode == 0, stderr[-2000:]
-    manifest = ShardStore.open(out).manifest
-    assert [part["name"] for part in manifest["parts"]] == ["rank00000", "rank00001"]
-    assert all(part["documents"] > 0 for part in manifest["parts"])
+    manifest = Store.open(out).manifest
+    assert [part.name for part in manifest.parts] == ["rank00000", "rank00001"]
+    assert all(part.documents > 0 for part in manifest.parts)
     assert_same_content(out, harvested("qwen3"))
 
 
@@ -370,7 +371,7 @@ def test_a_slow_writer_shows_up_as_forward_thread_waiting(tiny_target, data_file
     monkeypatch.setattr(harvest, "_run_rows", lambda *args: stalls.append(run_rows(*args)) or stalls[-1])
     out, options = tmp_path / "store", {**OPTIONS, "forward_tokens": 8 * BUDGET}  # 8 rows a group: fewer groups
     run_harvest(HarvestConfig(model=str(tiny_target("qwen3")), data=str(data_file), out=str(out), **options))
-    rows = ShardStore.open(out).num_rows
+    rows = Store.open(out).num_rows
     groups = -(-rows // 8)
     (s,) = stalls
     assert s.groups == groups

@@ -13,7 +13,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import quality  # noqa: E402
-from dflash.speculative import evaluate  # noqa: E402
+from dflash.config import EvalConfig  # noqa: E402
+from dflash.evaluate import evaluate  # noqa: E402
 
 PROMPTS = [
     {"prompt": "def add(a, b):\n    return"},
@@ -83,7 +84,7 @@ def test_workers_get_one_gpu_each_and_a_failure_is_reported(tmp_path):
 
 def test_merged_worker_reports_equal_one_process_evaluating_every_prompt(tiny_target, tmp_path):
     target = tiny_target("qwen3_5")
-    settings = dict(target_path=target, device="cpu", seed=0, max_new_tokens=12, min_prompts=1)
+    settings = dict(model=target, device="cpu", seed=0, max_new_tokens=12, min_prompts=1)
     runs = {"eval_main": ("untrained", PROMPTS, 4)}
     for w in range(2):  # the second worker gets prompts 1 and 3; the first stops after 1 of its 3 (budget 0)
         quality.evaluate_share(runs, (w, 2), tmp_path, budget=0.0 if w == 0 else None, **settings)
@@ -92,7 +93,7 @@ def test_merged_worker_reports_equal_one_process_evaluating_every_prompt(tiny_ta
 
     quality.evaluate_share(runs, (0, 2), tmp_path, budget=None, **settings)  # a later call finishes the share
     merged = quality.merge_shares("eval_main", *runs["eval_main"], 2, tmp_path, settings)
-    whole = evaluate(target, "untrained", PROMPTS, max_new_tokens=12, device="cpu", prompt_lookup_tokens=4)
+    whole = evaluate(EvalConfig(target, PROMPTS, untrained=True, max_new_tokens=12, device="cpu", prompt_lookup=4))
     assert [row["index"] for row in merged.prompts] == list(range(len(PROMPTS)))
     assert [row["prompt_sha256"] for row in merged.prompts] == [row["prompt_sha256"] for row in whole.prompts]
     for name, method in whole.methods.items():

@@ -1,15 +1,16 @@
 """`dflash regenerate`: harvestable output, equal to transformers' generate, resumable without duplicates."""
 
+import dataclasses
 import json
 
 import pytest
 import torch
 from click.testing import CliRunner
 
+from dflash.config import RegenerateConfig
 from dflash.data import DataConfig, load_documents
 from dflash.errors import DflashError
 from dflash.regenerate import (
-    Sampling,
     append_lines,
     completed_count,
     encode_prompt,
@@ -19,7 +20,7 @@ from dflash.regenerate import (
     regenerate,
     response_record,
 )
-from dflash.speculative import load_target
+from dflash.target import load_target
 
 PROMPTS = [
     {"messages": [{"role": "user", "content": "Explain what `uuid` in the Python standard library does."}]},
@@ -34,7 +35,7 @@ PROMPTS = [
     {"prompt": "def area(r):\n", "completion": "    an answer written by someone else, to be dropped"},
     {"messages": [{"role": "user", "content": "Tell me about the statistics.median_grouped function, in detail please."}]},
 ]
-GREEDY = Sampling(max_new_tokens=10)
+MAX_NEW_TOKENS = 10
 # Line breaks to str.splitlines that json.dumps(ensure_ascii=False) writes raw inside a string.
 UNICODE_BREAKS = "one\u2028two\u0085three\u2029four"
 
@@ -56,7 +57,8 @@ def read_lines(path):
 def test_greedy_regenerate_matches_generate_and_is_harvestable(tiny_target, prompts_file, tmp_path):
     target_path = tiny_target("qwen3_5")
     out = tmp_path / "responses.jsonl"
-    stats = regenerate(target_path, prompts_file, out, GREEDY, batch_size=3, progress=False)
+    cfg = RegenerateConfig(target_path, prompts_file, out, max_new_tokens=MAX_NEW_TOKENS, batch_size=3, device="cpu")
+    stats = regenerate(cfg, progress=False)
     assert (stats.prompts, stats.already_done, stats.written) == (5, 0, 5)
     lines = read_lines(out)
     assert lines[1]["messages"][:2] == PROMPTS[1]["messages"][:2]  # the original answer was dropped
@@ -64,11 +66,11 @@ def test_greedy_regenerate_matches_generate_and_is_harvestable(tiny_target, prom
     assert "someone else" not in lines[3]["completion"]
 
     # Each response is what transformers' generate says for that prompt alone (no padding, no batch).
-    model, tokenizer = load_target(target_path)
+    model, tokenizer = load_target(target_path, "cpu", "float32")
     eos_ids = eos_token_ids(model, tokenizer)
     for record, line in zip(load_prompts(prompts_file), lines):
         ids = torch.tensor([encode_prompt(tokenizer, record)])
-        new = model.generate(ids, max_new_tokens=GREEDY.max_new_tokens, do_sample=False)[0, ids.shape[1] :].tolist()
+        new = model.generate(ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)[0, ids.shape[1] :].tolist()
         new = new[: next((i for i, t in enumerate(new) if t in eos_ids), len(new))]
         response = line["messages"][-1]["content"] if "messages" in line else line["completion"]
         assert response == tokenizer.decode(new, skip_special_tokens=False)
@@ -87,7 +89,8 @@ def test_resume_after_a_killed_run_adds_only_the_missing_prompts(tiny_target, pr
 
     target_path = tiny_target("qwen3_5")
     full = tmp_path / "full.jsonl"
-    regenerate(target_path, prompts_file, full, GREEDY, batch_size=2, progress=False)
+    cfg = RegenerateConfig(target_path, prompts_file, full, max_new_tokens=MAX_NEW_TOKENS, batch_size=2, device="cpu")
+    regenerate(cfg, progress=False)
     complete = full.read_text().splitlines(keepends=True)
 
     partial = tmp_path / "partial.jsonl"
@@ -101,6 +104,13 @@ def test_resume_after_a_killed_run_adds_only_the_missing_prompts(tiny_target, pr
     again = CliRunner().invoke(main, args + ["--max-new-tokens", "10", "--device", "cpu"])
     assert "0 responses written, 5 already there" in again.output
     assert partial.read_text() == full.read_text()
+
+    with pytest.raises(DflashError, match="--out .* is a folder"):
+        regenerate(dataclasses.replace(cfg, out=tmp_path), progress=False)
+    bad = CliRunner().invoke(main, args + ["--top-p", "0"])
+    assert bad.exit_code == 2 and "--top-p must be in (0, 1]" in bad.output
+    bad = CliRunner().invoke(main, args + ["--batch-size", "0"])
+    assert bad.exit_code == 2 and "--batch-size must be at least 1" in bad.output
 
 
 def test_resume_refuses_output_from_other_prompts(tmp_path):

@@ -1,5 +1,7 @@
-"""Speculative decoding: exact greedy equivalence (dense and hybrid targets), tau and the acceptance rules."""
+"""Speculative decoding: exact greedy equivalence (dense and hybrid targets), tau and the acceptance rules, and
+the eval built on it."""
 
+import dataclasses
 import json
 import logging
 
@@ -7,28 +9,33 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dflash.drafter import DFlashDrafter, DrafterConfig
-from dflash.errors import DflashError
-from dflash.regenerate import encode_prompt, eos_token_ids
-from dflash.speculative import (
+from dflash.config import EvalConfig
+from dflash.decoding import (
     Draft,
     DFlashProposer,
     PromptLookupProposer,
-    SpeculativeMethod,
     accept_greedy,
     accept_sampled,
-    evaluate,
     generate_prompt_lookup,
-    load_target,
     plain_greedy,
     speculative_generate,
 )
+from dflash.drafter import DFlashDrafter, DrafterConfig
+from dflash.errors import DflashError
+from dflash.evaluate import SpeculativeMethod, evaluate
+from dflash.regenerate import encode_prompt, eos_token_ids
+from dflash.target import load_target
 
 PROMPTS = [
     {"messages": [{"role": "user", "content": "Explain what `logging.NullHandler` in the Python standard library does."}]},
     {"prompt": "def parse(line):\n    return"},
 ]
 BLOCK = 8
+
+
+def as_json(report) -> dict:
+    """The report as the CLI writes it and a resume reads it."""
+    return json.loads(json.dumps(dataclasses.asdict(report)))
 
 
 @pytest.fixture(scope="module")
@@ -233,13 +240,14 @@ def test_prompt_lookup_is_exact(loaded, arch):
 
 def test_evaluate_report_and_cli(tiny_target, tmp_path, caplog):
     target_path = tiny_target("qwen3_5")
-    report = evaluate(target_path, "untrained", PROMPTS, max_new_tokens=12, device="cpu", block_size=BLOCK, prompt_lookup_tokens=4)
+    cfg = EvalConfig(target_path, PROMPTS, untrained=True, max_new_tokens=12, device="cpu", block_size=BLOCK, prompt_lookup=4)
+    report = evaluate(cfg)
     assert set(report.methods) == {"untrained-dflash", "prompt-lookup"}
     for method in report.methods.values():
         assert method.mismatches == 0 and method.tau >= 1
         assert sum(method.accepted_histogram) == method.rounds
     assert len(report.prompts) == 2 and "untrained-dflash" in report.table()
-    assert json.loads(report.to_json())["methods"]["prompt-lookup"]["rounds"] == report.methods["prompt-lookup"].rounds
+    assert as_json(report)["methods"]["prompt-lookup"]["rounds"] == report.methods["prompt-lookup"].rounds
 
     from cli.main import main
 
@@ -257,76 +265,79 @@ def test_evaluate_report_and_cli(tiny_target, tmp_path, caplog):
     assert len(rows) == 1 and rows[0][1] == str(json.loads(out.read_text())["prompts"][0]["plain"]["new_tokens"])
     bad = CliRunner().invoke(main, ["eval", "--model", str(target_path), "--data", str(data), "--prompt-lookup", "0"])
     assert bad.exit_code == 2 and "nothing to evaluate" in bad.output
+    bad = CliRunner().invoke(main, args + ["--block-size", "1"])
+    assert bad.exit_code == 2 and "--block-size must be at least 2, got 1" in bad.output
+    bad = CliRunner().invoke(main, args + ["--drafter", str(tmp_path)])
+    assert bad.exit_code == 2 and "either --drafter or --untrained" in bad.output
 
 
 def test_evaluate_several_drafters_against_one_plain_run_within_a_time_budget(tiny_target, tmp_path):
     from dflash.drafter import export_drafter
-    from dflash.speculative import untrained_drafter
+    from dflash.evaluate import untrained_drafter
 
     target_path = tiny_target("qwen3_5")
     target, tokenizer = load_target(target_path, "cpu", "float32")
     model, config = untrained_drafter(target, tokenizer, BLOCK, seed=1)
     folder = export_drafter(model, config, tmp_path / "drafter")
     partials = []
-    report = evaluate(
-        target_path, [str(folder), "untrained"], PROMPTS * 3, max_new_tokens=8, device="cpu", block_size=BLOCK,
-        prompt_lookup_tokens=0, time_budget=0.0, min_prompts=2, on_prompt=partials.append,
-    )  # fmt: skip
+    cfg = EvalConfig(target_path, PROMPTS * 3, max_new_tokens=8, device="cpu", block_size=BLOCK, prompt_lookup=0,
+                     time_budget=0.0, min_prompts=2)  # fmt: skip
+    report = evaluate(cfg, drafters=[str(folder), "untrained"], on_prompt=partials.append)
     assert set(report.methods) == {"dflash", "untrained-dflash"}
     assert len(report.prompts) == 2  # the budget is spent at once: exactly min_prompts run
     assert [len(p.prompts) for p in partials] == [1, 2] and all(p.methods["dflash"].mismatches == 0 for p in partials)
     with pytest.raises(DflashError, match="both be reported"):
-        evaluate(target_path, ["untrained", "untrained"], PROMPTS, max_new_tokens=4, device="cpu", prompt_lookup_tokens=0)
+        evaluate(dataclasses.replace(cfg, data=PROMPTS, max_new_tokens=4), drafters=["untrained", "untrained"])
 
 
 def test_evaluate_resumes_a_partial_report(tiny_target):
-    target_path = tiny_target("qwen3_5")
     prompts = PROMPTS + [{"prompt": "import os\nimport sys\n\ndef main():\n"}]
-    common = dict(max_new_tokens=10, device="cpu", block_size=BLOCK, prompt_lookup_tokens=4)
-    whole = evaluate(target_path, "untrained", prompts, **common)
-    partial = evaluate(target_path, "untrained", prompts, time_budget=0.0, min_prompts=1, **common)
+    cfg = EvalConfig(tiny_target("qwen3_5"), prompts, untrained=True, max_new_tokens=10, device="cpu", block_size=BLOCK,
+                     prompt_lookup=4)  # fmt: skip
+    whole = evaluate(cfg)
+    partial = evaluate(dataclasses.replace(cfg, time_budget=0.0, min_prompts=1))
     assert len(partial.prompts) == 1
     calls = []
-    resumed = evaluate(target_path, "untrained", prompts, resume=json.loads(partial.to_json()), on_prompt=calls.append, **common)
+    resumed = evaluate(cfg, resume=as_json(partial), on_prompt=calls.append)
     assert len(calls) == 2 and [p["index"] for p in resumed.prompts] == [0, 1, 2]
     assert resumed.prompts[0]["plain"] == partial.prompts[0]["plain"]  # taken over, not run again
     for name, method in whole.methods.items():
         assert (resumed.methods[name].tau, resumed.methods[name].rounds) == (method.tau, method.rounds)
         assert resumed.methods[name].accepted_histogram == method.accepted_histogram
         assert [p["runs"][name].new_tokens for p in resumed.prompts] == [p["runs"][name].new_tokens for p in whole.prompts]
-    earlier = json.loads(partial.to_json())
+    earlier = as_json(partial)
     with pytest.raises(DflashError, match="max_new_tokens: earlier report 10, this eval 11"):
-        evaluate(target_path, "untrained", prompts, resume=earlier, **{**common, "max_new_tokens": 11})
+        evaluate(dataclasses.replace(cfg, max_new_tokens=11), resume=earlier)
     with pytest.raises(DflashError, match="methods"):
-        evaluate(target_path, "untrained", prompts, resume=earlier, **{**common, "prompt_lookup_tokens": 0})
+        evaluate(dataclasses.replace(cfg, prompt_lookup=0), resume=earlier)
     with pytest.raises(DflashError, match="block_size: earlier report 8, this eval 4.*seed: earlier report 0, this eval 7"):
-        evaluate(target_path, "untrained", prompts, resume=earlier, **{**common, "block_size": 4}, seed=7)
+        evaluate(dataclasses.replace(cfg, block_size=4, seed=7), resume=earlier)
     with pytest.raises(DflashError, match="not this prompt file's prompt 0"):
-        evaluate(target_path, "untrained", prompts[::-1], resume=earlier, **common)
-    tampered = json.loads(partial.to_json())
+        evaluate(dataclasses.replace(cfg, data=prompts[::-1]), resume=earlier)
+    tampered = as_json(partial)
     tampered["prompts"][0]["prompt_sha256"] = "0" * 64  # same length, other tokens
     with pytest.raises(DflashError, match="not this prompt file's prompt 0"):
-        evaluate(target_path, "untrained", prompts, resume=tampered, **common)
-    two = evaluate(target_path, "untrained", prompts, time_budget=0.0, min_prompts=2, **common)
+        evaluate(cfg, resume=tampered)
+    two = evaluate(dataclasses.replace(cfg, time_budget=0.0, min_prompts=2))
     with pytest.raises(DflashError, match="holds prompt 1, this eval has 1 prompts"):
-        evaluate(target_path, "untrained", prompts[:1], resume=json.loads(two.to_json()), **common)
+        evaluate(dataclasses.replace(cfg, data=prompts[:1]), resume=as_json(two))
     for breakage in ("runs", "plain"):
-        broken = json.loads(partial.to_json())
+        broken = as_json(partial)
         del broken["prompts"][0][breakage]
         with pytest.raises(DflashError, match="not a dflash eval report of this version"):
-            evaluate(target_path, "untrained", prompts, resume=broken, **common)
-    twice = json.loads(partial.to_json())
+            evaluate(cfg, resume=broken)
+    twice = as_json(partial)
     twice["prompts"] *= 2
     with pytest.raises(DflashError, match="holds prompt 0 twice"):
-        evaluate(target_path, "untrained", prompts, resume=twice, **common)
-    older = json.loads(partial.to_json())
+        evaluate(cfg, resume=twice)
+    older = as_json(partial)
     del older["seed"]
     with pytest.raises(DflashError, match="lacks seed: it was written by an older dflash"):
-        evaluate(target_path, "untrained", prompts, resume=older, **common)
+        evaluate(cfg, resume=older)
 
 
 def test_cache_argument_follows_the_forward_signature():
-    from dflash.speculative import cache_argument
+    from dflash.decoding import cache_argument
 
     class Renamed:
         def forward(self, input_ids, cache=None, use_cache=None): ...

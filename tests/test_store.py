@@ -1,6 +1,7 @@
 """The store on its own, with synthetic rows: round trip across parts and chunks, resume bookkeeping, refusals,
 corruption detection. (End-to-end harvests are in test_harvest.py.)"""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -10,8 +11,10 @@ import zarr
 from dflash import store
 from dflash.errors import DflashError
 from dflash.harvest import first_fit_decreasing
+from dflash.manifest import FeatureSpec, TargetSpec, TokenizerSpec
 
 T, F = 32, 24
+BF16 = FeatureSpec("bf16", F, 0, None)
 
 
 def synthetic_part(rank: int, rows: int, seed: int, zero_padding: bool = True):
@@ -29,16 +32,18 @@ def synthetic_part(rank: int, rows: int, seed: int, zero_padding: bool = True):
     tokens["loss_mask"][:, :length] = 1
     documents = np.array([(r * 2 + rank, 0, r, 0, length) for r in range(rows)], np.int64).reshape(-1, 5)
     counts = {"documents": rows, "tokens": rows * length, "loss_tokens": rows * length, "padding_tokens": rows * (T - length)}
-    return store.PartSpec(rank, rows, T, F, documents, counts), hidden, tokens
+    return store.PartSpec(rank, rows, T, BF16, documents, counts), hidden, tokens
 
 
-def header(world_size: int = 2, **fingerprint) -> dict:
-    return {
-        "format_version": store.FORMAT_VERSION,
-        "fingerprint": {"model": "m", "token_budget": T, "world_size": world_size, **fingerprint},
-        "token_budget": T,
-        "feature_dim": F,
-    }
+def header(world_size: int = 2, **fingerprint):
+    """A store header of 3 tapped layers x 8 features of a made-up target."""
+    return store.new_manifest(
+        target=TargetSpec("m", "qwen3", "hash", num_layers=4, hidden_size=F // 3, vocab_size=1000),
+        layer_ids=[0, 1, 2],
+        token_budget=T,
+        tokenizer=TokenizerSpec("m", 1000, {"mask": 999}),
+        fingerprint={"model": "m", "token_budget": T, "world_size": world_size, **fingerprint},
+    )
 
 
 def write_store(out, rows=(3, 2), chunk_bytes=None, monkeypatch=None, zero_padding=True):
@@ -53,14 +58,14 @@ def write_store(out, rows=(3, 2), chunk_bytes=None, monkeypatch=None, zero_paddi
         part.write_rows(0, hidden, tokens)
         part.commit(n)
         contents.append((hidden, tokens))
-    assert store.finalize(out, len(rows), header(len(rows)))
+    assert store.finalize(out, header(len(rows)))
     return contents
 
 
 def test_round_trip_across_parts_and_chunks(tmp_path, monkeypatch):
     out = tmp_path / "s"
     contents = write_store(out, chunk_bytes=T * F * 2 // 4, monkeypatch=monkeypatch)  # 4 token slices per row
-    shards = store.ShardStore.open(out)
+    shards = store.Store.open(out)
     assert shards.parts[0]["hidden"].chunks == (1, T // 4, F)
     assert (shards.num_rows, shards.token_budget, shards.feature_dim) == (5, T, F)
     global_rows = [(0, r) for r in range(3)] + [(1, r) for r in range(2)]
@@ -76,12 +81,12 @@ def test_round_trip_across_parts_and_chunks(tmp_path, monkeypatch):
     np.testing.assert_array_equal(documents[:, 2], [0, 1, 2, 3, 4])  # global row numbers
     np.testing.assert_array_equal(documents[:, 0], [0, 2, 4, 1, 3])
     manifest = shards.manifest
-    assert manifest["counts"] == {"documents": 5, "tokens": 3 * 20 + 2 * 21, "loss_tokens": 102,
+    assert dataclasses.asdict(manifest.counts) == {"documents": 5, "tokens": 3 * 20 + 2 * 21, "loss_tokens": 102,
                                   "padding_tokens": 3 * 12 + 2 * 11, "rows": 5}  # fmt: skip
-    assert [p["rows"] for p in manifest["parts"]] == [3, 2]
+    assert [p.rows for p in manifest.parts] == [3, 2]
     with pytest.raises(IndexError):
         shards.read_row(5)
-    assert store.verify(shards) == []
+    assert store.check_chunks(shards) == []
 
 
 def test_direct_reader_equals_plain_zarr_with_an_edge_chunk(tmp_path, monkeypatch):
@@ -91,7 +96,7 @@ def test_direct_reader_equals_plain_zarr_with_an_edge_chunk(tmp_path, monkeypatc
 
     out = tmp_path / "s"
     write_store(out, chunk_bytes=T * F * 2 // 3, monkeypatch=monkeypatch, zero_padding=False)
-    shards = store.ShardStore.open(out)
+    shards = store.Store.open(out)
     assert shards.parts[1]["hidden"].chunks == (1, 11, F)
     plain = zarr.open_group(out, mode="r")
     batch = torch.zeros(T, F, dtype=torch.bfloat16)
@@ -106,7 +111,7 @@ def test_direct_reader_equals_plain_zarr_with_an_edge_chunk(tmp_path, monkeypatc
     shards.read_row_into(4, {"hidden": batch.view(torch.int16).numpy(), **converted})  # values, not bits
     for name in store.TOKEN_ARRAYS:
         np.testing.assert_array_equal(converted[name], plain[f"parts/{store.part_name(1)}"][name][1])
-    with pytest.raises(DflashError, match="int16 or uint16.*not float16"):
+    with pytest.raises(DflashError, match="bf16 bits: read them into 2-byte integers.*not float16"):
         shards.read_row_into(0, {"hidden": np.zeros((T, F), np.float16), **tokens})
     with pytest.raises(DflashError, match=r"reader expects \(32, 23\)"):
         shards.read_row_into(0, {"hidden": np.zeros((T, F - 1), np.int16), **tokens})
@@ -114,11 +119,11 @@ def test_direct_reader_equals_plain_zarr_with_an_edge_chunk(tmp_path, monkeypatc
 
 def test_a_hidden_array_with_another_codec_is_refused(tmp_path, monkeypatch):
     out = tmp_path / "s"
-    monkeypatch.setattr(store, "hidden_compressors", store.token_compressors)  # zstd instead of blosc
+    monkeypatch.setattr(store, "hidden_compressors", lambda features: store.token_compressors())  # zstd instead of blosc
     write_store(out)
     monkeypatch.undo()  # read by this version
     with pytest.raises(DflashError, match=r"encoded as \['BytesCodec', 'ZstdCodec', 'Crc32cCodec'\].*harvest again"):
-        store.ShardStore.open(out)
+        store.Store.open(out)
 
 
 def test_truncated_chunk_is_named(tmp_path):
@@ -127,7 +132,7 @@ def test_truncated_chunk_is_named(tmp_path):
     chunk = out / "parts" / "rank00000" / "hidden" / "c" / "2" / "0" / "0"
     chunk.write_bytes(chunk.read_bytes()[:3])
     with pytest.raises(DflashError, match=r"row 2 \(part rank00000, array hidden, row 2\): checksum mismatch"):
-        store.ShardStore.open(out).read_row(2)
+        store.Store.open(out).read_row(2)
 
 
 def test_plain_zarr_reads_what_the_format_doc_says(tmp_path):
@@ -140,7 +145,7 @@ def test_plain_zarr_reads_what_the_format_doc_says(tmp_path):
     group = zarr.open_group(out, mode="r")
     part = manifest["parts"][1]["name"]
     hidden = group[f"parts/{part}/hidden"]
-    assert hidden.attrs["dtype"] == "bfloat16"
+    assert hidden.attrs["precision"] == "bf16"
     row = torch.from_numpy(hidden[1].view(np.int16)).view(torch.bfloat16)
     expected = torch.from_numpy(contents[1][0][1].view(np.int16)).view(torch.bfloat16)
     assert torch.equal(row.view(torch.int16), expected.view(torch.int16))
@@ -152,8 +157,8 @@ def test_plain_zarr_reads_what_the_format_doc_says(tmp_path):
 def test_a_rank_without_documents_gives_an_empty_part(tmp_path):
     out = tmp_path / "s"
     write_store(out, rows=(2, 0))
-    shards = store.ShardStore.open(out)
-    assert shards.num_rows == 2 and len(shards.documents()) == 2 and store.verify(shards) == []
+    shards = store.Store.open(out)
+    assert shards.num_rows == 2 and len(shards.documents()) == 2 and store.check_chunks(shards) == []
 
 
 def test_incomplete_store_is_refused_until_the_last_part_finishes(tmp_path):
@@ -163,21 +168,21 @@ def test_incomplete_store_is_refused_until_the_last_part_finishes(tmp_path):
     part = store.PartWriter(out, spec)
     part.write_rows(0, hidden[:1], {k: v[:1] for k, v in tokens.items()})
     part.commit(1)
-    assert not store.finalize(out, 2, header(2))
+    assert not store.finalize(out, header(2))
     with pytest.raises(DflashError, match="incomplete store .*0 of 2 parts done.*rerun the same harvest command"):
-        store.ShardStore.open(out)
+        store.Store.open(out)
 
     resumed = store.PartWriter(out, spec)  # a rerun resumes after the committed row
     assert resumed.rows_committed == 1
     resumed.write_rows(1, hidden[1:], {k: v[1:] for k, v in tokens.items()})
     resumed.commit(2)
-    assert not store.finalize(out, 2, header(2))  # rank 1 still missing
+    assert not store.finalize(out, header(2))  # rank 1 still missing
     spec1, hidden1, tokens1 = synthetic_part(1, 1, seed=1)
     other = store.PartWriter(out, spec1)
     other.write_rows(0, hidden1, tokens1)
     other.commit(1)
-    assert store.finalize(out, 2, header(2))
-    assert store.ShardStore.open(out).num_rows == 3
+    assert store.finalize(out, header(2))
+    assert store.Store.open(out).num_rows == 3
 
 
 def test_changed_plan_under_a_started_part_is_refused(tmp_path):
@@ -198,12 +203,12 @@ def test_corrupt_and_missing_chunks_are_named(tmp_path):
     data[len(data) // 2] ^= 0xFF
     chunk.write_bytes(bytes(data))
     (out / "parts" / "rank00000" / "loss_mask" / "c" / "2" / "0").unlink()
-    shards = store.ShardStore.open(out)
+    shards = store.Store.open(out)
     with pytest.raises(DflashError, match=r"corrupt data .*row 4 \(part rank00001, array hidden, row 1\)"):
         shards.read_row(4)
     with pytest.raises(DflashError, match=r"row 2 \(part rank00000, array loss_mask, row 2\): chunk file missing"):
         shards.read_row(2)
-    problems = store.verify(shards)
+    problems = store.check_chunks(shards)
     assert len(problems) == 2, problems
     token_chunk = out / "parts" / "rank00000" / "input_ids" / "c" / "0" / "0"
     data = bytearray(token_chunk.read_bytes())
@@ -220,7 +225,7 @@ def test_all_padding_chunks_are_still_written(tmp_path):
     out = tmp_path / "s"
     write_store(out)
     assert (out / "parts" / "rank00000" / "position_ids" / "c" / "0" / "0").is_file()
-    assert store.verify(store.ShardStore.open(out)) == []
+    assert store.check_chunks(store.Store.open(out)) == []
 
 
 def test_other_format_version_is_refused(tmp_path):
@@ -229,32 +234,32 @@ def test_other_format_version_is_refused(tmp_path):
     manifest = json.loads((out / "manifest.json").read_text())
     (out / "manifest.json").write_text(json.dumps({**manifest, "format_version": 99}))
     with pytest.raises(DflashError, match="format version 99"):
-        store.ShardStore.open(out)
+        store.Store.open(out)
 
 
 def test_check_folder(tmp_path):
-    assert store.check_folder(tmp_path / "new", header()) == "new"
+    assert store.check_folder(tmp_path / "new", header().fingerprint) == "new"
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / f"{store.TMP_PREFIX}harvest.json.123").write_text("{")  # another rank's harvest.json on its way
-    assert store.check_folder(empty, header()) == "new"
+    assert store.check_folder(empty, header().fingerprint) == "new"
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
     with pytest.raises(DflashError, match=r"holds other content \(notes.txt\) and is not a dflash store"):
-        store.check_folder(other, header())
+        store.check_folder(other, header().fingerprint)
     out = tmp_path / "s"
     store.create_store(out, header(1))
-    assert store.check_folder(out, header(1)) == "resume"
+    assert store.check_folder(out, header(1).fingerprint) == "resume"
     with pytest.raises(DflashError, match="token_budget: store has 32, this run 64; world_size: store has 1, this run 2"):
-        store.check_folder(out, header(2, token_budget=64))
+        store.check_folder(out, header(2, token_budget=64).fingerprint)
     write_store(tmp_path / "done")
-    assert store.check_folder(tmp_path / "done", header(2)) == "complete"
+    assert store.check_folder(tmp_path / "done", header(2).fingerprint) == "complete"
 
 
 def test_not_a_store(tmp_path):
     with pytest.raises(DflashError, match="not a dflash store"):
-        store.ShardStore.open(tmp_path)
+        store.Store.open(tmp_path)
 
 
 def test_first_fit_decreasing_matches_a_naive_reference():
@@ -288,7 +293,7 @@ def test_ranks_racing_to_create_the_store_all_succeed(tmp_path):
         def start():
             barrier.wait()
             try:
-                store.create_store(out, {"format": "dflash-harvest"})
+                store.create_store(out, header(1))
             except Exception as exc:  # noqa: BLE001 - collected and asserted below
                 errors.append(exc)
 
@@ -301,22 +306,27 @@ def test_ranks_racing_to_create_the_store_all_succeed(tmp_path):
         assert (out / "zarr.json").exists() and (out / "parts" / "zarr.json").exists()
 
 
-def test_chunk_writer_writes_the_bytes_zarr_would(tmp_path, monkeypatch):
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_chunk_writer_writes_the_bytes_zarr_would(tmp_path, monkeypatch, precision):
     """The store writes hidden chunks itself (outside zarr's GIL-heavy path): the files must be exactly zarr's,
     ragged edge chunk included, so that plain zarr reads them and checks their checksums."""
-    monkeypatch.setattr(store, "CHUNK_BYTES", 1000)  # 50 tokens x 24 features: chunks of 17, 17 and a ragged 16
     rows, T, F = 2, 50, 24
+    features = FeatureSpec(precision, F, 3 if precision == "fp8" else 0, None)
+    # 50 tokens x 24 features: chunks of 17, 17 and a ragged 16
+    monkeypatch.setattr(store, "CHUNK_BYTES", 1000 // (2 // features.bytes_per_value))
     counts = {"documents": 0, "tokens": 0, "loss_tokens": 0, "padding_tokens": 0}
-    hidden = np.random.default_rng(0).integers(0, 2**16, (rows, T, F), dtype=np.uint16)
-    tokens = {name: np.ones((rows, T), dtype) for name, dtype in store.TOKEN_ARRAYS.items()}
-    store.create_store(tmp_path / "ours", {"format": "dflash-harvest"})
-    part = store.PartWriter(tmp_path / "ours", store.PartSpec(0, rows, T, F, np.zeros((0, 5), np.int64), counts))
-    part.write_rows(0, hidden, tokens)
+    dtype = store.HIDDEN_DTYPES[precision]
+    hidden = np.random.default_rng(0).integers(0, np.iinfo(dtype).max, (rows, T, F), dtype=dtype)
+    others = {name: np.ones((rows, T), dtype) for name, dtype in store.TOKEN_ARRAYS.items()}
+    others["scales"] = np.ones((rows, T, 3), np.int8)
+    store.create_store(tmp_path / "ours", header(1))
+    part = store.PartWriter(tmp_path / "ours", store.PartSpec(0, rows, T, features, np.zeros((0, 5), np.int64), counts))
+    part.write_rows(0, hidden, others)
     ours = zarr.open_array(part.hidden.folder, mode="r")
     assert ours.chunks == (1, 17, F)
     reference = zarr.create_array(
-        tmp_path / "reference", shape=(rows, T, F), chunks=ours.chunks, dtype="uint16",
-        compressors=store.hidden_compressors(), fill_value=0, config={"write_empty_chunks": True},
+        tmp_path / "reference", shape=(rows, T, F), chunks=ours.chunks, dtype=dtype,
+        compressors=store.hidden_compressors(features), fill_value=0, config={"write_empty_chunks": True},
     )  # fmt: skip
     reference[:] = hidden
     files = sorted(path.relative_to(tmp_path / "reference") for path in (tmp_path / "reference").rglob("c/*/*/*"))

@@ -13,7 +13,8 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from dflash.errors import DflashError
-from dflash.target import TappedTarget, check_layer_ids, default_layer_ids, load_embedding_and_head
+from dflash.target import TappedTarget, check_layer_ids, default_layer_ids
+from dflash.target_files import load_embedding_and_head
 from dflash.tiny import build_tokenizer, tiny_config
 
 ATOL = RTOL = 1e-5
@@ -171,10 +172,25 @@ def test_vl_style_checkpoint(tmp_path):
     assert torch.equal(embed, model.get_input_embeddings().weight) and torch.equal(head, embed)
 
 
+def test_reading_the_embedding_and_head_loads_no_modeling_code(tiny_target):
+    """Training reads two tensors and the config's hash from the target's files, never a model implementation."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from dflash.target_files import config_hash, load_embedding_and_head\n"
+        f"load_embedding_and_head({str(tiny_target('qwen3'))!r}); config_hash({str(tiny_target('qwen3'))!r})\n"
+        "print(sorted(m for m in sys.modules if m.startswith('transformers') and 'modeling' in m))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU with fla installed")
 def test_fla_kernels_on_gpu(tiny_target, reference):
     """On CUDA the hybrid runs fla's GDN and Triton conv; bf16 features stay close to the float32 reference."""
-    from dflash.target import _fla_causal_conv1d_fn
+    from dflash.kernels import _fla_causal_conv1d_fn
 
     target = TappedTarget(str(tiny_target("qwen3_5")), None, "cuda", torch.bfloat16)
     assert target.kernels == {"attention": "sdpa", "gated_delta_rule": "fla", "causal_conv1d": "fla-triton"}
@@ -190,7 +206,7 @@ def test_fla_kernels_on_gpu(tiny_target, reference):
 
 
 def test_a_missing_gpu_is_a_clear_error(monkeypatch):
-    from dflash.target import local_device
+    from dflash.device import local_device
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setenv("LOCAL_RANK", "2")  # a third process per node on a machine of two GPUs
@@ -203,7 +219,7 @@ def test_a_missing_gpu_is_a_clear_error(monkeypatch):
 
 def test_local_device_is_this_ranks_gpu(monkeypatch):
     """Under torchrun every rank must land on its own GPU, whether --device is left out or given as a bare cuda."""
-    from dflash.target import local_device
+    from dflash.device import local_device
 
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
@@ -211,9 +227,9 @@ def test_local_device_is_this_ranks_gpu(monkeypatch):
     assert local_device("cuda:1") == torch.device("cuda", 1)  # an explicit index is kept
     assert local_device("cpu") == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert local_device(None) == torch.device("cuda", 3)
+    assert local_device(None) == local_device("auto") == torch.device("cuda", 3)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert local_device(None) == torch.device("cpu")
+    assert local_device(None) == local_device("auto") == torch.device("cpu")
 
 
 def test_generation_on_the_cpu_keeps_gpu_kernels_for_cuda_tensors(tiny_target, monkeypatch, caplog):
@@ -224,8 +240,9 @@ def test_generation_on_the_cpu_keeps_gpu_kernels_for_cuda_tensors(tiny_target, m
     from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
 
     from dflash.regenerate import encode_prompt, eos_token_ids
-    from dflash.speculative import load_target, plain_greedy
-    from dflash.target import DECODE_FUNCTIONS, SEQUENCE_FUNCTIONS
+    from dflash.decoding import plain_greedy
+    from dflash.kernels import DECODE_FUNCTIONS, SEQUENCE_FUNCTIONS
+    from dflash.target import load_target
 
     path = tiny_target("qwen3_5")
     target, tokenizer = load_target(path, "cpu", "float32")

@@ -22,13 +22,16 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from cli.main import main
 from dflash import blocks, graph, reader
+from dflash.checkpoint import Checkpointer, fingerprint
+from dflash.config import TrainConfig
 from dflash.drafter import load_drafter
 from dflash.errors import DflashError
 from dflash.harvest import HarvestConfig, run_harvest
-from dflash.store import ShardStore
-from dflash.target import load_embedding_and_head
+from dflash.metrics import visible_pairs
+from dflash.store import Store
+from dflash.target_files import load_embedding_and_head
 from dflash.tiny import CORPUS
-from dflash.train import Trainer, TrainConfig, latest_checkpoint, run_training, visible_pairs
+from dflash.train import Trainer, init_distributed, run_training
 
 ROOT = Path(__file__).resolve().parent.parent
 B = 4  # block size of these tests: 3 drafted tokens fit the features of the tiny target (5 layers x 64)
@@ -48,7 +51,7 @@ def store(target, tmp_path_factory):
 
 def config(store, out, **overrides) -> TrainConfig:
     base = dict(
-        shards=str(store), out=str(out), draft_layers=1, block_size=B, rows_per_step=2, max_steps=6, log_every=1,
+        store=str(store), out=str(out), draft_layers=1, block_size=B, rows_per_step=2, max_steps=6, log_every=1,
         val_fraction=0.05, tensorboard=False, export=False, reader_workers=2, device="cpu",
     )
     return TrainConfig(**{**base, **overrides})
@@ -133,7 +136,7 @@ def inference_hits(drafter_dir: Path, store_dir: Path, rows, embed, head) -> lis
     """What speculative decoding would see, written from the rule alone: for every anchor a, the drafter gets the
     features of its document strictly before a and the block [t_a, MASK...]. Per row {a: hits at k = 1..B-1}."""
     model, cfg = load_drafter(drafter_dir)
-    shards = ShardStore.open(store_dir)
+    shards = Store.open(store_dir)
     per_row = []
     for r in rows:
         row = shards.read_row(int(r))
@@ -191,7 +194,7 @@ def test_label_alignment(bug, store, target, tmp_path, monkeypatch):
         log_every=100, val_fraction=0.1, export=True, export_dtype="float32",
     )  # fmt: skip
     result = run_training(cfg)
-    _, val_rows = reader.split_rows(ShardStore.open(tmp_path / "store").num_rows, cfg.val_fraction)
+    _, val_rows = reader.split_rows(Store.open(tmp_path / "store").num_rows, cfg.val_fraction)
     accuracy, acceptance = inference_accuracy(tmp_path / "run" / "drafter", tmp_path / "store", val_rows[:12], embed, head)
     val = result["val"]
     learned = min(accuracy) > 0.85 and acceptance > 3.5  # B = 4: at most 1 + 3 accepted
@@ -218,7 +221,7 @@ def test_validation_replays_decoding(store, target, tmp_path):
         log_every=100, val_fraction=0.2, export=True, export_dtype="float32",
     )  # fmt: skip
     val = run_training(cfg)["val"]
-    _, val_rows = reader.split_rows(ShardStore.open(tmp_path / "store").num_rows, cfg.val_fraction)
+    _, val_rows = reader.split_rows(Store.open(tmp_path / "store").num_rows, cfg.val_fraction)
     rounds, tokens = decode_by_hand(inference_hits(tmp_path / "run" / "drafter", tmp_path / "store", val_rows, embed, head))
     assert abs(val["rounds"] - rounds) <= 0.02 * rounds, (val, rounds)
     assert abs(val["tau"] - tokens / rounds) < 0.05, (val, tokens / rounds)
@@ -284,7 +287,7 @@ def test_resume_reproduces_the_uninterrupted_run(store, tmp_path):
     # Interrupted after step 6: its last checkpoint is step_6 (a half-written one would not be named step_N).
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_8")
     (tmp_path / "run" / "checkpoints" / ".tmp-step_8").mkdir()
-    assert latest_checkpoint(tmp_path / "run").name == "step_6"
+    assert Checkpointer(tmp_path / "run").latest().name == "step_6"
     resumed = run_training(config(store, tmp_path / "run", max_steps=8, ckpt_every=3, resume=True))["records"]
     assert [r["step"] for r in resumed] == [7, 8]
     assert [r["loss"] for r in resumed] == full[6:]  # exact: same rows, anchors, weights and optimizer state
@@ -336,8 +339,8 @@ def test_two_gloo_ranks_match_one_process(store, tmp_path):
 
 def test_epoch_order_splits_rows_like_one_big_batch():
     rows = np.arange(103)
-    one = reader.epoch_order(rows, seed=3, epoch=1, rank=0, world=1)
-    parts = [reader.epoch_order(rows, seed=3, epoch=1, rank=r, world=4) for r in range(4)]
+    one = reader.epoch_order(rows, seed=3, epoch=1, rank=0, world_size=1)
+    parts = [reader.epoch_order(rows, seed=3, epoch=1, rank=r, world_size=4) for r in range(4)]
     assert len({len(p) for p in parts}) == 1 and len(parts[0]) == 25
     assert not set(parts[0]) & set(parts[1])
     # step s of every rank with k rows == step s of one process with 4k rows
@@ -413,32 +416,28 @@ def other_store(target, tmp_path_factory):
 
 def _initial_validation(cfg: TrainConfig) -> tuple[dict, "Trainer"]:
     """Validation with the seed's initial weights (prepare restores them after its warm-up steps)."""
-    from dflash.train import Trainer, init_distributed
-
     trainer = Trainer(cfg, init_distributed("cpu"))
     trainer.prepare(None)
     return trainer.validate(0), trainer
 
 
-def test_val_shards_validates_on_the_other_store_and_trains_on_every_row(store, other_store, tmp_path):
-    on_other, trainer = _initial_validation(config(store, tmp_path / "a", val_shards=str(other_store)))
+def test_val_store_validates_on_the_other_store_and_trains_on_every_row(store, other_store, tmp_path):
+    on_other, trainer = _initial_validation(config(store, tmp_path / "a", val_store=str(other_store)))
     # Trained on other rows, validated on the same documents (a copy: a store cannot hold out itself).
     same = _copy_store(other_store, tmp_path / "same")
-    reference, _ = _initial_validation(config(other_store, tmp_path / "b", val_shards=str(same)))
+    reference, _ = _initial_validation(config(other_store, tmp_path / "b", val_store=str(same)))
     split, _ = _initial_validation(config(store, tmp_path / "c"))
     assert on_other == reference and on_other["blocks"] > 0
     assert split["blocks"] != on_other["blocks"] and split["loss"] != on_other["loss"]
-    assert trainer.plan.train_rows.tolist() == list(range(ShardStore.open(store).num_rows))
-    assert trainer.plan.val_rows.tolist() == list(range(ShardStore.open(other_store).num_rows))
+    assert trainer.plan.train_rows.tolist() == list(range(Store.open(store).num_rows))
+    assert trainer.plan.val_rows.tolist() == list(range(Store.open(other_store).num_rows))
 
 
 def test_resume_fingerprint_keeps_whether_there_is_a_held_out_store_not_where():
-    from dflash.train import fingerprint
-
-    base = TrainConfig(shards="s", out="o")
-    moved = fingerprint(TrainConfig(shards="s", out="o", val_shards="/a/v"), 1)
-    assert moved == fingerprint(TrainConfig(shards="s", out="o", val_shards="v", val_fraction=0.5), 1)
-    assert moved != fingerprint(base, 1) and moved["val_shards"] is True and fingerprint(base, 1)["val_shards"] is None
+    base = TrainConfig(store="s", out="o")
+    moved = fingerprint(TrainConfig(store="s", out="o", val_store="/a/v"), 1)
+    assert moved == fingerprint(TrainConfig(store="s", out="o", val_store="v", val_fraction=0.5), 1)
+    assert moved != fingerprint(base, 1) and moved["val_store"] is True and fingerprint(base, 1)["val_store"] is None
 
 
 def _manifest_edit(path, **fields):
@@ -448,7 +447,7 @@ def _manifest_edit(path, **fields):
 
 def _corrupt_first_row(path) -> int:
     """Flip bytes in a hidden chunk of the first row the run reads; returns that row."""
-    shards = ShardStore.open(path)
+    shards = Store.open(path)
     train, _ = reader.split_rows(shards.num_rows, TrainConfig.val_fraction)
     row = int(reader.epoch_order(train, 0, 0, 0, 1)[0])
     chunk = path / "parts" / "rank00000" / "hidden" / "c" / str(row) / "0" / "0"
@@ -484,8 +483,9 @@ def test_bad_input_is_a_clear_error(case, store, target, tiny_target, tmp_path):
         extra, expected = ["--anchors", "200"], "lower --anchors"
     elif case == "val_store":
         other = _copy_store(store, tmp_path / "other")
-        fingerprint = {**json.loads((other / "manifest.json").read_text())["fingerprint"], "dtype": "float64"}
-        _manifest_edit(other, layer_ids=[0, 1], token_budget=128, fingerprint=fingerprint)
+        manifest = json.loads((other / "manifest.json").read_text())
+        fingerprint = {**manifest["fingerprint"], "dtype": "float64"}
+        _manifest_edit(other, layer_ids=manifest["layer_ids"][::-1], token_budget=128, fingerprint=fingerprint)
         expected = "differs from the training store in layer_ids, token_budget, the dtype the target ran in"
         extra = ["--val-shards", str(other)]
     elif case == "val_store_is_the_store":

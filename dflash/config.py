@@ -1,0 +1,210 @@
+"""The configs of every command, each the single source of its options' defaults and help.
+
+They live here, free of torch, so that the command line can be built without importing torch.
+
+A field declared with `option(default, "help")` carries its help text in its metadata; `cli/options.py` turns
+every such field into a click option whose own default is None, so that a value the user did not give is
+filled in by the dataclass, never by a second copy of the default.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+MISSING = dataclasses.MISSING
+
+
+def option(default: Any = MISSING, help: str = "", *, factory=None, **cli) -> Any:
+    """A dataclass field with CLI metadata.
+
+    `cli` keys, all optional:
+      flag: the option's name when it is not the field's (e.g. "--shards" for the field `store`)
+      choices: allowed values
+      default_doc: how to describe a default of None (what the code resolves it to)
+      path: True for a filesystem path (click.Path)
+      hidden: True to keep the field out of the command line
+    """
+    metadata = {"help": help, **cli}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def given(cls, values: dict) -> Any:
+    """`cls(**values)` without the values left at None (not given): the dataclass defaults fill those in."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in values.items() if k in names and v is not None})
+
+
+@dataclass
+class HarvestConfig:
+    model: str = option(help="Target checkpoint: a local transformers folder (or a hub name).")
+    data: str = option(help='JSONL file: one {"messages": [...]}, {"prompt": ..., "completion": ...} or {"text": ...} per line.', path=True)
+    out: str = option(help="Store folder to create, or to resume when it holds this harvest.", path=True)
+    layers: list[int] | None = option(None, "Comma-separated target layers to tap.", default_doc="the DFlash rule, 5 layers from 1 to L-3")
+    token_budget: int = option(12288, "Tokens per stored row; documents are packed whole into rows.")
+    max_length: int | None = option(None, "Documents longer than this are truncated or split.", default_doc="the token budget")
+    overflow: str = option("truncate", "What to do with documents over --max-length.", choices=["truncate", "split"])
+    forward_tokens: int = option(32768, "Padded tokens per forward batch (GPU memory vs. speed).")
+    workers: int = option(4, "Tokenizer processes.")
+    rank: int | None = option(None, "This process's rank.", default_doc="$RANK or 0")
+    world_size: int | None = option(None, "Number of harvest processes.", default_doc="$WORLD_SIZE or 1")
+    device: str | None = option(None, "Torch device.", default_doc="cuda:$LOCAL_RANK when CUDA is available, else cpu")
+    dtype: str = option("bfloat16", "Target compute dtype (the store always holds bf16).", choices=["bfloat16", "float16", "float32"])
+    allow_slow_kernels: bool = option(False, "Run a hybrid target on PyTorch reference kernels on GPU instead of refusing.")
+    # the feature encoding (docs/shard-format.md, "Feature encodings")
+    precision: str = option("bf16", "Stored feature precision: bf16 (lossless) or fp8 (e4m3, power-of-two scales).", choices=["bf16", "fp8"])
+    subspace: str = option("none", "Store the features projected onto their top-K directions: K, a fraction of the feature width (1/4), or none.")
+    scale_groups: int | None = option(None, "fp8 scales per token (equal slices of the stored width).", default_doc="one per tapped layer; 1 with --subspace")
+    calibration_tokens: int = option(262144, "Tokens of the data (a seeded sample) whose features fix the --subspace projection.")
+    projection_from: str | None = option(None, "Use the projection of this subspace store instead of calibrating (a held-out store must share its training store's).", path=True)
+
+
+EXPORT_DTYPES = ["bfloat16", "float32"]
+
+
+@dataclass
+class TrainConfig:
+    store: str = option(help="The harvest store to train from.", flag="--shards", path=True)
+    out: str = option(help="Run folder: checkpoints, metrics.jsonl, tb/, drafter/.", path=True)
+    target: str | None = option(None, "Checkpoint to read the embedding / LM head from.", path=True, default_doc="the store's target")
+    # drafter
+    draft_layers: int = option(5, "Drafter layers.")
+    block_size: int = option(16, "Tokens per block (1 known + B-1 drafted).")
+    drafter_overrides: dict = option(help="Override a drafter config field, KEY=VALUE (repeatable).", factory=dict, flag="--drafter-option")
+    # step
+    anchors: int | None = option(None, "Anchors per row.", default_doc="512 per 3072 tokens of the store's token budget")
+    gamma: float | None = option(None, "Loss decay exp(-(k-1)/gamma).", default_doc="7 for B=16, 5 for 10, 4 for 8")
+    rows_per_step: int = option(1, "Rows per micro-step on each rank.")
+    grad_accum: int = option(1, "Micro-steps per optimizer step.")
+    loss_chunk: int | None = option(None, "Drafted tokens per LM-head chunk in the loss.", default_doc="the most that keep a chunk of logits under 2^29 (2048 rows for a 152 K-248 K vocabulary)")
+    # optimizer and schedule: the paper's; betas, eps and weight decay are torch's AdamW defaults
+    lr: float = option(6e-4, "Peak learning rate.")
+    min_lr_ratio: float = option(0.0, "Final learning rate as a fraction of the peak.")
+    warmup_ratio: float = option(0.04, "Fraction of the steps with linear warmup.")
+    weight_decay: float = option(0.0, "AdamW weight decay (matrices only).")
+    betas: tuple[float, float] = option((0.9, 0.999), "AdamW betas.")
+    eps: float = option(1e-8, "AdamW epsilon.", hidden=True)
+    clip: float = option(1.0, "Gradient norm clip.")
+    epochs: int = option(6, "Passes over the training rows.")
+    max_steps: int | None = option(None, "Stop after this many optimizer steps (overrides --epochs).")
+    seed: int = option(0, "Seed of the weights, the row order and the anchors.")
+    # validation
+    val_fraction: float = option(0.01, "Fraction of the store's rows held out for validation (not with --val-shards).")
+    val_store: str | None = option(None, "A held-out store of other documents (same target, layers and token budget) to validate on, instead of --val-fraction of the training store's rows.", flag="--val-shards", path=True)
+    val_every: int = option(0, "Validate every N steps (0: only at the end).")
+    # run
+    log_every: int = option(10, "Steps between metric records.")
+    ckpt_every: int = option(1000, "Steps between checkpoints (one is always written at the end).")
+    resume: bool = option(False, "Continue from the latest complete checkpoint in --out.")
+    export: bool = option(True, "Export the drafter to OUT/drafter at the end.")
+    export_dtype: str = option("bfloat16", "Dtype of the exported weights.", choices=EXPORT_DTYPES)
+    # execution
+    prefetch: int = option(2, "Steps of rows read ahead.")
+    reader_workers: int = option(4, "Threads reading rows from the store.")
+    device: str | None = option(None, "Torch device.", default_doc="cuda:$LOCAL_RANK when CUDA is available, else cpu")
+    compile: bool | None = option(None, "torch.compile the step.", default_doc="on for CUDA, off on the CPU")
+    cuda_graph: bool = option(True, "Capture the whole step in a CUDA graph (CUDA only).")
+    peak_tflops: float = option(792.0, "Dense bf16 TFLOP/s of one device, the MFU denominator (the default: the H200's, measured).")
+    tensorboard: bool = option(True, "Write TensorBoard scalars to OUT/tb.")
+
+    def __post_init__(self):
+        """Option values that are wrong whatever the store: one message for all of them, naming the flags."""
+        from dflash.errors import DflashError
+
+        positive = ("draft_layers", "rows_per_step", "grad_accum", "loss_chunk", "epochs", "log_every", "ckpt_every",
+                    "prefetch", "reader_workers", "max_steps", "anchors")  # fmt: skip
+        values = {name: getattr(self, name) for name in positive}
+        bad = [f"--{k.replace('_', '-')} {v} (must be at least 1)" for k, v in values.items() if v is not None and v < 1]
+        if not 0 <= self.val_fraction < 1:
+            bad.append(f"--val-fraction {self.val_fraction} (must be in [0, 1))")
+        if not 0 <= self.warmup_ratio <= 1:
+            bad.append(f"--warmup-ratio {self.warmup_ratio} (must be in [0, 1])")
+        if self.lr <= 0 or self.clip <= 0 or (self.gamma is not None and self.gamma <= 0):
+            bad.append("--lr, --clip and --gamma must be positive")
+        if self.export_dtype not in EXPORT_DTYPES:
+            bad.append(f"--export-dtype {self.export_dtype} ({' or '.join(EXPORT_DTYPES)})")
+        if bad:
+            raise DflashError(f"invalid options: {'; '.join(bad)}")
+
+
+@dataclass
+class ExportConfig:
+    run: str = option(help="The training run folder.", hidden=True)  # the command's argument, not an option
+    out: str = option(help="Folder to write config.json + model.safetensors to.", path=True)
+    step: int | None = option(None, "Checkpoint step to export.", default_doc="the latest complete one")
+    dtype: str = option("bfloat16", "Dtype of the exported weights.", choices=EXPORT_DTYPES)
+
+
+# ---- generation: regenerate and eval --------------------------------------------------------------------------
+
+GENERATION_DTYPES = ("auto", "bfloat16", "float16", "float32")
+DEVICE_HELP = "Torch device; auto: cuda:$LOCAL_RANK when CUDA is available, else cpu."
+DTYPE_HELP = "Model dtype: auto (bfloat16 on cuda, float32 on cpu), bfloat16, float16, float32."
+
+
+def _check_generation(cfg, at_least: dict[str, float]) -> None:
+    """Every `field: lowest value` of `at_least`, and the dtype name: a DflashError naming the option otherwise."""
+    from dflash.errors import DflashError
+
+    for name, lowest in at_least.items():
+        value = getattr(cfg, name)
+        if value is not None and value < lowest:
+            flag = "--" + name.replace("_", "-")
+            raise DflashError(f"{flag} must be at least {lowest}, got {value}; give {flag} {lowest} or more")
+    if isinstance(cfg.dtype, str) and cfg.dtype not in GENERATION_DTYPES:
+        raise DflashError(f"unknown --dtype {cfg.dtype!r}; choose {', '.join(GENERATION_DTYPES)}")
+
+
+@dataclass
+class RegenerateConfig:
+    model: str = option(help="Target model folder.", path=True)
+    data: str = option(help="Prompts JSONL: chat 'messages', 'text' or 'prompt'.", path=True)
+    out: str = option(help="Responses JSONL; an existing one is resumed.", path=True)
+    batch_size: int = option(8, "Prompts per generate call (left-padded).")
+    max_new_tokens: int = option(512, "Longest response, in tokens.")
+    temperature: float = option(0.0, "0 = greedy; > 0 samples.")
+    top_p: float = option(1.0, "Nucleus sampling (with --temperature > 0), in (0, 1].")
+    top_k: int = option(0, "Top-k sampling; 0 = off (overrides the model's default).")
+    seed: int = option(0, "Sampling seed.")
+    device: str = option("auto", DEVICE_HELP)
+    dtype: str = option("auto", DTYPE_HELP)
+
+    def __post_init__(self):
+        from dflash.errors import DflashError
+
+        _check_generation(self, {"batch_size": 1, "max_new_tokens": 1, "temperature": 0, "top_k": 0})
+        if not 0 < self.top_p <= 1:
+            raise DflashError(f"--top-p must be in (0, 1], got {self.top_p}; give e.g. --top-p 0.95 (1 = off)")
+
+
+@dataclass
+class EvalConfig:
+    model: str = option(help="Target model folder.", path=True)
+    # From Python, `data` may also be the prompt records themselves (any form a prompt file holds).
+    data: str = option(help="Prompts JSONL: chat 'messages', 'text' or 'prompt'.", path=True)
+    drafter: str | None = option(None, "Exported drafter folder.", path=True)
+    untrained: bool = option(False, "Use a randomly initialised drafter shaped from the target (baseline).")
+    block_size: int = option(16, "Block size of the --untrained drafter.")
+    num_prompts: int | None = option(None, "Only the first N prompts.", default_doc="all")
+    max_new_tokens: int = option(256, "Tokens generated per prompt.")
+    temperature: float = option(0.0, "0 = greedy (checked against plain decoding).")
+    prompt_lookup: int = option(10, "Prompt-lookup draft length to compare with; 0 = skip.")
+    seed: int = option(0, "Seed for sampling and for the --untrained drafter.")
+    device: str = option("auto", DEVICE_HELP)
+    dtype: str = option("auto", DTYPE_HELP)
+    json_path: str | None = option(None, "Also write the full report (per prompt) as JSON here, updated after every prompt.", flag="--json", path=True)
+    resume: bool = option(False, "Go on from the partial report at --json: its prompts are not run again.")
+    warmup: bool = option(True, "Run the first prompt briefly before timing, to keep allocations and kernel selection out of the timings.", hidden=True)
+    time_budget: float | None = option(None, "Seconds after which no further prompt is started.", hidden=True)
+    min_prompts: int = option(1, "Prompts run whatever the time budget.", hidden=True)
+
+    def __post_init__(self):
+        from dflash.errors import DflashError
+
+        at_least = {"block_size": 2, "num_prompts": 1, "max_new_tokens": 1, "temperature": 0, "prompt_lookup": 0}
+        _check_generation(self, at_least)
+        if self.drafter and self.untrained:
+            raise DflashError("give either --drafter or --untrained, not both")
+        if self.resume and not self.json_path:
+            raise DflashError("--resume goes on from the report at --json: give --json REPORT")

@@ -1,0 +1,389 @@
+"""Speculative decoding of one prompt against a transformers target: draft acceptance, the target's cache, the
+decoding loops (speculative and plain greedy) and the proposers (a DFlash drafter, prompt lookup).
+
+Bookkeeping of one generation (batch size 1):
+- *committed* tokens are the prompt plus every token the target has vouched for;
+- the target's cache holds the first `cached` committed tokens; the rest, the *pending* tokens (at least the
+  last committed one), are fed at the head of the next verify forward;
+- the drafter sees the target features of every committed token but the last, which starts its block
+  `[last committed, MASK x (B-1)]` at the next absolute positions.
+
+A round drafts k tokens, verifies `pending + drafts` in one target forward, keeps the longest accepted prefix
+plus the target's bonus token, then puts the cache back in step with the committed tokens:
+- dense targets: the rejected drafts' keys and values are cropped off;
+- hybrid Gated-DeltaNet targets: a recurrent state cannot be cropped, so the linear layers' conv and
+  recurrent states are snapshotted before the verify forward; on a rejection they are restored and the
+  attention caches cropped back to the same length, and the accepted tokens stay pending: the next verify
+  forward feeds them again ahead of its drafts, which recomputes the states in the forward the round needs
+  anyway (no extra target forward).
+
+A generation records the drafts each round accepted, cut at EOS; dflash.evaluate turns them into tau.
+"""
+
+import inspect
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer
+
+from dflash.errors import DflashError
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Drafts and their acceptance
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Draft:
+    tokens: torch.Tensor  # [k] proposed continuation of the committed tokens
+    probs: torch.Tensor | None = None  # [k, V] distribution q each token was sampled from; None = a point mass
+
+
+class Proposer(Protocol):
+    """Anything that drafts tokens: the DFlash drafter, prompt lookup, test stubs."""
+
+    layer_ids: list[int]  # target layers whose outputs it needs as features ([] = none)
+
+    def propose(
+        self, committed: torch.Tensor, features: torch.Tensor, num_tokens: int, temperature: float, generator
+    ) -> Draft: ...
+
+
+def draw(logits: torch.Tensor, temperature: float, generator=None) -> Draft:
+    """Pick one token per row of `logits` [k, V]: argmax at temperature 0, else a sample kept with its q."""
+    if temperature == 0:
+        return Draft(logits.argmax(-1))
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return Draft(torch.multinomial(probs, 1, generator=generator).squeeze(-1), probs)
+
+
+def accept_greedy(draft: Draft, target_logits: torch.Tensor) -> tuple[int, int]:
+    """Longest prefix where the draft equals the target's argmax, and the target's token after it."""
+    choices = target_logits.argmax(-1)
+    k = draft.tokens.numel()
+    accepted = int((draft.tokens == choices[:k]).int().cumprod(0).sum())
+    return accepted, int(choices[accepted])
+
+
+def accept_sampled(draft: Draft, target_logits: torch.Tensor, temperature: float, generator=None) -> tuple[int, int]:
+    """Speculative sampling: keep token i with probability min(1, p_i/q_i); on the first rejection draw from
+    the residual max(0, p - q) renormalised, else draw the bonus from p after the last draft. The committed
+    tokens are then distributed exactly as sampling the target alone."""
+    p = torch.softmax(target_logits.float() / temperature, dim=-1)
+    k = draft.tokens.numel()
+    q = draft.probs if draft.probs is not None else F.one_hot(draft.tokens, p.shape[-1]).float()
+    rows = torch.arange(k, device=p.device)
+    p_token, q_token = p[rows, draft.tokens], q[rows, draft.tokens]
+    uniform = torch.rand(k, device=p.device, generator=generator)
+    accepted = int((uniform * q_token < p_token).int().cumprod(0).sum())
+    if accepted == k:
+        residual = p[k]
+    else:
+        residual = (p[accepted] - q[accepted]).clamp_min(0)
+        # Zero only when p == q at that position, where a rejection has probability 0 anyway.
+        residual = residual if residual.sum() > 0 else p[accepted]
+    return accepted, int(torch.multinomial(residual, 1, generator=generator))
+
+
+def accept(draft: Draft, target_logits: torch.Tensor, temperature: float, generator=None) -> tuple[int, int]:
+    """(accepted drafts, the target's token after them): greedy at temperature 0, speculative sampling above."""
+    if temperature == 0:
+        return accept_greedy(draft, target_logits)
+    return accept_sampled(draft, target_logits, temperature, generator)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The target's cache: snapshot, restore, crop
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def is_stateful(cache: DynamicCache) -> bool:
+    """Whether the cache holds recurrent/conv states that cannot be cropped back to a shorter prefix."""
+    return any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers)
+
+
+def check_cache_supported(cache: DynamicCache) -> None:
+    for layer in cache.layers:
+        if type(layer) not in (DynamicLayer, LinearAttentionLayer):
+            raise DflashError(
+                f"speculative decoding does not support the target's cache layer {type(layer).__name__}; "
+                "supported: full attention (DynamicLayer) and Gated-DeltaNet linear attention (LinearAttentionLayer)"
+            )
+
+
+def crop_attention(cache: DynamicCache, length: int) -> None:
+    """Cut every attention layer's keys and values back to the first `length` tokens."""
+    for layer in cache.layers:
+        if isinstance(layer, DynamicLayer):
+            DynamicLayer.crop(layer, -(layer.get_seq_length() - length))
+
+
+class LinearStates:
+    """Copies of every linear-attention layer's conv and recurrent states, to undo a verify forward."""
+
+    def __init__(self, cache: DynamicCache):
+        self.saved = [
+            (layer, _clone_states(layer.conv_states), _clone_states(layer.recurrent_states))
+            for layer in cache.layers
+            if isinstance(layer, LinearAttentionCacheLayerMixin)
+        ]
+
+    def restore(self) -> None:
+        # Assign the copies rather than copy into the live tensors: the copies are not used again.
+        for layer, conv, recurrent in self.saved:
+            layer.conv_states.update(conv)
+            layer.recurrent_states.update(recurrent)
+
+
+def _clone_states(states: dict) -> dict:
+    return {i: state.clone() for i, state in states.items() if state is not None}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Decoding loops
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Generation:
+    tokens: list[int]  # new tokens, ending at the first EOS (kept) or at max_new_tokens
+    seconds: float
+    accepted: list[int] = field(default_factory=list)  # accepted drafts per round (speculative only)
+    margins: list[float] = field(default_factory=list)  # top-2 logit gap per step (plain greedy only)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _features(hidden_states, layer_ids: list[int], rows: slice) -> torch.Tensor:
+    """Concatenated outputs of the tapped layers (layer k's output is hidden_states[k + 1]) for `rows`."""
+    return torch.cat([hidden_states[k + 1][0, rows] for k in layer_ids], dim=-1)
+
+
+def _stop_index(tokens: list[int], eos_ids: set[int]) -> int | None:
+    return next((i for i, token in enumerate(tokens) if token in eos_ids), None)
+
+
+def cache_argument(target) -> str:
+    """The name of the forward's cache argument: `past_key_values`, renamed `cache` in later transformers 5 releases
+    (the old name is deprecated there, to go in 5.40)."""
+    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+
+
+class SpeculativeState:
+    """One generation's committed tokens, target cache and features; `round` runs one draft-verify step."""
+
+    def __init__(self, target, prompt: torch.Tensor, layer_ids: list[int], capacity: int):
+        self.target = target
+        self.layer_ids = layer_ids
+        self.cache = DynamicCache(config=target.config)
+        self.cache_name = cache_argument(target)
+        self.committed = prompt
+        self.cached = 0
+        self.stateful = False  # set from the cache's layers once the prefill has built them
+        self.features = None
+        self.capacity = capacity
+
+    def prefill(self) -> torch.Tensor:
+        """Run the prompt through the target; returns the logits for the first new token."""
+        out = self._forward(self.committed, logits_to_keep=1)
+        check_cache_supported(self.cache)
+        self.stateful = is_stateful(self.cache)
+        self.cached = self.committed.numel()
+        if self.layer_ids:
+            rows = _features(out.hidden_states, self.layer_ids, slice(None))
+            self.features = rows.new_empty(self.capacity, rows.shape[-1])
+            self.features[: rows.shape[0]] = rows
+        return out.logits[0, -1]
+
+    def commit(self, tokens: list[int]) -> None:
+        new = torch.tensor(tokens, dtype=self.committed.dtype, device=self.committed.device)
+        self.committed = torch.cat([self.committed, new])
+
+    def round(self, proposer: Proposer, num_drafts: int, temperature: float, generator) -> tuple[int, list[int]]:
+        """Draft up to `num_drafts` tokens and verify them; returns (accepted drafts, committed tokens)."""
+        n = self.committed.numel()
+        context = self.features[: n - 1] if self.features is not None else None
+        draft = proposer.propose(self.committed, context, num_drafts, temperature, generator)
+        k = draft.tokens.numel()
+        pending = self.committed[self.cached :]
+        snapshot = LinearStates(self.cache) if self.stateful and k > 0 else None
+        out = self._forward(torch.cat([pending, draft.tokens]), logits_to_keep=k + 1)
+        accepted, bonus = accept(draft, out.logits[0].float(), temperature, generator)
+        if self.features is not None:
+            # Rows of the last pending token and the accepted drafts: committed positions n-1 .. n-1+accepted.
+            first = pending.numel() - 1
+            self.features[n - 1 : n + accepted] = _features(out.hidden_states, self.layer_ids, slice(first, first + accepted + 1))
+        self._resync_cache(pending.numel(), k, accepted, snapshot)
+        new_tokens = draft.tokens[:accepted].tolist() + [bonus]
+        self.commit(new_tokens)
+        return accepted, new_tokens
+
+    def _resync_cache(self, num_pending: int, k: int, accepted: int, snapshot: LinearStates | None) -> None:
+        if accepted == k:
+            self.cached += num_pending + k
+        elif snapshot is None:
+            self.cached += num_pending + accepted
+            crop_attention(self.cache, self.cached)
+        else:
+            # Back to the state before this forward; the accepted tokens stay pending (see the module docstring).
+            snapshot.restore()
+            crop_attention(self.cache, self.cached)
+
+    def _forward(self, tokens: torch.Tensor, logits_to_keep: int):
+        return self.target(
+            tokens[None],
+            **{self.cache_name: self.cache},
+            use_cache=True,
+            output_hidden_states=bool(self.layer_ids),
+            logits_to_keep=logits_to_keep,
+        )
+
+
+@torch.inference_mode()
+def speculative_generate(
+    target,
+    proposer: Proposer,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    eos_ids: set[int],
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    max_drafts: int = 15,
+) -> Generation:
+    """Speculative decoding of one prompt (1-D token ids on the target's device)."""
+    device = prompt.device
+    _sync(device)
+    start = time.perf_counter()
+    state = SpeculativeState(target, prompt, proposer.layer_ids, prompt.numel() + max_new_tokens + max_drafts + 1)
+    first = int(draw(state.prefill()[None], temperature, generator).tokens[0])
+    state.commit([first])
+    tokens, accepted = [first], []
+    while first not in eos_ids and len(tokens) < max_new_tokens:
+        # Never draft past max_new_tokens: the bonus token fills the last slot.
+        room = max_new_tokens - len(tokens)
+        num_accepted, new = state.round(proposer, min(max_drafts, room - 1), temperature, generator)
+        stop = _stop_index(new, eos_ids)
+        if stop is not None:
+            new = new[: stop + 1]
+            num_accepted = min(num_accepted, stop)
+        tokens += new
+        accepted.append(num_accepted)
+        if stop is not None:
+            break
+    _sync(device)
+    return Generation(tokens, time.perf_counter() - start, accepted=accepted)
+
+
+@torch.inference_mode()
+def plain_greedy(target, prompt: torch.Tensor, max_new_tokens: int, eos_ids: set[int]) -> Generation:
+    """The baseline: greedy decoding with the target's KV cache, one forward per token."""
+    device = prompt.device
+    _sync(device)
+    start = time.perf_counter()
+    cache = {cache_argument(target): DynamicCache(config=target.config)}
+    tokens, top2 = [], []
+    step_input = prompt
+    while len(tokens) < max_new_tokens:
+        logits = target(step_input[None], **cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+        top2.append(logits.float().topk(2).values)  # kept on device: no extra sync inside the timed loop
+        token = int(logits.argmax())
+        tokens.append(token)
+        if token in eos_ids:
+            break
+        step_input = torch.tensor([token], device=device)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    margins = (torch.stack(top2)[:, 0] - torch.stack(top2)[:, 1]).tolist()
+    return Generation(tokens, seconds, margins=margins)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Proposers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class DFlashProposer:
+    """Drafts with a DFlash drafter through the target's own embeddings and LM head."""
+
+    def __init__(self, drafter, config, target):
+        self.drafter = drafter
+        self.block_size = config.block_size
+        self.mask_token_id = config.mask_token_id
+        self.layer_ids = list(config.target_layer_ids)
+        self.embed = target.get_input_embeddings()
+        self.head = target.get_output_embeddings()
+
+    def propose(self, committed, features, num_tokens, temperature, generator) -> Draft:
+        if num_tokens == 0:
+            return Draft(committed.new_empty(0))
+        n, device = committed.numel(), committed.device
+        block = torch.full((1, self.block_size), self.mask_token_id, dtype=committed.dtype, device=device)
+        block[0, 0] = committed[-1]
+        q_positions = torch.arange(n - 1, n - 1 + self.block_size, device=device)[None]
+        ctx_positions = torch.arange(n - 1, device=device)[None]
+        hidden = self.drafter(self.embed(block), features[None], q_positions, ctx_positions)
+        # Block slot 0 holds the known token; slots 1.. predict the tokens after it.
+        logits = self.head(hidden[0, 1 : 1 + num_tokens])
+        return draw(logits, temperature, generator)
+
+
+class PromptLookupProposer:
+    """Prompt-lookup drafts from transformers' own n-gram matcher (`PromptLookupCandidateGenerator`), verified
+    by our loop: transformers' `generate(prompt_lookup_num_tokens=...)` refuses stateful (hybrid) targets."""
+
+    layer_ids: list[int] = []
+
+    def __init__(self, num_tokens: int = 10, max_ngram: int = 2, eos_ids: Sequence[int] = ()):
+        from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+        self.matcher = PromptLookupCandidateGenerator(
+            eos_token_id=torch.tensor(sorted(eos_ids)) if eos_ids else None,
+            num_output_tokens=num_tokens,
+            max_matching_ngram_size=max_ngram,
+            max_length=2**62,  # our loop caps the draft length itself
+        )
+
+    def propose(self, committed, features, num_tokens, temperature, generator) -> Draft:
+        if self.matcher.eos_token_id is not None:
+            self.matcher.eos_token_id = self.matcher.eos_token_id.to(committed.device)
+        candidates, _ = self.matcher.get_candidates(committed[None])
+        return Draft(candidates[0, committed.numel() :][:num_tokens])
+
+
+@torch.inference_mode()
+def generate_prompt_lookup(target, prompt: torch.Tensor, max_new_tokens: int, num_tokens: int) -> tuple[Generation, int]:
+    """transformers' own prompt-lookup decoding (dense targets only), with the number of target forwards it ran.
+
+    Its first forward verifies the prompt and the first candidates together, so its tau is
+    new tokens / target forwards."""
+    forwards = 0
+
+    def count(*_):
+        nonlocal forwards
+        forwards += 1
+
+    hook = target.register_forward_pre_hook(count)
+    device = prompt.device
+    try:
+        _sync(device)
+        start = time.perf_counter()
+        out = target.generate(
+            prompt[None],
+            attention_mask=torch.ones_like(prompt)[None],
+            prompt_lookup_num_tokens=num_tokens,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+        )
+        _sync(device)
+    finally:
+        hook.remove()
+    return Generation(out[0, prompt.numel() :].tolist(), time.perf_counter() - start), forwards

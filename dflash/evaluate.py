@@ -1,0 +1,395 @@
+"""`dflash eval`: plain greedy decoding against speculative decoding with each method, prompt by prompt, and the
+report of acceptance length, tokens/s and speedup; a partial report can be resumed.
+
+Acceptance length tau = mean over rounds of the tokens a round commits (accepted drafts + the bonus token),
+cut at EOS like the public DFlash benchmark; the first token, from the prefill, belongs to no round, so
+`tau = (new tokens - 1) / rounds`. At temperature 0 every method's output is compared with plain greedy
+decoding's; a mismatch is reported with the plain target's top-2 logit gap there (a tiny gap is a numerical tie).
+"""
+
+import hashlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dflash.config import EvalConfig
+from dflash.decoding import (
+    DFlashProposer, Generation, PromptLookupProposer, Proposer, generate_prompt_lookup, plain_greedy,
+    speculative_generate,
+)
+from dflash.drafter import DFlashDrafter, DrafterConfig, load_drafter
+from dflash.errors import DflashError, describe_differences
+from dflash.regenerate import encode_prompt, eos_token_ids, load_prompts, prompt_records
+from dflash.target import default_layer_ids, load_target
+from dflash.target_files import MASK_TOKEN
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The report
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """One method on one prompt."""
+
+    new_tokens: int
+    seconds: float
+    rounds: int  # verify forwards after the prefill (speculative); target forwards (prompt-lookup-generate)
+    tau: float | None
+    accepted: list[int]  # accepted drafts per round ([] when not observable)
+    mismatch_at: int | None = None  # temperature 0: first position differing from plain greedy decoding
+    plain_margin_at_mismatch: float | None = None  # the plain target's top-2 logit gap there (tiny = a numerical tie)
+
+
+@dataclass
+class Method:
+    """One method over all prompts."""
+
+    name: str
+    tau: float | None
+    tau_definition: str
+    accepted_histogram: list[int]  # [i] = rounds that accepted exactly i drafts
+    rounds: int
+    new_tokens: int
+    seconds: float
+    tokens_per_s: float
+    speedup: float  # its tokens/s over plain greedy decoding's, measured in the same run
+    mismatches: int | None  # temperature 0: prompts whose output differs from plain greedy decoding
+    first_mismatch: dict | None
+
+
+@dataclass
+class EvalReport:
+    target: str
+    drafter: str | None
+    temperature: float
+    max_new_tokens: int
+    device: str
+    dtype: str
+    prompt_lookup_tokens: int
+    block_size: int  # of the untrained drafter
+    seed: int
+    plain_tokens_per_s: float
+    methods: dict[str, Method]
+    prompts: list[dict]  # per prompt: index, prompt_tokens, prompt_sha256, plain {new_tokens, seconds}, runs {method: Run}
+
+    def table(self) -> str:
+        lines = [
+            f"target {self.target}  drafter {self.drafter}  temperature {self.temperature}  "
+            f"max_new_tokens {self.max_new_tokens}  {self.device} {self.dtype}  prompts {len(self.prompts)}",
+            f"{'method':<22}{'tau':>7}{'tokens/s':>11}{'speedup':>9}{'mismatches':>12}  accepted drafts per round (0, 1, ...)",
+            f"{'plain greedy':<22}{'-':>7}{self.plain_tokens_per_s:>11.1f}{'1.00x':>9}{'-':>12}",
+        ]
+        for m in self.methods.values():
+            tau = f"{m.tau:.2f}" if m.tau is not None else "-"
+            mismatches = "-" if m.mismatches is None else str(m.mismatches)
+            histogram = " ".join(map(str, m.accepted_histogram)) or "-"
+            lines.append(f"{m.name:<22}{tau:>7}{m.tokens_per_s:>11.1f}{m.speedup:>8.2f}x{mismatches:>12}  {histogram}")
+        for m in self.methods.values():
+            if m.first_mismatch:
+                lines.append(f"{m.name}: first mismatch {m.first_mismatch}")
+        return "\n".join(lines)
+
+    def prompt_table(self) -> str:
+        """A row per prompt: its plain decoding, then each method's tau and speedup (`!` marks a mismatch)."""
+        names = list(self.methods)
+        lines = [f"{'prompt':>6}{'tokens':>8}{'plain tok/s':>13}" + "".join(f"{n + ' tau, speedup':>34}" for n in names)]
+        for row in self.prompts:
+            plain = row["plain"]
+            plain_rate = plain["new_tokens"] / plain["seconds"] if plain["seconds"] else 0.0
+            cells = []
+            for name in names:
+                run = row["runs"][name]
+                rate = run.new_tokens / run.seconds if run.seconds else 0.0
+                tau = f"{run.tau:.2f}" if run.tau is not None else "-"
+                mark = "!" if run.mismatch_at is not None else ""
+                cells.append(f"{tau + mark:>26}{rate / plain_rate if plain_rate else 0.0:>7.2f}x")
+            lines.append(f"{row['index']:>6}{plain['new_tokens']:>8}{plain_rate:>13.1f}" + "".join(cells))
+        return "\n".join(lines)
+
+
+def first_difference(tokens: list[int], reference: list[int]) -> int | None:
+    for i, (a, b) in enumerate(zip(tokens, reference)):
+        if a != b:
+            return i
+    return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
+
+
+def _compare(run: Run, tokens: list[int], plain: Generation) -> Run:
+    run.mismatch_at = first_difference(tokens, plain.tokens)
+    if run.mismatch_at is not None and run.mismatch_at < len(plain.margins):
+        run.plain_margin_at_mismatch = plain.margins[run.mismatch_at]
+    return run
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Methods compared against plain greedy decoding
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SpeculativeMethod:
+    """Our draft-verify loop with a proposer."""
+
+    proposer: Proposer
+    max_drafts: int
+    temperature: float
+    tau_definition = (
+        "mean over verify rounds of (accepted drafts + 1 bonus token), cut at EOS; "
+        "the prefill's first token belongs to no round"
+    )
+
+    @property
+    def checks_greedy(self) -> bool:
+        return self.temperature == 0
+
+    def run(self, target, prompt, budget, plain: Generation, eos_ids, generator) -> Run:
+        generation = speculative_generate(
+            target, self.proposer, prompt, budget, eos_ids, self.temperature, generator, self.max_drafts
+        )
+        accepted = generation.accepted
+        run = Run(len(generation.tokens), generation.seconds, len(accepted), _tau(accepted), accepted)
+        return _compare(run, generation.tokens, plain) if self.checks_greedy else run
+
+    @staticmethod
+    def overall_tau(runs: list[Run]) -> float | None:
+        return _tau([a for r in runs for a in r.accepted])
+
+
+def _tau(accepted: list[int]) -> float | None:
+    """Mean tokens committed per verify round: the accepted drafts plus the bonus token."""
+    return sum(a + 1 for a in accepted) / len(accepted) if accepted else None
+
+
+@dataclass
+class GenerateLookupMethod:
+    """transformers' own greedy prompt-lookup decoding (dense targets), tau from its forward count."""
+
+    num_tokens: int
+    tau_definition = (
+        "new tokens / target forwards of transformers generate(prompt_lookup_num_tokens); "
+        "its first forward verifies the prompt and the first candidates together"
+    )
+    checks_greedy = True
+
+    def run(self, target, prompt, budget, plain: Generation, eos_ids, generator) -> Run:
+        generation, forwards = generate_prompt_lookup(target, prompt, budget, self.num_tokens)
+        tokens = generation.tokens
+        run = Run(len(tokens), generation.seconds, forwards, len(tokens) / forwards if forwards else None, [])
+        return _compare(run, tokens, plain)
+
+    @staticmethod
+    def overall_tau(runs: list[Run]) -> float | None:
+        forwards = sum(r.rounds for r in runs)
+        return sum(r.new_tokens for r in runs) / forwards if forwards else None
+
+
+def _summarise(name: str, method, rows: list[dict], plain_tokens_per_s: float) -> Method:
+    """One method over the prompt rows (in prompt order) of a report."""
+    runs = [row["runs"][name] for row in rows]
+    new_tokens = sum(r.new_tokens for r in runs)
+    seconds = sum(r.seconds for r in runs)
+    accepted = [a for r in runs for a in r.accepted]
+    tokens_per_s = new_tokens / seconds if seconds else 0.0
+    mismatched = [(row["index"], row["runs"][name]) for row in rows if row["runs"][name].mismatch_at is not None]
+    first = None
+    if mismatched:
+        i, r = mismatched[0]
+        first = {"prompt": i, "position": r.mismatch_at, "plain_margin": r.plain_margin_at_mismatch}
+    return Method(
+        name=name,
+        tau=method.overall_tau(runs),
+        tau_definition=method.tau_definition,
+        accepted_histogram=[accepted.count(i) for i in range(max(accepted) + 1)] if accepted else [],
+        rounds=sum(r.rounds for r in runs),
+        new_tokens=new_tokens,
+        seconds=seconds,
+        tokens_per_s=tokens_per_s,
+        speedup=tokens_per_s / plain_tokens_per_s if plain_tokens_per_s else 0.0,
+        mismatches=len(mismatched) if method.checks_greedy else None,
+        first_mismatch=first,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# evaluate
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def evaluate(
+    cfg: EvalConfig, *, drafters: list | None = None, resume: dict | None = None, on_prompt=None, progress: bool = False
+) -> EvalReport:
+    """Plain greedy decoding, then each method, prompt by prompt; tokens/s and speedups compare measurements of the
+    same process (or, resumed, of the runs that made the report: same settings and device), and plain greedy is
+    every method's reference.
+
+    `drafters`: the drafters to compare, each an exported drafter folder, "untrained" (random init from the
+    target's config with `cfg.block_size`, the baseline) or a `(model, config)` pair; None takes `cfg.drafter`
+    or `cfg.untrained`. `cfg.data`: a JSONL path or a list of records as a prompt file holds them.
+    `on_prompt(report)`: called after each prompt with the report so far (to save it). `resume`: an earlier,
+    partial report of this evaluation as a JSON object: its prompts are not run again and count in the totals,
+    so that a long eval can be spread over several runs.
+    """
+    from tqdm import tqdm
+
+    if drafters is None:
+        drafters = ["untrained"] if cfg.untrained else [cfg.drafter] if cfg.drafter else []
+    if not drafters and not cfg.prompt_lookup:
+        raise DflashError("nothing to evaluate: give --drafter, --untrained or --prompt-lookup N")
+    for drafter in drafters:
+        if isinstance(drafter, (str, Path)) and drafter != "untrained" and not Path(drafter).is_dir():
+            raise DflashError(f"drafter folder {drafter} does not exist; pass --drafter an exported drafter folder")
+    records = load_prompts(cfg.data) if isinstance(cfg.data, (str, Path)) else prompt_records(cfg.data)
+    records = records[: cfg.num_prompts]
+    target, tokenizer = load_target(cfg.model, cfg.device, cfg.dtype)
+    eos_ids = eos_token_ids(target, tokenizer)
+    encoded = [torch.tensor(encode_prompt(tokenizer, r), device=target.device) for r in records]
+    methods = _methods(cfg, target, tokenizer, drafters, eos_ids)
+    generator = torch.Generator(target.device).manual_seed(cfg.seed)
+
+    def report(rows: list[dict]) -> EvalReport:
+        plain_tokens = sum(row["plain"]["new_tokens"] for row in rows)
+        plain_seconds = sum(row["plain"]["seconds"] for row in rows)
+        plain_tokens_per_s = plain_tokens / plain_seconds if plain_seconds else 0.0
+        return EvalReport(
+            target=str(cfg.model),
+            drafter=", ".join(_drafter_label(d) for d in drafters) or None,
+            temperature=cfg.temperature,
+            max_new_tokens=cfg.max_new_tokens,
+            device=str(target.device),
+            dtype=str(target.dtype).removeprefix("torch."),
+            prompt_lookup_tokens=cfg.prompt_lookup,
+            block_size=cfg.block_size,
+            seed=cfg.seed,
+            plain_tokens_per_s=plain_tokens_per_s,
+            methods={name: _summarise(name, method, rows, plain_tokens_per_s) for name, method in methods.items()},
+            prompts=rows,
+        )
+
+    def in_order(rows: list[dict]) -> list[dict]:
+        return sorted(rows, key=lambda row: row["index"])
+
+    def run_all(prompt: torch.Tensor, budget: int) -> tuple[Generation, dict[str, Run]]:
+        plain = plain_greedy(target, prompt, budget, eos_ids)
+        return plain, {name: m.run(target, prompt, budget, plain, eos_ids, generator) for name, m in methods.items()}
+
+    rows = _resumed_rows(resume, report([]), encoded) if resume else []
+    done = {row["index"] for row in rows}
+    todo = [i for i in range(len(encoded)) if i not in done]
+    if cfg.warmup and todo:
+        # First calls pay for allocations and kernel selection: keep them out of the timings.
+        run_all(encoded[todo[0]], min(cfg.max_new_tokens, 8))
+    start, ran = time.perf_counter(), 0
+    for index in tqdm(todo, desc="eval", unit="prompt", disable=not progress):
+        if cfg.time_budget is not None and ran >= cfg.min_prompts and time.perf_counter() - start > cfg.time_budget:
+            break
+        plain, runs = run_all(encoded[index], cfg.max_new_tokens)
+        plain_summary = {"new_tokens": len(plain.tokens), "seconds": plain.seconds}
+        identity = {"prompt_tokens": encoded[index].numel(), "prompt_sha256": _token_hash(encoded[index])}
+        rows.append({"index": index, **identity, "plain": plain_summary, "runs": runs})
+        ran += 1
+        if on_prompt is not None:
+            on_prompt(report(in_order(rows)))
+    return report(in_order(rows))
+
+
+def _resumed_rows(earlier: dict, empty: EvalReport, encoded: list[torch.Tensor]) -> list[dict]:
+    """The prompts of an earlier report, checked to belong to this evaluation, with their runs as `Run`s."""
+    keys = ("target", "drafter", "temperature", "max_new_tokens", "device", "dtype", "prompt_lookup_tokens",
+            "block_size", "seed")  # fmt: skip
+    missing = [key for key in (*keys, "methods", "prompts") if key not in earlier]
+    if missing:
+        raise DflashError(f"the earlier report lacks {', '.join(missing)}: it was written by an older dflash or is not "
+                          "an eval report; start a new report")  # fmt: skip
+    differences = describe_differences(
+        {k: earlier.get(k) for k in keys}, {k: getattr(empty, k) for k in keys}, "earlier report", "this eval"
+    )
+    if set(earlier["methods"]) != set(empty.methods):
+        differences += f"; methods: earlier report {sorted(earlier['methods'])}, this eval {sorted(empty.methods)}"
+    if differences:
+        raise DflashError(f"cannot resume an eval of other settings ({differences.strip('; ')}); "
+                          "start a new report or give the same settings")  # fmt: skip
+    rows, seen = [], set()
+    try:
+        for row in earlier["prompts"]:
+            index = row["index"]
+            if index in seen:
+                raise DflashError(f"the earlier report holds prompt {index} twice; start a new report")
+            seen.add(index)
+            if not 0 <= index < len(encoded):
+                raise DflashError(
+                    f"the earlier report holds prompt {index}, this eval has {len(encoded)} prompts; resume with at "
+                    "least as many prompts (--num-prompts), or start a new report"
+                )
+            if row["prompt_sha256"] != _token_hash(encoded[index]):
+                raise DflashError(
+                    f"the earlier report's prompt {index} is not this prompt file's prompt {index} (other tokens); "
+                    "resume with the same prompts, or start a new report"
+                )
+            if set(row["runs"]) != set(empty.methods) or {"new_tokens", "seconds"} - set(row["plain"]):
+                raise KeyError("runs or plain")
+            rows.append({**row, "runs": {name: Run(**run) for name, run in row["runs"].items()}})
+    except (KeyError, TypeError) as exc:
+        raise DflashError(f"the earlier report is not a dflash eval report of this version ({exc!r}); start a new "
+                          "report") from None  # fmt: skip
+    return rows
+
+
+def _token_hash(tokens: torch.Tensor) -> str:
+    return hashlib.sha256(tokens.to("cpu", torch.int64).numpy().tobytes()).hexdigest()
+
+
+def _drafter_label(drafter) -> str:
+    return str(drafter) if isinstance(drafter, (str, Path)) else "in-memory"
+
+
+def _methods(cfg: EvalConfig, target, tokenizer, drafters: list, eos_ids: set[int]) -> dict:
+    methods = {}
+    for drafter in drafters:
+        model, config = _drafter_and_config(drafter, target, tokenizer, cfg.block_size, cfg.seed)
+        name = "untrained-dflash" if drafter == "untrained" else "dflash"
+        if name in methods:
+            raise DflashError(f"two drafters would both be reported as {name!r}; evaluate them in separate runs")
+        methods[name] = SpeculativeMethod(DFlashProposer(model, config, target), config.block_size - 1, cfg.temperature)
+    if cfg.prompt_lookup:
+        proposer = PromptLookupProposer(cfg.prompt_lookup, eos_ids=eos_ids)
+        methods["prompt-lookup"] = SpeculativeMethod(proposer, cfg.prompt_lookup, cfg.temperature)
+        # transformers refuses assisted generation on stateful (hybrid) models.
+        if not getattr(target, "_is_stateful", False):
+            methods["prompt-lookup-generate"] = GenerateLookupMethod(cfg.prompt_lookup)
+    return methods
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Drafters
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def untrained_drafter(target, tokenizer, block_size: int = 16, seed: int = 0, mask_token_id: int | None = None):
+    """A randomly initialised drafter shaped from the target's config: the baseline a trained one must beat."""
+    if mask_token_id is None:
+        mask_token_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
+        if mask_token_id is None or mask_token_id == tokenizer.unk_token_id:
+            raise DflashError(f"the target's tokenizer has no {MASK_TOKEN} token; pass a mask token id")
+    config = DrafterConfig.from_target_config(
+        target.config,
+        target_layer_ids=default_layer_ids(target.config.get_text_config(decoder=True).num_hidden_layers),
+        mask_token_id=mask_token_id,
+        block_size=block_size,
+    )
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(config).to(device=target.device, dtype=target.dtype).eval()
+    return drafter, config
+
+
+def _drafter_and_config(drafter, target, tokenizer, block_size: int, seed: int):
+    """`drafter` is a folder, "untrained", or a (model, config) pair already in memory."""
+    if isinstance(drafter, tuple):
+        return drafter
+    if drafter == "untrained":
+        return untrained_drafter(target, tokenizer, block_size, seed)
+    model, config = load_drafter(drafter, target.device, target.dtype)
+    return model.eval(), config

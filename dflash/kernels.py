@@ -1,0 +1,99 @@
+"""The kernels a hybrid (Gated-DeltaNet) target runs: named for the log, and patched where transformers' choice
+falls short (fla's kernels kept off CPU tensors; fla's Triton conv when causal-conv1d is missing).
+"""
+
+import inspect
+import sys
+
+import torch
+
+from dflash.errors import DflashError
+
+GPU_EXTRA = "pip install 'dflash[gpu]'"
+# The module globals of transformers' hybrid modeling files (qwen3_5, qwen3_5_moe, qwen3_next) that the layers
+# look up at call time: patching them changes the kernel a layer runs. A forward over a sequence (the harvest,
+# prefill, verify forward) runs the first two; decoding one token at a time with a cache runs the last two.
+GATED_DELTA_RULE = "torch_chunk_gated_delta_rule"
+CAUSAL_CONV1D = "causal_conv1d_fn"
+SEQUENCE_FUNCTIONS = {"gated_delta_rule": GATED_DELTA_RULE, "causal_conv1d": CAUSAL_CONV1D}
+DECODE_FUNCTIONS = {"recurrent_gated_delta_rule": "torch_recurrent_gated_delta_rule", "causal_conv1d_update": "causal_conv1d_update"}
+
+
+def select_kernels(model: torch.nn.Module, device: torch.device, allow_slow: bool, generation: bool = False) -> dict[str, str]:
+    """Name the kernel of each hybrid-layer function and patch transformers' choice where it falls short.
+
+    On CPU: the reference code (fla, if installed, is kept for CUDA tensors only). On CUDA: fla's Triton conv
+    when causal-conv1d is missing, and a DflashError when a sequence function would run on the reference code
+    (unless `allow_slow`). `generation`: the target also decodes with a cache: the one-token functions are
+    reported too, and transformers' conv is not replaced (fla's conv wrapper is checked on cacheless forwards
+    only). The patches are module globals, so they hold for the whole process: generation after a harvest in
+    the same process keeps the harvest's conv (and reports it).
+    """
+    kernels = {"attention": model.config._attn_implementation}
+    modeling = sys.modules[type(model).__module__]
+    is_hybrid = "linear_attention" in (getattr(model.config, "layer_types", None) or [])
+    if not (is_hybrid and all(hasattr(modeling, name) for name in SEQUENCE_FUNCTIONS.values())):
+        return kernels
+    reported = {**SEQUENCE_FUNCTIONS, **(DECODE_FUNCTIONS if generation else {})}
+    reported = {role: name for role, name in reported.items() if hasattr(modeling, name)}
+    if device.type != "cuda":
+        # transformers binds fla's Triton kernels whatever the device, and they take CUDA tensors only.
+        for name in {**SEQUENCE_FUNCTIONS, **DECODE_FUNCTIONS}.values():
+            function = getattr(modeling, name, None)
+            if function is not None and _kernel_name(function) != "torch-reference" and not hasattr(function, "fast"):
+                setattr(modeling, name, _cuda_only(function, function.__wrapped__))
+        return {**kernels, **{role: "torch-reference" for role in reported}}
+    kernels.update({role: _kernel_name(getattr(modeling, name)) for role, name in reported.items()})
+    if kernels["causal_conv1d"] == "torch-reference" and kernels["gated_delta_rule"] == "fla" and not generation:
+        # causal-conv1d is missing (it builds from source only): fla's Triton conv is the next best.
+        setattr(modeling, CAUSAL_CONV1D, _cuda_only(_fla_causal_conv1d_fn, getattr(modeling, CAUSAL_CONV1D)))
+        kernels["causal_conv1d"] = "fla-triton"
+    slow = [role for role in SEQUENCE_FUNCTIONS if kernels[role] == "torch-reference"]
+    if slow and not allow_slow:
+        raise DflashError(
+            f"the target's {' and '.join(slow)} would run on PyTorch reference code, more than 10x slower on GPU: "
+            f"flash-linear-attention is not installed; run {GPU_EXTRA} (and optionally pip install causal-conv1d), "
+            "or pass --allow-slow-kernels to accept the slow path"
+        )
+    return kernels
+
+
+def describe_kernels(kernels: dict[str, str]) -> str:
+    """The log line's `role kernel, ...`."""
+    return ", ".join(f"{role} {kernel}" for role, kernel in kernels.items())
+
+
+def _kernel_name(function) -> str:
+    """Which implementation transformers' kernel-with-fallback wrapper (or our patch) dispatches to on CUDA."""
+    function = getattr(function, "fast", function)
+    if function is _fla_causal_conv1d_fn:
+        return "fla-triton"
+    try:
+        bound = inspect.getclosurevars(function).nonlocals
+    except TypeError:
+        return "unknown"
+    implementation = bound.get("implementation")
+    if implementation is None:
+        return "unknown"
+    if implementation is bound.get("torch_function"):
+        return "torch-reference"
+    return implementation.__module__.split(".")[0].replace("_", "-")
+
+
+def _cuda_only(fast, reference):
+    """A module-global replacement that sends CUDA tensors to `fast` and any other to the reference code."""
+
+    def routed(*args, **kwargs):
+        return (fast if args[0].is_cuda else reference)(*args, **kwargs)
+
+    routed.fast, routed.__wrapped__ = fast, reference
+    return routed
+
+
+def _fla_causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **_kwargs):
+    """transformers' causal_conv1d_fn contract ([B, D, T] in and out) on fla's Triton conv ([B, T, D])."""
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    # transformers hands in a transposed view of a contiguous [B, T, D]: transposing back costs no copy.
+    output, _ = causal_conv1d(x=hidden_states.transpose(1, 2), weight=weight, bias=bias, activation=activation)
+    return output.transpose(1, 2)

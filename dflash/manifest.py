@@ -1,0 +1,331 @@
+"""The store's manifest: a typed, validated record of what a store holds and how it was made.
+
+`harvest.json` (written first) and `manifest.json` (written last) hold the same record; only the manifest has
+`counts` and `parts`. Every field is checked once, when the file is read (`Manifest.from_json`): past that point
+code reads attributes, never string keys. Format version 2 adds what training needs about the target (so
+that it reads only the embedding and the LM head from the target's files) and the feature encoding (`features`:
+precision, stored width, scale groups and the subspace projection); version-1 stores read as bf16, full width.
+"""
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash.errors import DflashError
+
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+PART_NAME = re.compile(r"rank\d{5}")
+PRECISIONS = ("bf16", "fp8")
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """The target model as training needs it: identity, and the text-model fields the drafter copies."""
+
+    name: str  # the checkpoint's name (fingerprint.model holds the path the harvest loaded)
+    model_type: str
+    config_hash: str  # sha256 of config.json, canonical (sorted keys, no whitespace)
+    num_layers: int  # of the whole target
+    hidden_size: int
+    vocab_size: int
+    # The drafter's shape (None only in version-1 stores, which training completes from the target's config.json).
+    intermediate_size: int | None = None  # None also for MoE targets without a dense FFN
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float | None = None
+    rope_theta: float | None = None
+    max_position_embeddings: int | None = None
+    tie_word_embeddings: bool = False
+
+    @property
+    def has_text_config(self) -> bool:
+        return self.num_attention_heads is not None
+
+    def text_config(self) -> dict:
+        """The fields `DrafterConfig.from_target_config` reads, as a transformers-style dict."""
+        return {
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "num_hidden_layers": self.num_layers,
+            "tie_word_embeddings": self.tie_word_embeddings,
+        }
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    name: str
+    vocab_size: int
+    special_ids: dict  # bos, eos, pad, unk, mask -> id or None
+
+    @property
+    def mask_id(self) -> int | None:
+        return self.special_ids.get("mask")
+
+
+@dataclass(frozen=True)
+class SubspaceSpec:
+    """The stored features are `P h`: P [width, feature_dim] (orthonormal rows) in the store's `projection` array."""
+
+    width: int
+    captured: float  # share of the calibration features' uncentered second moment inside the subspace
+    calibration_tokens: int
+    calibration_documents: int
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """How a token's features are stored: `width` values of `precision`, with `scale_groups` scales for fp8."""
+
+    precision: str = "bf16"
+    width: int = 0  # stored values per token: feature_dim, or the subspace width
+    scale_groups: int = 0  # fp8: equal slices of the width, each with its own power-of-two scale per token
+    subspace: SubspaceSpec | None = None
+
+    @property
+    def bytes_per_value(self) -> int:
+        return 1 if self.precision == "fp8" else 2
+
+
+@dataclass(frozen=True)
+class Counts:
+    documents: int
+    tokens: int
+    loss_tokens: int
+    padding_tokens: int
+    rows: int
+
+
+@dataclass(frozen=True)
+class PartEntry:
+    name: str  # rankNNNNN: a folder under parts/, never a path
+    rows: int
+    documents: int
+    tokens: int
+    loss_tokens: int
+    padding_tokens: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    format_version: int
+    dflash_version: str
+    fingerprint: dict  # the harvest settings that decide the content: a store is resumed only under the same ones
+    options: dict  # the harvest options as given (without rank / device)
+    target: TargetSpec
+    layer_ids: tuple[int, ...]
+    feature_dim: int  # len(layer_ids) * target.hidden_size: the width the drafter's fc takes at inference
+    features: FeatureSpec
+    dtype: str  # the dtype the target's features are rounded to before encoding ("bfloat16")
+    token_budget: int
+    tokenizer: TokenizerSpec
+    data: dict  # the input's name, size, sha256 and tokenization stats
+    codecs: dict  # array kind -> zarr codec configurations
+    identity: str = ""  # sha256 of the content-deciding fields (fingerprint, target, tokenizer, features, codecs)
+    counts: Counts | None = None  # manifest.json only
+    parts: tuple[PartEntry, ...] = ()
+    format: str = "dflash-harvest"
+    extra: dict = field(default_factory=dict)  # keys written by a newer dflash, kept on rewrite
+
+    @property
+    def complete(self) -> bool:
+        return self.counts is not None
+
+    @property
+    def world_size(self) -> int:
+        return int(self.fingerprint["world_size"])
+
+    def with_parts(self, parts: list[PartEntry]) -> "Manifest":
+        totals = {key: sum(getattr(p, key) for p in parts) for key in ("documents", "tokens", "loss_tokens", "padding_tokens")}
+        counts = Counts(**totals, rows=sum(p.rows for p in parts))
+        return dataclasses.replace(self, counts=counts, parts=tuple(parts))
+
+    def header(self) -> "Manifest":
+        """The record without counts and parts: what harvest.json holds."""
+        return dataclasses.replace(self, counts=None, parts=())
+
+    def to_json(self) -> dict:
+        out = dataclasses.asdict(self)
+        extra = out.pop("extra")
+        out["layer_ids"] = list(self.layer_ids)
+        if self.counts is None:
+            del out["counts"], out["parts"]
+        return {**extra, **out}
+
+    @classmethod
+    def from_json(cls, raw: Any, where: str) -> "Manifest":
+        """Validate every field of a manifest or harvest.json read from `where`; DflashError names the first bad one."""
+        return _parse_manifest(raw, where)
+
+    def describe(self) -> list[str]:
+        """Lines for `dflash inspect`."""
+        t, tok, f = self.target, self.tokenizer, self.features
+        mode = f"{f.precision}" + (f", {f.scale_groups} scale group(s) per token" if f.precision == "fp8" else "")
+        if f.subspace is not None:
+            mode += (
+                f", subspace {f.subspace.width} of {self.feature_dim} (captured {f.subspace.captured:.2%} of the "
+                f"second moment on {f.subspace.calibration_tokens} calibration tokens)"
+            )
+        return [
+            f"target     {t.name} ({t.model_type}), {t.num_layers} layers, hidden {t.hidden_size}, vocab "
+            f"{t.vocab_size}, config sha256 {t.config_hash[:12]}",
+            f"features   layers {list(self.layer_ids)} -> {self.feature_dim} features; stored {f.width} per token "
+            f"as {mode}",
+            f"tokenizer  {tok.name}, vocab {tok.vocab_size}, special ids {tok.special_ids}",
+            f"rows       {self.token_budget} tokens each; codec {self.codecs['hidden'][0]['name']} "
+            f"{self.codecs['hidden'][0].get('configuration', {})} + crc32c",
+            f"identity   {self.identity[:16]}",
+        ]
+
+
+# ---------------------------------------------------------------------------------------------- validation
+
+
+class _Fields:
+    """Typed access to one JSON object, naming the file and the key on every problem."""
+
+    def __init__(self, raw: Any, where: str, prefix: str = ""):
+        if not isinstance(raw, dict):
+            raise DflashError(f"{where}: {prefix or 'the file'} is not a JSON object; the store is damaged")
+        self.raw, self.where, self.prefix = raw, where, prefix
+
+    def _bad(self, key: str, want: str) -> DflashError:
+        return DflashError(
+            f"{self.where}: field {self.prefix}{key} is {self.raw.get(key)!r}, expected {want}; the file is damaged or "
+            "was edited: restore it, or harvest again"
+        )
+
+    def get(self, key: str, kind, *default):
+        if key not in self.raw:
+            if default:
+                return default[0]
+            raise DflashError(f"{self.where}: field {self.prefix}{key} is missing; the file is damaged: restore it or harvest again")
+        value = self.raw[key]
+        if value is None and default and default[0] is None:
+            return None
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+            raise self._bad(key, kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind))
+        return value
+
+    def count(self, key: str, minimum: int = 0) -> int:
+        value = self.get(key, int)
+        if value < minimum:
+            raise self._bad(key, f"an integer of at least {minimum}")
+        return value
+
+    def sub(self, key: str) -> "_Fields":
+        return _Fields(self.get(key, dict), self.where, f"{self.prefix}{key}.")
+
+
+def _target(f: _Fields) -> TargetSpec:
+    optional = {"intermediate_size": int, "num_attention_heads": int, "num_key_value_heads": int, "head_dim": int,
+                "rms_norm_eps": float, "rope_theta": float, "max_position_embeddings": int}  # fmt: skip
+    return TargetSpec(
+        name=f.get("name", str),
+        model_type=f.get("model_type", str),
+        config_hash=f.get("config_hash", str),
+        num_layers=f.count("num_layers", 1),
+        hidden_size=f.count("hidden_size", 1),
+        vocab_size=f.count("vocab_size", 1),
+        **{key: f.get(key, kind, None) for key, kind in optional.items()},
+        tie_word_embeddings=f.get("tie_word_embeddings", bool, False),
+    )
+
+
+def _features(raw: Any, where: str, feature_dim: int) -> FeatureSpec:
+    if raw is None:  # version 1: bf16, full width
+        return FeatureSpec("bf16", feature_dim, 0, None)
+    f = _Fields(raw, where, "features.")
+    precision = f.get("precision", str)
+    if precision not in PRECISIONS:
+        raise f._bad("precision", " or ".join(PRECISIONS))
+    width, groups = f.count("width", 1), f.count("scale_groups")
+    if (precision == "fp8") != (groups > 0) or (groups and width % groups):
+        raise f._bad("scale_groups", "a divisor of the width for fp8, 0 for bf16")
+    subspace = None
+    if f.raw.get("subspace") is not None:
+        s = f.sub("subspace")
+        subspace = SubspaceSpec(s.count("width", 1), s.get("captured", float), s.count("calibration_tokens"),
+                                s.count("calibration_documents"))  # fmt: skip
+        if subspace.width != width or width > feature_dim:
+            raise s._bad("width", f"the stored width {width}, at most {feature_dim}")
+    elif width != feature_dim:
+        raise f._bad("width", f"the feature width {feature_dim} (no subspace)")
+    return FeatureSpec(precision, width, groups, subspace)
+
+
+def _parse_manifest(raw: Any, where: str) -> Manifest:
+    f = _Fields(raw, where)
+    version = f.get("format_version", int)
+    if version not in READABLE_VERSIONS:
+        raise DflashError(
+            f"{where} has store format version {version}; this dflash reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}: use a matching dflash version or harvest again"
+        )
+    target = _target(f.sub("target"))
+    layer_ids = f.get("layer_ids", list)
+    if not layer_ids or not all(isinstance(i, int) and 0 <= i < target.num_layers for i in layer_ids):
+        raise f._bad("layer_ids", f"a list of layer indices in 0..{target.num_layers - 1}")
+    feature_dim = f.count("feature_dim", 1)
+    if feature_dim != len(layer_ids) * target.hidden_size:
+        raise f._bad("feature_dim", f"{len(layer_ids)} layers x {target.hidden_size}")
+    tok = f.sub("tokenizer")
+    known = {fl.name for fl in dataclasses.fields(Manifest)}
+    manifest = Manifest(
+        format_version=version,
+        dflash_version=f.get("dflash_version", str),
+        fingerprint=f.get("fingerprint", dict),
+        options=f.get("options", dict),
+        target=target,
+        layer_ids=tuple(layer_ids),
+        feature_dim=feature_dim,
+        features=_features(raw.get("features"), where, feature_dim),
+        dtype=f.get("dtype", str),
+        token_budget=f.count("token_budget", 1),
+        tokenizer=TokenizerSpec(tok.get("name", str), tok.count("vocab_size", 1), tok.get("special_ids", dict)),
+        data=f.get("data", dict),
+        codecs=f.get("codecs", dict),
+        identity=f.get("identity", str, ""),
+        format=f.get("format", str, "dflash-harvest"),
+        extra={k: v for k, v in raw.items() if k not in known and k not in ("storage",)},
+    )
+    _Fields(manifest.fingerprint, where, "fingerprint.").count("world_size", 1)
+    if "counts" not in raw:
+        return manifest
+    parts = [_part(_Fields(p, where, f"parts[{i}].")) for i, p in enumerate(f.get("parts", list))]
+    if len(parts) != manifest.world_size or [p.name for p in parts] != [f"rank{r:05d}" for r in range(len(parts))]:
+        raise f._bad("parts", f"one entry per rank, rank00000..rank{manifest.world_size - 1:05d} in order")
+    complete = manifest.with_parts(parts)
+    c = f.sub("counts")
+    recorded = Counts(*(c.count(key) for key in ("documents", "tokens", "loss_tokens", "padding_tokens", "rows")))
+    if recorded != complete.counts:
+        raise f._bad("counts", f"the sums over its parts {dataclasses.asdict(complete.counts)}")
+    return complete
+
+
+def _part(f: _Fields) -> PartEntry:
+    name = f.get("name", str)
+    if not PART_NAME.fullmatch(name):
+        raise f._bad("name", "rankNNNNN (a part folder's name, never a path)")
+    return PartEntry(name, *(f.count(key) for key in ("rows", "documents", "tokens", "loss_tokens", "padding_tokens")))
+
+
+def identity_of(manifest: Manifest) -> str:
+    """A content fingerprint of the store: equal for two stores that hold the same rows."""
+    import hashlib
+
+    keyed = {k: v for k, v in manifest.header().to_json().items() if k in ("fingerprint", "target", "tokenizer",
+                                                                           "features", "codecs", "layer_ids", "token_budget")}  # fmt: skip
+    return hashlib.sha256(json.dumps(keyed, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

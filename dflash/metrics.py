@@ -1,0 +1,229 @@
+"""Training metrics: the layout of the device sums, the meter that turns them into records, the log sinks, and
+the FLOP count behind MFU.
+
+The captured step adds its sums into one float64 device vector (`SumsLayout` names its entries); a log step reads
+that vector once (the only host sync of the loop), all-reduced over the ranks, and `Meter` turns it into one
+record. Field meanings and the MFU formula are in docs/training.md.
+"""
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dflash import graph
+from dflash.drafter import DrafterConfig
+
+logger = logging.getLogger("dflash")
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class SumsLayout:
+    """Names of the entries of the float64 metric sums (one vector: one device-to-host read per log)."""
+
+    def __init__(self, block_size: int):
+        scalars = ["loss_sum", "weight_sum", "accepted", "blocks", "context_tokens", "pairs", "grad_norm", "steps",
+                   "replay_rounds", "replay_tokens"]  # fmt: skip
+        self.index = {name: i for i, name in enumerate(scalars)}
+        self.correct = slice(len(scalars), len(scalars) + block_size - 1)
+        self.counted = slice(self.correct.stop, self.correct.stop + block_size - 1)
+        self.size = self.counted.stop
+
+    def __getitem__(self, name):
+        return self.index[name]
+
+    def zeros(self, device) -> torch.Tensor:
+        return torch.zeros(self.size, dtype=torch.float64, device=device)
+
+    def record(self, sums: list[float], kind: str, step: int) -> dict:
+        """The fields every record has (train and val), from the sums read to the host."""
+        correct, counted = sums[self.correct], sums[self.counted]
+        record = {
+            "kind": kind,
+            "step": step,
+            "loss": sums[self["loss_sum"]] / max(sums[self["weight_sum"]], 1e-12),
+            "accept_len": sums[self["accepted"]] / max(sums[self["blocks"]], 1),
+            "acc": [c / max(n, 1) for c, n in zip(correct, counted)],  # accuracy per block position k = 1..B-1
+            "blocks": int(sums[self["blocks"]]),
+        }
+        if sums[self["replay_rounds"]]:
+            rounds = sums[self["replay_rounds"]]
+            record.update(tau=sums[self["replay_tokens"]] / rounds, rounds=int(rounds))
+        return record
+
+
+# ---------------------------------------------------------------------------------------------- FLOPs
+
+
+def visible_pairs(anchors, valid, doc_ids, block_size) -> torch.Tensor:
+    """(query, key) pairs the BlockMask lets attend, over valid blocks: each of a block's B queries sees the
+    context of its document before the anchor and the B tokens of its block (documents are contiguous runs)."""
+    T = doc_ids.shape[1]
+    position = torch.arange(T, device=doc_ids.device).expand_as(doc_ids)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    doc_start = torch.where(starts, position, 0).cummax(dim=1).values
+    context = anchors - doc_start.gather(1, anchors)
+    return (block_size * (context + block_size) * valid).sum()
+
+
+# Model FLOPs of the counted work, with context tokens C (non-padding), drafted block tokens D, labelled positions
+# L (positive loss weight) and visible attention pairs P; hidden H, FFN F, h query / g KV heads of dim d, n drafter
+# layers, f tapped target layers, vocabulary V:
+#
+#   trainable forward = n * [D * 2 * (H*h*d + h*d*H + 3*H*F + 2*H*g*d)    q, o, gate / up / down, k / v of blocks
+#                            + C * 2 * (2*H*g*d)]                         k / v of the context (KV injection)
+#                       + C * 2 * W*H                                     fc fusion (W = f*H, or the subspace width)
+#   LM head forward   = L * 2 * V * H
+#   attention forward = n * 4 * P * h * d                                 QK^T and PV
+#   FLOPs = 3 * trainable forward + 2 * LM head forward + 3.5 * attention forward
+#
+# Trainable matmuls count 3x (forward, input gradient, weight gradient); the frozen LM head 2x (its weight gradient
+# is never computed); attention 3.5x its forward (backward 2.5 with the recomputation of the scores).
+def step_flops(dcfg: DrafterConfig, context_tokens: float, drafted: float, labelled: float, pairs: float) -> float:
+    H, F_, hd = dcfg.hidden_size, dcfg.intermediate_size, dcfg.head_dim
+    q_width, kv_width = dcfg.num_attention_heads * hd, dcfg.num_key_value_heads * hd
+    per_layer_block = 2 * (H * q_width + q_width * H + 3 * H * F_ + 2 * H * kv_width)  # per block token
+    per_layer_context = 2 * (2 * H * kv_width)  # k / v projections of the context
+    trainable = dcfg.num_layers * (per_layer_block * drafted + per_layer_context * context_tokens)
+    trainable += 2 * dcfg.input_width * H * context_tokens  # fc
+    head = 2 * dcfg.vocab_size * H * labelled
+    attention = dcfg.num_layers * 4 * pairs * dcfg.num_attention_heads * hd
+    return 3 * trainable + 2 * head + 3.5 * attention
+
+
+# ---------------------------------------------------------------------------------------------- meter
+
+
+class Meter:
+    """Turns the trainer's device sums into one metrics record per log step; times the loop and the data waits."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.last = time.perf_counter()
+        self.waited = 0.0
+        self.memory: list[tuple[int, int]] = []
+        self.records: list[dict] = []
+
+    def wait(self, get):
+        t0 = time.perf_counter()
+        item = get()
+        self.waited += time.perf_counter() - t0
+        return item
+
+    def set_aside(self, fn):
+        """Run fn outside the timed training: validation's seconds count in no step's time. The steps queued
+        before it finish first, so that their time stays theirs."""
+        if self.trainer.cuda:
+            torch.cuda.synchronize(self.trainer.device)
+        t0 = time.perf_counter()
+        result = fn()
+        self.last += time.perf_counter() - t0
+        return result
+
+    def read(self, step: int) -> dict:
+        trainer, world_size = self.trainer, self.trainer.env.world_size
+        if world_size > 1:  # sums over all ranks: the record describes the global batch
+            dist.all_reduce(trainer.sums)
+        sums = trainer.sums.tolist()  # the one host sync of a log step
+        trainer.sums.zero_()
+        now = time.perf_counter()
+        elapsed, self.last = now - self.last, now
+        layout, B = trainer.layout, trainer.cfg.block_size
+        steps = max(sums[layout["steps"]], 1)  # summed over ranks, like grad_norm
+        record = layout.record(sums, "train", step)
+        labelled = sum(sums[layout.counted])
+        drafted = sums[layout["blocks"]] * B
+        flops = step_flops(trainer.dcfg, sums[layout["context_tokens"]], drafted, labelled, sums[layout["pairs"]])
+        peak = world_size * trainer.cfg.peak_tflops * 1e12
+        record.update(
+            epoch=trainer.plan.position(step - 1)[0],
+            lr=float(trainer.lr_t),
+            grad_norm=sums[layout["grad_norm"]] / steps,
+            step_ms=1000 * elapsed / (steps / world_size),
+            context_tok_s=sums[layout["context_tokens"]] / elapsed,
+            drafted_tok_s=labelled / elapsed,
+            mfu=flops / elapsed / peak if trainer.cuda else None,
+            data_wait=self.waited / elapsed,
+            recompiles=graph.compiled_graphs() - trainer.compiled_graphs,
+        )
+        self.waited = 0.0
+        if trainer.cuda:
+            device = trainer.device
+            mem = (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device))
+            self.memory.append(mem)
+            record.update(mem_allocated=mem[0], mem_reserved=mem[1], mem_peak=torch.cuda.max_memory_allocated(device))
+        self.records.append(record)
+        return record
+
+    def summary(self) -> dict:
+        out = {"records": self.records}
+        if self.memory:
+            allocated, reserved = zip(*self.memory)
+            out.update(allocated_spread=max(allocated) - min(allocated), reserved_spread=max(reserved) - min(reserved))
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- sinks
+
+
+class MetricsLog:
+    """One console line per record (rank 0), `metrics.jsonl`, and TensorBoard scalars under `tb/`."""
+
+    def __init__(self, out: Path, enabled: bool, tensorboard: bool):
+        self.enabled = enabled
+        self.jsonl = (out / METRICS_FILE).open("a") if enabled else None
+        self.tb = None
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(out / "tb"))
+
+    def write(self, record: dict | None):
+        if not self.enabled or record is None:
+            return
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        logger.info(format_record(record))
+        if self.tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.tb.add_scalar(f"{record['kind']}/{key}", value, record["step"])
+            for k, value in enumerate(record["acc"], start=1):
+                self.tb.add_scalar(f"{record['kind']}/acc_k{k:02d}", value, record["step"])
+
+    def close(self):
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def format_record(r: dict) -> str:
+    accuracy = r["acc"]
+    head = (
+        f"{r['kind']} step {r['step']}: loss {r['loss']:.4f} accept {r['accept_len']:.2f} "
+        f"acc k1 {accuracy[0]:.3f} k{len(accuracy)} {accuracy[-1]:.3f}"
+    )
+    if r["kind"] != "train":
+        tau = f" tau {r['tau']:.2f} ({r['rounds']} rounds)" if "tau" in r else ""
+        return head + f"{tau} ({r['blocks']} blocks)"
+    mfu = f" mfu {100 * r['mfu']:.1f}%" if r.get("mfu") is not None else ""
+    mem = f" mem {r['mem_allocated'] / 2**30:.1f}/{r['mem_reserved'] / 2**30:.1f} GiB" if "mem_allocated" in r else ""
+    return (
+        f"{head} | lr {r['lr']:.2e} gnorm {r['grad_norm']:.2f} | {r['step_ms']:.0f} ms/step "
+        f"ctx {r['context_tok_s']:.0f} tok/s drafted {r['drafted_tok_s']:.0f} tok/s{mfu} "
+        f"wait {100 * r['data_wait']:.1f}%{mem} recompiles {r['recompiles']}"
+    )
+
+
+def drop_records_after(out: Path, step: int):
+    """A resumed run recomputes the steps after its checkpoint: drop the interrupted run's records of them."""
+    path = Path(out) / METRICS_FILE
+    if path.exists():
+        lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in lines))

@@ -1,0 +1,101 @@
+"""The target checkpoint's files read directly: its config, the config's hash, and two tensors.
+
+Training reads the embedding and LM head from here without loading the model, so this module imports no
+transformers modeling code (transformers' config and file lookup are imported only where they are called).
+"""
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from dflash.errors import DflashError
+
+MASK_TOKEN = "<|MASK|>"  # the token of the target's vocabulary that fills a drafter block after its first slot
+EMBEDDING_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "embed_tokens.weight")
+HEAD_KEYS = ("lm_head.weight", "model.lm_head.weight")
+
+
+def load_embedding_and_head(path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's embed_tokens [V, H] and lm_head [V, H] weights, read alone from its safetensors files."""
+    from safetensors import safe_open
+
+    file_of = tensor_files(path)
+    embed_key = _find_key(file_of, EMBEDDING_KEYS, "embed_tokens.weight", path)
+    tied = _tied(path)
+    head_key = embed_key if tied else _find_key(file_of, HEAD_KEYS, "lm_head.weight", path)
+    tensors = {}
+    for key in {embed_key, head_key}:
+        with safe_open(checkpoint_file(path, file_of[key]), framework="pt") as shard:
+            tensors[key] = shard.get_tensor(key)
+    return tensors[embed_key], tensors[head_key]
+
+
+def _tied(path: str) -> bool:
+    """Whether the LM head is the embedding. Tying is a property of the whole checkpoint, so the top-level config
+    decides (not a VL text_config); transformers' config class gives the default when config.json leaves it out."""
+    config = read_config_json(path)
+    if "tie_word_embeddings" in config:
+        return bool(config["tie_word_embeddings"])
+    return bool(getattr(load_config(path, "--target"), "tie_word_embeddings", False))
+
+
+def tensor_files(path: str) -> dict[str, str]:
+    """Tensor name -> the checkpoint file (name within the checkpoint) that holds it."""
+    from safetensors import safe_open
+
+    index = checkpoint_file(path, "model.safetensors.index.json")
+    if index is not None:
+        return json.loads(Path(index).read_text())["weight_map"]
+    single = checkpoint_file(path, "model.safetensors")
+    if single is None:
+        raise DflashError(f"{path} holds no model.safetensors nor model.safetensors.index.json; save the target as safetensors")
+    with safe_open(single, framework="pt") as shard:
+        return dict.fromkeys(shard.keys(), "model.safetensors")
+
+
+def _find_key(file_of: dict[str, str], preferred: tuple[str, ...], suffix: str, path: str) -> str:
+    """The first preferred name present, else the one text-model tensor whose name ends with `suffix`."""
+    for key in preferred:
+        if key in file_of:
+            return key
+    candidates = [k for k in file_of if k.endswith(suffix) and not any(part in k for part in ("mtp", "visual", "vision"))]
+    if len(candidates) == 1:
+        return candidates[0]
+    found = f"candidates {candidates}" if candidates else "no tensor of that name"
+    raise DflashError(f"cannot find the target's {suffix} in {path} ({found}); is this a complete causal-LM checkpoint?")
+
+
+def load_config(path: str, flag: str = "--model"):
+    """The checkpoint's transformers config; `flag` names the option that takes the checkpoint, for the error."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise DflashError(f"cannot load a model config from {path}: {exc}; pass {flag} a transformers checkpoint folder") from exc
+
+
+def read_config_json(path: str) -> dict:
+    """The checkpoint's config.json as it is on disk."""
+    file = checkpoint_file(path, "config.json")
+    if file is None:
+        raise DflashError(f"{path} holds no config.json; pass a transformers checkpoint folder")
+    return json.loads(Path(file).read_text())
+
+
+def config_hash(path: str) -> str:
+    """sha256 of config.json, canonical (sorted keys, no whitespace)."""
+    config = read_config_json(path)
+    return hashlib.sha256(json.dumps(config, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def checkpoint_file(path: str, filename: str) -> str | None:
+    """Local path of a checkpoint file (downloaded when `path` is a hub name), None when there is none."""
+    from transformers.utils import cached_file
+
+    try:
+        return cached_file(path, filename, _raise_exceptions_for_missing_entries=False)
+    except OSError as exc:
+        raise DflashError(f"cannot read {filename} of {path}: {exc}; pass --model a transformers checkpoint folder") from exc
