@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test smoke clean
+.PHONY: setup test lint format smoke clean
 
 setup: $(STAMP)
 
@@ -17,8 +17,17 @@ $(STAMP): pyproject.toml
 	@if $(BIN)/python -c "import triton" 2>/dev/null; then echo "triton must not be installed on the CPU path"; exit 1; fi
 	touch $(STAMP)
 
-test: $(STAMP)
+test: lint
 	$(BIN)/python -m pytest -q -x --durations=15
+
+# One style for the whole tree (pyproject.toml [tool.ruff]); `make format` applies it.
+lint: $(STAMP)
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 smoke: $(STAMP)
 	$(BIN)/python -m cli smoke --work .smoke

@@ -85,9 +85,13 @@ def measure(data: np.ndarray, compressors, folder: Path, repeat: int) -> tuple[f
     """(ratio, write MB/s, read MB/s), the best of `repeat` timings: the machine may be shared."""
     rows, T, F = data.shape
     array = zarr.create_array(
-        folder, shape=data.shape, chunks=(1, hidden_chunk_tokens(T, F * data.itemsize), F), dtype=data.dtype,
-        compressors=[*compressors, Crc32cCodec()], fill_value=0,
-    )  # fmt: skip
+        folder,
+        shape=data.shape,
+        chunks=(1, hidden_chunk_tokens(T, F * data.itemsize), F),
+        dtype=data.dtype,
+        compressors=[*compressors, Crc32cCodec()],
+        fill_value=0,
+    )
     write = read = float("inf")
     for _ in range(repeat):
         start = time.perf_counter()
@@ -111,7 +115,9 @@ def main():
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeat", type=int, default=3, help="timings per codec; the best is printed")
     parser.add_argument("--threads", type=int, help="zarr codec threads (default: zarr's)")
-    parser.add_argument("--encodings", default="bf16,fp8,sub1/4,sub1/4+fp8,sub1/8+fp8", help="store encodings to measure")
+    parser.add_argument(
+        "--encodings", default="bf16,fp8,sub1/4,sub1/4+fp8,sub1/8+fp8", help="store encodings to measure"
+    )
     args = parser.parse_args()
     if args.threads:
         zarr.config.set({"threading.max_workers": args.threads})
@@ -119,9 +125,13 @@ def main():
     try:
         model = args.model or str(make_tiny_target(work / "target", "qwen3", hidden_size=args.hidden_size))
         data = activations(model, args.tokens, args.device, args.token_budget, args.layers)
-        print(f"activations: {data.shape[0]} rows x {data.shape[1]} tokens x {data.shape[2]} features "
-              f"({data.nbytes / 1e6:.0f} MB bf16) from {model}")  # fmt: skip
-        print(f"{'encoding':<12} {'codec (+ crc32c)':<26} {'ratio':>6} {'of bf16':>8} {'write MB/s':>11} {'read MB/s':>10}")
+        print(
+            f"activations: {data.shape[0]} rows x {data.shape[1]} tokens x {data.shape[2]} features "
+            f"({data.nbytes / 1e6:.0f} MB bf16) from {model}"
+        )
+        print(
+            f"{'encoding':<12} {'codec (+ crc32c)':<26} {'ratio':>6} {'of bf16':>8} {'write MB/s':>11} {'read MB/s':>10}"
+        )
         for encoding in args.encodings.split(","):
             encoded = encode(data, encoding)
             for name, compressors in candidates(encoded.itemsize).items():

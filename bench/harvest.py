@@ -47,8 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from bench.train import gather_ranks  # noqa: E402
 from dflash import features, harvest, store  # noqa: E402
-from dflash.manifest import Manifest, TargetSpec, TokenizerSpec  # noqa: E402
 from dflash.data import Document  # noqa: E402
+from dflash.manifest import Manifest, TargetSpec, TokenizerSpec  # noqa: E402
 from dflash.target import TappedTarget, default_layer_ids  # noqa: E402
 from dflash.tiny import tiny_config  # noqa: E402
 from dflash.train import Env, init_distributed  # noqa: E402
@@ -66,11 +66,20 @@ def qwen35_27b_like(num_layers: int):
     from transformers import Qwen3_5TextConfig
 
     return Qwen3_5TextConfig(
-        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=num_layers,
-        num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_value_heads=48,
-        linear_num_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        vocab_size=248320,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=num_layers,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        linear_num_value_heads=48,
+        linear_num_key_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
         layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)],
-    )  # fmt: skip
+    )
 
 
 def build_target(num_layers: int, device: torch.device, tiny: bool) -> TappedTarget:
@@ -119,7 +128,9 @@ def bare_forward(plan: harvest.PartPlan, target: TappedTarget, cfg: harvest.Harv
 
     def run():
         for g in range(groups):
-            for batch in harvest.forward_batches(plan, g * rows_per_group, (g + 1) * rows_per_group, cfg.forward_tokens):
+            for batch in harvest.forward_batches(
+                plan, g * rows_per_group, (g + 1) * rows_per_group, cfg.forward_tokens
+            ):
                 ids = torch.from_numpy(np.stack([plan.docs[d].input_ids for _, d in batch]).astype(np.int64))
                 if target.device.type == "cuda":  # as the harvest does: a pageable source waits for the GPU
                     ids = ids.pin_memory()
@@ -133,11 +144,13 @@ def store_header(target: TappedTarget, cfg: harvest.HarvestConfig) -> Manifest:
     """A harvest.json for the benchmark's store in the encoding of --precision / --subspace."""
     feature_dim = len(target.layer_ids) * target.info.hidden_size
     return store.new_manifest(
-        target=TargetSpec(**dataclasses.asdict(target.info)), layer_ids=target.layer_ids,
-        token_budget=cfg.token_budget, tokenizer=TokenizerSpec("bench", target.info.vocab_size, {}),
+        target=TargetSpec(**dataclasses.asdict(target.info)),
+        layer_ids=target.layer_ids,
+        token_budget=cfg.token_budget,
+        tokenizer=TokenizerSpec("bench", target.info.vocab_size, {}),
         fingerprint={"model": "bench", "world_size": cfg.world_size},
         features=harvest.feature_encoding(cfg, len(target.layer_ids), feature_dim),
-    )  # fmt: skip
+    )
 
 
 def open_part(plan: harvest.PartPlan, header: Manifest, cfg: harvest.HarvestConfig, out: Path) -> store.PartWriter:
@@ -146,9 +159,17 @@ def open_part(plan: harvest.PartPlan, header: Manifest, cfg: harvest.HarvestConf
         shutil.rmtree(out, ignore_errors=True)
         store.create_store(out, header)
     barrier()
-    return store.PartWriter(out, store.PartSpec(
-        cfg.rank, len(plan.rows), cfg.token_budget, header.features, plan.documents_table(), plan.counts(),
-    ))  # fmt: skip
+    return store.PartWriter(
+        out,
+        store.PartSpec(
+            cfg.rank,
+            len(plan.rows),
+            cfg.token_budget,
+            header.features,
+            plan.documents_table(),
+            plan.counts(),
+        ),
+    )
 
 
 def random_projection(header: Manifest, device: torch.device) -> torch.Tensor | None:
@@ -164,15 +185,23 @@ def calibration(plan: harvest.PartPlan, target: TappedTarget, cfg: harvest.Harve
     """The one-off cost of a subspace harvest's calibration: the features' second moment over
     --calibration-tokens tokens, then the eigendecomposition."""
     moment = []
-    forward_s = timed(lambda: moment.append(harvest._second_moment(plan.docs, target, cfg.calibration_tokens,
-                                                                   cfg.forward_tokens)), target.device)  # fmt: skip
+    forward_s = timed(
+        lambda: moment.append(harvest._second_moment(plan.docs, target, cfg.calibration_tokens, cfg.forward_tokens)),
+        target.device,
+    )
     captured = []
     eigh_s = timed(lambda: captured.append(features.top_subspace(moment[0][0].sum, width)[1]), target.device)
-    return {"calibration_tokens": moment[0][0].tokens, "calibration_forward_s": forward_s, "eigh_s": eigh_s,
-            "captured": captured[0]}  # fmt: skip
+    return {
+        "calibration_tokens": moment[0][0].tokens,
+        "calibration_forward_s": forward_s,
+        "eigh_s": eigh_s,
+        "captured": captured[0],
+    }
 
 
-def harvest_rows(plan, target, cfg, part: store.PartWriter, header: Manifest, projection) -> tuple[float, harvest.PipelineStalls]:
+def harvest_rows(
+    plan, target, cfg, part: store.PartWriter, header: Manifest, projection
+) -> tuple[float, harvest.PipelineStalls]:
     """Seconds for the real pipeline over every row of the plan, until the last row is committed on disk, and
     where its forward thread waited."""
     stalls = []
@@ -190,18 +219,28 @@ def measure(args, env: Env) -> dict:
     """This rank's run: bare forward, then the harvest of its own rows into its own part of the store."""
     target = build_target(args.layers, env.device, args.tiny)
     cfg = harvest.HarvestConfig(
-        model="bench", data="bench", out=args.out, token_budget=args.token_budget, forward_tokens=args.forward_tokens,
-        device=str(env.device), rank=env.rank, world_size=env.world_size, precision=args.precision,
-        subspace=args.subspace, calibration_tokens=args.calibration_tokens,
-    )  # fmt: skip
+        model="bench",
+        data="bench",
+        out=args.out,
+        token_budget=args.token_budget,
+        forward_tokens=args.forward_tokens,
+        device=str(env.device),
+        rank=env.rank,
+        world_size=env.world_size,
+        precision=args.precision,
+        subspace=args.subspace,
+        calibration_tokens=args.calibration_tokens,
+    )
     header = store_header(target, cfg)
     rows_per_group = args.forward_tokens // args.token_budget
     docs_per_row = args.token_budget // args.doc_length
     docs_per_rank = (args.groups + 1) * rows_per_group * docs_per_row
     plan = harvest.PartPlan.build(
         documents(env.world_size * docs_per_rank, args.doc_length, target.info.vocab_size),
-        env.rank, env.world_size, args.token_budget,
-    )  # fmt: skip
+        env.rank,
+        env.world_size,
+        args.token_budget,
+    )
     params = sum(p.numel() for n, p in target.model.named_parameters() if "embed_tokens" not in n)
     group_tokens = rows_per_group * docs_per_row * args.doc_length
 
@@ -222,24 +261,42 @@ def measure(args, env: Env) -> dict:
     written = tokens * len(target.layer_ids) * target.info.hidden_size * 2  # the features, as raw bf16
     on_disk = store.disk_bytes(part.folder)
     return {
-        "layers": args.layers, "layers_run": len(target.model.layers), "tapped": target.layer_ids,
-        "params_run_B": params / 1e9, "kernels": target.kernels, "first_forward_s": warm,
-        "bare_tok_s": 1 / bare, "bare_mfu": 2 * params / bare / PEAK_FLOPS,
-        "harvest_tok_s": tokens / seconds, "harvest_mfu": 2 * params * tokens / seconds / PEAK_FLOPS,
-        "harvest_vs_bare": (tokens / seconds) * bare, "tokens": tokens,
+        "layers": args.layers,
+        "layers_run": len(target.model.layers),
+        "tapped": target.layer_ids,
+        "params_run_B": params / 1e9,
+        "kernels": target.kernels,
+        "first_forward_s": warm,
+        "bare_tok_s": 1 / bare,
+        "bare_mfu": 2 * params / bare / PEAK_FLOPS,
+        "harvest_tok_s": tokens / seconds,
+        "harvest_mfu": 2 * params * tokens / seconds / PEAK_FLOPS,
+        "harvest_vs_bare": (tokens / seconds) * bare,
+        "tokens": tokens,
         # Without the once-per-run parts (buffer setup; the last groups' writes after the last forward), which a
         # harvest of hours amortises: the steady rate of the pipeline.
-        "steady_tok_s": tokens / steady_s, "steady_vs_bare": (tokens / steady_s) * bare,
-        "GB_s_features": written / seconds / 1e9, "compression_ratio": written / on_disk,
-        "GB_s_disk": on_disk / seconds / 1e9, "peak_mem_GB": peak_memory_gb(env.device),
-        "codec": [c.to_dict() for c in store.hidden_compressors(header.features)], "harvest_s": seconds,
-        "precision": args.precision, "subspace": args.subspace, "stored_width": header.features.width,
-        "of_raw_bf16": on_disk / written, **calibrated,
+        "steady_tok_s": tokens / steady_s,
+        "steady_vs_bare": (tokens / steady_s) * bare,
+        "GB_s_features": written / seconds / 1e9,
+        "compression_ratio": written / on_disk,
+        "GB_s_disk": on_disk / seconds / 1e9,
+        "peak_mem_GB": peak_memory_gb(env.device),
+        "codec": [c.to_dict() for c in store.hidden_compressors(header.features)],
+        "harvest_s": seconds,
+        "precision": args.precision,
+        "subspace": args.subspace,
+        "stored_width": header.features.width,
+        "of_raw_bf16": on_disk / written,
+        **calibrated,
         "stalls": dataclasses.asdict(stalls),
-        "rank": env.rank, "world_size": env.world_size, "device": str(env.device), "tiny": args.tiny,
+        "rank": env.rank,
+        "world_size": env.world_size,
+        "device": str(env.device),
+        "tiny": args.tiny,
         **{key: getattr(args, key) for key in SHAPE_KEYS if key != "layers"},
-        "features_bytes": written, "disk_bytes": on_disk,
-    }  # fmt: skip
+        "features_bytes": written,
+        "disk_bytes": on_disk,
+    }
 
 
 def aggregate(results: list[dict]) -> dict:
@@ -253,17 +310,27 @@ def aggregate(results: list[dict]) -> dict:
     peaks = [r["peak_mem_GB"] for r in results if r["peak_mem_GB"] is not None]
     slowest = max(r["harvest_s"] for r in results)
     return {
-        "layers": first["layers"], "layers_run": first["layers_run"], "world_size": world,
-        "bare_tok_s": bare, "bare_mfu": total("bare_mfu") / world,
-        "harvest_tok_s": harvested, "harvest_mfu": total("harvest_mfu") / world,
-        "harvest_vs_bare": harvested / bare, "steady_tok_s": steady, "steady_vs_bare": steady / bare,
-        "bare_tok_s_per_gpu": bare / world, "harvest_tok_s_per_gpu": harvested / world,
-        "GB_s_features": total("GB_s_features"), "GB_s_disk": total("GB_s_disk"),
-        "compression_ratio": total("features_bytes") / total("disk_bytes"), "peak_mem_GB": max(peaks, default=None),
-        "tokens": total("tokens"), "harvest_s": slowest,
+        "layers": first["layers"],
+        "layers_run": first["layers_run"],
+        "world_size": world,
+        "bare_tok_s": bare,
+        "bare_mfu": total("bare_mfu") / world,
+        "harvest_tok_s": harvested,
+        "harvest_mfu": total("harvest_mfu") / world,
+        "harvest_vs_bare": harvested / bare,
+        "steady_tok_s": steady,
+        "steady_vs_bare": steady / bare,
+        "bare_tok_s_per_gpu": bare / world,
+        "harvest_tok_s_per_gpu": harvested / world,
+        "GB_s_features": total("GB_s_features"),
+        "GB_s_disk": total("GB_s_disk"),
+        "compression_ratio": total("features_bytes") / total("disk_bytes"),
+        "peak_mem_GB": max(peaks, default=None),
+        "tokens": total("tokens"),
+        "harvest_s": slowest,
         # The job's rate as its slowest rank sets it; equals the sum of the rates when the ranks finish together.
         "wall_tok_s": total("tokens") / slowest,
-    }  # fmt: skip
+    }
 
 
 def load_one_gpu_run(path: str, args) -> dict:
@@ -289,16 +356,20 @@ def table_cells(r: dict) -> str:
 
 
 def report_one(result: dict) -> dict:
-    print(f"\nstore encoding: {result['precision']}, subspace {result['subspace']} ({result['stored_width']} values per "
-          f"token), on disk {result['of_raw_bf16']:.4f} of raw bf16")  # fmt: skip
+    print(
+        f"\nstore encoding: {result['precision']}, subspace {result['subspace']} ({result['stored_width']} values per "
+        f"token), on disk {result['of_raw_bf16']:.4f} of raw bf16"
+    )
     print(HEADER)
     print("|---" * HEADER.count("|", 1) + "|")
     print(table_cells(result))
     print(f"harvest: {result['harvest_s']:.1f} s, {harvest.PipelineStalls(**result['stalls']).describe()}")
     if "eigh_s" in result:
-        print(f"calibration (once per store): {result['calibration_tokens']} tokens' second moment in "
-              f"{result['calibration_forward_s']:.1f} s, eigendecomposition {result['eigh_s']:.1f} s, captured "
-              f"{result['captured']:.2%} (random weights)")  # fmt: skip
+        print(
+            f"calibration (once per store): {result['calibration_tokens']} tokens' second moment in "
+            f"{result['calibration_forward_s']:.1f} s, eigendecomposition {result['eigh_s']:.1f} s, captured "
+            f"{result['captured']:.2%} (random weights)"
+        )
     return result
 
 

@@ -51,12 +51,21 @@ def target_config(vocab_size: int, hidden: int, layers: int):
     head_dim = min(128, hidden // 4)
     heads = hidden // head_dim
     return Qwen3_5TextConfig(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), head_dim=head_dim,
-        linear_num_value_heads=heads, linear_num_key_heads=max(1, heads // 2), linear_key_head_dim=head_dim,
-        linear_value_head_dim=head_dim, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 4),
+        head_dim=head_dim,
+        linear_num_value_heads=heads,
+        linear_num_key_heads=max(1, heads // 2),
+        linear_key_head_dim=head_dim,
+        linear_value_head_dim=head_dim,
+        linear_conv_kernel_dim=4,
+        tie_word_embeddings=False,
         layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
-    )  # fmt: skip
+    )
 
 
 def write_corpus(path: Path, count: int, max_tokens: int, seed: int = 0) -> None:
@@ -83,10 +92,27 @@ def write_corpus(path: Path, count: int, max_tokens: int, seed: int = 0) -> None
 
 def harvest_command(args, model: Path, data: Path, out: Path, procs: int) -> list[str]:
     cli = [
-        "-m", "cli", "harvest", "--model", str(model), "--data", str(data), "--out", str(out),
-        "--token-budget", str(args.token_budget), "--forward-tokens", str(args.forward_tokens), "--overflow", "split",
-        "--workers", str(args.workers), "--dtype", args.dtype, *(["--device", args.device] if args.device else []),
-    ]  # fmt: skip
+        "-m",
+        "cli",
+        "harvest",
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--token-budget",
+        str(args.token_budget),
+        "--forward-tokens",
+        str(args.forward_tokens),
+        "--overflow",
+        "split",
+        "--workers",
+        str(args.workers),
+        "--dtype",
+        args.dtype,
+        *(["--device", args.device] if args.device else []),
+    ]
     if procs == 1:
         return [sys.executable, *cli]
     # --standalone: a free rendezvous port, whatever else runs on the machine
@@ -152,7 +178,7 @@ def compare_stores(one_path: Path, many_path: Path) -> dict:
             documents[key] = compare_document(
                 {name: array[span] for name, array in read_one(row).items()},
                 {name: array[many_span] for name, array in read_many(many_row).items()},
-            )  # fmt: skip
+            )
     counts = ("documents", "tokens", "loss_tokens")
     return {
         "missing": sorted(one_spans.keys() - many_spans.keys()),
@@ -229,8 +255,11 @@ def parse_args():
 def main():
     args = parse_args()
     work = Path(args.work)
-    model = save_random_target(work / f"target-{args.hidden}x{args.layers}",
-                               lambda vocab: target_config(vocab, args.hidden, args.layers), dtype="bfloat16")
+    model = save_random_target(
+        work / f"target-{args.hidden}x{args.layers}",
+        lambda vocab: target_config(vocab, args.hidden, args.layers),
+        dtype="bfloat16",
+    )
     data = work / f"data-{args.documents}x{args.token_budget}.jsonl"
     write_corpus(data, args.documents, max_tokens=3 * args.token_budget // 2)
     stores = {"one": work / "store-1", "many": work / f"store-{args.procs}"}

@@ -95,8 +95,11 @@ def main():
             options = "MASK_COMPILE_OPTIONS" if tuned else "inductor defaults"
             results.append({"shape": shape, "rows_tokens_anchors": SHAPES[shape], "options": options, **r})
             first = r.get("first_call_s") or f"> {r.get('timed_out_after_s')}" if "error" not in r else r["error"]
-            print(f"{shape:<9} {options:<34} {str(first):>12} {str(r.get('build_ms', '-')):>9} "
-                  f"{str(r.get('equals_eager', '-')):>8}", flush=True)  # fmt: skip
+            print(
+                f"{shape:<9} {options:<34} {str(first):>12} {str(r.get('build_ms', '-')):>9} "
+                f"{str(r.get('equals_eager', '-')):>8}",
+                flush=True,
+            )
     if args.json:
         from bench.train import versions
 

@@ -84,11 +84,16 @@ def main():
     row_gb = shards.token_budget * shards.feature_dim * 2 / 1e9
     hidden_on_disk = sum(store.disk_bytes(p) for p in (work / "store" / "parts").glob("*/hidden"))
     info = {
-        **versions(torch.device("cpu")), "machine": platform.node(), "cpus": len(os.sched_getaffinity(0)),
-        "python": platform.python_version(), "rows": shards.num_rows,
-        "row": f"{shards.token_budget} x {shards.feature_dim}", "row_MB": round(row_gb * 1e3, 1),
-        "hidden_ratio": round(shards.num_rows * row_gb * 1e9 / hidden_on_disk, 3), "store_write_s": round(write_s, 1),
-    }  # fmt: skip
+        **versions(torch.device("cpu")),
+        "machine": platform.node(),
+        "cpus": len(os.sched_getaffinity(0)),
+        "python": platform.python_version(),
+        "rows": shards.num_rows,
+        "row": f"{shards.token_budget} x {shards.feature_dim}",
+        "row_MB": round(row_gb * 1e3, 1),
+        "hidden_ratio": round(shards.num_rows * row_gb * 1e9 / hidden_on_disk, 3),
+        "store_write_s": round(write_s, 1),
+    }
     print(", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
     print(f"{'method':<8} {'threads':>7} {'rows/s':>8} {'GB/s':>6}")
     results = []

@@ -102,10 +102,15 @@ def fake_target(folder: Path, s: dict, device: torch.device):
 
     folder.mkdir(parents=True, exist_ok=True)
     Qwen3Config(
-        hidden_size=s["hidden"], intermediate_size=s["ffn"], num_attention_heads=s["heads"],
-        num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"], num_hidden_layers=s["target_layers"],
-        vocab_size=s["vocab"], tie_word_embeddings=False,
-    ).save_pretrained(folder)  # fmt: skip
+        hidden_size=s["hidden"],
+        intermediate_size=s["ffn"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"],
+        head_dim=s["head_dim"],
+        num_hidden_layers=s["target_layers"],
+        vocab_size=s["vocab"],
+        tie_word_embeddings=False,
+    ).save_pretrained(folder)
     g = torch.Generator(device).manual_seed(0)
 
     def weight():
@@ -128,11 +133,20 @@ def store_header(target: Path, s: dict, encoding: str) -> Manifest:
     subspace = SubspaceSpec(width, 1.0, 0, 0) if encoding.startswith("sub") else None
     return store.new_manifest(
         target=TargetSpec(
-            name=str(target), model_type="qwen3", config_hash="synthetic", num_layers=s["target_layers"],
-            hidden_size=s["hidden"], vocab_size=s["vocab"], intermediate_size=s["ffn"], num_attention_heads=s["heads"],
-            num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"], rms_norm_eps=1e-6, rope_theta=1e6,
+            name=str(target),
+            model_type="qwen3",
+            config_hash="synthetic",
+            num_layers=s["target_layers"],
+            hidden_size=s["hidden"],
+            vocab_size=s["vocab"],
+            intermediate_size=s["ffn"],
+            num_attention_heads=s["heads"],
+            num_key_value_heads=s["kv_heads"],
+            head_dim=s["head_dim"],
+            rms_norm_eps=1e-6,
+            rope_theta=1e6,
             max_position_embeddings=40960,
-        ),  # fmt: skip
+        ),
         layer_ids=layers,
         token_budget=s["doc_len"] * s["docs_per_row"],
         tokenizer=TokenizerSpec(str(target), s["vocab"], {"mask": s["vocab"] - 1}),
@@ -293,8 +307,15 @@ def replica_check(trainer: Trainer) -> dict:
     return {"weights_max_abs_diff": diff.item(), "weights_checksum": checksum.item()}
 
 
-RANK_KEYS = ("mfu", "step_ms", "data_wait", "peak_allocated_GB", "peak_reserved_GB", "allocated_spread",
-             "reserved_spread")  # fmt: skip
+RANK_KEYS = (
+    "mfu",
+    "step_ms",
+    "data_wait",
+    "peak_allocated_GB",
+    "peak_reserved_GB",
+    "allocated_spread",
+    "reserved_spread",
+)
 
 
 def rank_summary(summary: dict, env: Env, weights: dict) -> dict:
@@ -319,8 +340,16 @@ def gather_ranks(mine: dict, env: Env) -> list[dict]:
     return ranks
 
 
-WORST_KEYS = ("step_ms", "data_wait", "peak_allocated_GB", "peak_reserved_GB", "allocated_spread",
-              "reserved_spread", "ungraphed_step_ms", "weights_max_abs_diff")  # fmt: skip
+WORST_KEYS = (
+    "step_ms",
+    "data_wait",
+    "peak_allocated_GB",
+    "peak_reserved_GB",
+    "allocated_spread",
+    "reserved_spread",
+    "ungraphed_step_ms",
+    "weights_max_abs_diff",
+)
 
 
 def worst(ranks: list[dict], key: str):
@@ -379,11 +408,20 @@ def bench_one(name: str, s: dict, args, env: Env, baseline: dict | None) -> dict
     build_s = shared_data(root, s, args.rows, env, args.encoding)
     run = root / "run"
     cfg = TrainConfig(
-        store=str(root / "store"), out=str(run), target=str(root / "target"),
-        anchors=s["anchors_per_doc"] * s["docs_per_row"], loss_chunk=args.loss_chunk,
-        max_steps=args.steps, val_fraction=0.0, log_every=1, ckpt_every=10**9, export=False, tensorboard=False,
-        device=str(device), cuda_graph=True,
-    )  # fmt: skip
+        store=str(root / "store"),
+        out=str(run),
+        target=str(root / "target"),
+        anchors=s["anchors_per_doc"] * s["docs_per_row"],
+        loss_chunk=args.loss_chunk,
+        max_steps=args.steps,
+        val_fraction=0.0,
+        log_every=1,
+        ckpt_every=10**9,
+        export=False,
+        tensorboard=False,
+        device=str(device),
+        cuda_graph=True,
+    )
     if device.type == "cuda":  # the peaks below count the trainer alone, not the data generation
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -427,9 +465,13 @@ def versions(device: torch.device) -> dict:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none (CPU)"
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
-        "zarr": zarr.__version__, "numcodecs": numcodecs.__version__, "gpu": gpu,
-    }  # fmt: skip
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "zarr": zarr.__version__,
+        "numcodecs": numcodecs.__version__,
+        "gpu": gpu,
+    }
 
 
 def fmt(value, spec: str, scale: float = 1.0, unit: str = "") -> str:
@@ -502,7 +544,9 @@ def scaling_line(r: dict) -> str:
 
 def report(info: dict, results: list[dict], args, world: int):
     script = "bench/train.py" if world == 1 else f"torchrun --nproc-per-node {world} bench/train.py"
-    print(f"\n## {script} {'--tiny ' if args.tiny else ''}--drafter {args.drafter} --encoding {args.encoding} --steps {args.steps}")
+    print(
+        f"\n## {script} {'--tiny ' if args.tiny else ''}--drafter {args.drafter} --encoding {args.encoding} --steps {args.steps}"
+    )
     print(", ".join(f"{k} {v}" for k, v in info.items()))
     for r in results:
         if "error" not in r:
@@ -555,7 +599,9 @@ def main():
 
     env = init_distributed(None)
     if args.rows < env.world_size:  # the reader gives each rank rows // world_size rows per epoch, and a step takes one
-        parser.error(f"--rows {args.rows} leaves some of the {env.world_size} ranks without a row; use at least {env.world_size}")
+        parser.error(
+            f"--rows {args.rows} leaves some of the {env.world_size} ranks without a row; use at least {env.world_size}"
+        )
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("dflash").setLevel(logging.INFO)  # the trainer's line per step (rank 0 writes them)
     if args.tiny and env.device.type == "cpu":

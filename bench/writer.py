@@ -29,7 +29,7 @@ from dflash import store
 def op_rate(seconds: float, until=None) -> float:
     """Tiny in-place torch ops per second on this thread, for `seconds` or while `until()` is true."""
     x, n, start = torch.zeros(4), 0, time.perf_counter()
-    while (until() if until else time.perf_counter() - start < seconds):
+    while until() if until else time.perf_counter() - start < seconds:
         for _ in range(100):
             x.add_(1)
         n += 100

@@ -26,7 +26,9 @@ def regenerate_command(**options):
     cfg = given(RegenerateConfig, options)
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the target's kernels
     stats = regenerate(cfg)
-    click.echo(f"{cfg.out}: {stats.written} responses written, {stats.already_done} already there, {stats.prompts} prompts")
+    click.echo(
+        f"{cfg.out}: {stats.written} responses written, {stats.already_done} already there, {stats.prompts} prompts"
+    )
 
 
 @click.command("eval")
@@ -45,8 +47,10 @@ def eval_command(**options):
     if json_path and json_path.is_dir():
         raise DflashError(f"--json {json_path} is a folder; give the path of a JSON file for the report")
     if json_path and not cfg.resume and json_path.exists():
-        raise DflashError(f"{json_path} exists: pass --resume to go on from that report, or give another --json "
-                          "(or remove it) to start a new one")  # fmt: skip
+        raise DflashError(
+            f"{json_path} exists: pass --resume to go on from that report, or give another --json "
+            "(or remove it) to start a new one"
+        )
     earlier = read_report(json_path) if cfg.resume and json_path.exists() else None
     report = evaluate(
         cfg,
@@ -70,6 +74,8 @@ def read_report(path: Path) -> dict:
     except json.JSONDecodeError as error:
         report = error
     if not isinstance(report, dict):
-        raise DflashError(f"{path} is not a dflash eval report ({report if isinstance(report, Exception) else 'not a JSON object'}); "
-                          "give another --json or leave out --resume")  # fmt: skip
+        raise DflashError(
+            f"{path} is not a dflash eval report ({report if isinstance(report, Exception) else 'not a JSON object'}); "
+            "give another --json or leave out --resume"
+        )
     return report

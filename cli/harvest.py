@@ -28,6 +28,41 @@ def harvest(**options):
 
 
 @click.command()
+@config_option
+@config_options(
+    HarvestConfig, skip=("rank", "device", "dtype", "allow_slow_kernels", "calibration_tokens", "projection_from")
+)
+@click.option(
+    "--sample",
+    type=int,
+    help="Tokenize only this many lines (a seeded random sample) and scale up, with the sampling error.  [default: every line]",
+)
+@click.option(
+    "--epochs", type=int, default=6, show_default=True, help="Training epochs to estimate (dflash train --epochs)."
+)
+@click.option(
+    "--draft-layers",
+    type=int,
+    default=5,
+    show_default=True,
+    help="Drafter layers to estimate (dflash train --draft-layers).",
+)
+@click.option("--block-size", type=int, default=16, show_default=True, help="Drafter block size to estimate.")
+@reports_errors
+def plan(sample, epochs, draft_layers, block_size, **options):
+    """Estimate a harvest and a training run before running the target.
+
+    Tokenizes the data (or --sample lines of it) and packs it at the token budget: documents, tokens, rows,
+    padding; prints the store's size in every store mode, the harvest and train GPU-hours scaled from the H200
+    benchmarks, and whether the store fits in the free space at --out.
+    """
+    from dflash.plan import check_plan_options, plan_report
+
+    check_plan_options(sample)
+    click.echo(plan_report(given(HarvestConfig, options), sample, epochs, draft_layers, block_size))
+
+
+@click.command()
 @click.argument("store_path", metavar="STORE", type=click.Path())
 @click.option("--verify", is_flag=True, help="Read every chunk and check its CRC32C checksum.")
 @reports_errors
@@ -54,7 +89,10 @@ def inspect(store_path, verify):
 def _describe(path, manifest) -> str:
     from dflash import store
 
-    lines = [f"store      {path} (format {manifest.format_version}, dflash {manifest.dflash_version})", *manifest.describe()]
+    lines = [
+        f"store      {path} (format {manifest.format_version}, dflash {manifest.dflash_version})",
+        *manifest.describe(),
+    ]
     if not manifest.complete:
         for rank, progress in enumerate(store.part_progress(path, manifest.world_size)):
             done = "not started" if progress is None else f"{progress['rows_committed']} of {progress['rows']} rows"

@@ -3,7 +3,7 @@
 import click
 
 from cli.eval import eval_command, regenerate_command
-from cli.harvest import harvest, inspect
+from cli.harvest import harvest, inspect, plan
 from cli.smoke import smoke
 from cli.train import export, train
 from dflash import __version__
@@ -15,5 +15,5 @@ def main():
     """Train DFlash speculative-decoding drafters offline: harvest target hidden states, then train."""
 
 
-for command in (regenerate_command, harvest, inspect, train, export, eval_command, smoke):
+for command in (regenerate_command, plan, harvest, inspect, train, export, eval_command, smoke):
     main.add_command(command)

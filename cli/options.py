@@ -25,12 +25,15 @@ def _load_config(ctx: click.Context, _param, path: str | None):
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise click.BadParameter(f"cannot read config {path}: {exc}") from exc
     table = table.get(ctx.info_name, table)
-    known = {p.name for p in ctx.command.params}
+    # Keys are the flags' names (`shards`, `val-shards`) or the parameters' own (`store`).
+    names = {opt.lstrip("-").replace("-", "_"): p.name for p in ctx.command.params for opt in p.opts}
+    names.update({p.name: p.name for p in ctx.command.params})
+    known = set(names)
     values = {key.replace("-", "_"): value for key, value in table.items() if not isinstance(value, dict)}
     unknown = sorted(set(values) - known)
     if unknown:
         raise click.BadParameter(f"unknown keys in {path}: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
-    ctx.default_map = {**(ctx.default_map or {}), **values}
+    ctx.default_map = {**(ctx.default_map or {}), **{names[key]: value for key, value in values.items()}}
     return path
 
 

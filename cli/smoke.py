@@ -5,7 +5,12 @@ from cli.options import config_option, reports_errors
 
 @click.command()
 @config_option
-@click.option("--work", default=".smoke", type=click.Path(file_okay=False), help="Folder for the tiny target (cached) and every stage's output.")
+@click.option(
+    "--work",
+    default=".smoke",
+    type=click.Path(file_okay=False),
+    help="Folder for the tiny target (cached) and every stage's output.",
+)
 @click.option("--prompts", default=16, help="Bundled prompts the target answers (the training responses).")
 @click.option("--train-steps", default=40, help="Drafter training steps.")
 @reports_errors

@@ -24,9 +24,23 @@ PREFIX = "step_"
 # Options that may differ between a run and its resumption: they change how the run executes or reports, not
 # the sequence of weights it computes.
 RESUMABLE_CHANGES = {
-    "out", "store", "target", "log_every", "ckpt_every", "val_every", "resume", "export", "export_dtype",
-    "device", "compile", "cuda_graph", "peak_tflops", "tensorboard", "prefetch", "reader_workers",
-}  # fmt: skip
+    "out",
+    "store",
+    "target",
+    "log_every",
+    "ckpt_every",
+    "val_every",
+    "resume",
+    "export",
+    "export_dtype",
+    "device",
+    "compile",
+    "cuda_graph",
+    "peak_tflops",
+    "tensorboard",
+    "prefetch",
+    "reader_workers",
+}
 
 
 def fingerprint(cfg: TrainConfig, world_size: int) -> dict:

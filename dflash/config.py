@@ -39,25 +39,51 @@ def given(cls, values: dict) -> Any:
 @dataclass
 class HarvestConfig:
     model: str = option(help="Target checkpoint: a local transformers folder (or a hub name).")
-    data: str = option(help='JSONL file: one {"messages": [...]}, {"prompt": ..., "completion": ...} or {"text": ...} per line.', path=True)
+    data: str = option(
+        help='JSONL file: one {"messages": [...]}, {"prompt": ..., "completion": ...} or {"text": ...} per line.',
+        path=True,
+    )
     out: str = option(help="Store folder to create, or to resume when it holds this harvest.", path=True)
-    layers: list[int] | None = option(None, "Comma-separated target layers to tap.", default_doc="the DFlash rule, 5 layers from 1 to L-3")
+    layers: list[int] | None = option(
+        None, "Comma-separated target layers to tap.", default_doc="the DFlash rule, 5 layers from 1 to L-3"
+    )
     token_budget: int = option(12288, "Tokens per stored row; documents are packed whole into rows.")
-    max_length: int | None = option(None, "Documents longer than this are truncated or split.", default_doc="the token budget")
+    max_length: int | None = option(
+        None, "Documents longer than this are truncated or split.", default_doc="the token budget"
+    )
     overflow: str = option("truncate", "What to do with documents over --max-length.", choices=["truncate", "split"])
     forward_tokens: int = option(32768, "Padded tokens per forward batch (GPU memory vs. speed).")
     workers: int = option(4, "Tokenizer processes.")
     rank: int | None = option(None, "This process's rank.", default_doc="$RANK or 0")
     world_size: int | None = option(None, "Number of harvest processes.", default_doc="$WORLD_SIZE or 1")
     device: str | None = option(None, "Torch device.", default_doc="cuda:$LOCAL_RANK when CUDA is available, else cpu")
-    dtype: str = option("bfloat16", "Target compute dtype (the store always holds bf16).", choices=["bfloat16", "float16", "float32"])
-    allow_slow_kernels: bool = option(False, "Run a hybrid target on PyTorch reference kernels on GPU instead of refusing.")
+    dtype: str = option(
+        "bfloat16", "Target compute dtype (the store always holds bf16).", choices=["bfloat16", "float16", "float32"]
+    )
+    allow_slow_kernels: bool = option(
+        False, "Run a hybrid target on PyTorch reference kernels on GPU instead of refusing."
+    )
     # the feature encoding (docs/shard-format.md, "Feature encodings")
-    precision: str = option("bf16", "Stored feature precision: bf16 (lossless) or fp8 (e4m3, power-of-two scales).", choices=["bf16", "fp8"])
-    subspace: str = option("none", "Store the features projected onto their top-K directions: K, a fraction of the feature width (1/4), or none.")
-    scale_groups: int | None = option(None, "fp8 scales per token (equal slices of the stored width).", default_doc="one per tapped layer; 1 with --subspace")
-    calibration_tokens: int = option(262144, "Tokens of the data (a seeded sample) whose features fix the --subspace projection.")
-    projection_from: str | None = option(None, "Use the projection of this subspace store instead of calibrating (a held-out store must share its training store's).", path=True)
+    precision: str = option(
+        "bf16", "Stored feature precision: bf16 (lossless) or fp8 (e4m3, power-of-two scales).", choices=["bf16", "fp8"]
+    )
+    subspace: str = option(
+        "none",
+        "Store the features projected onto their top-K directions: K, a fraction of the feature width (1/4), or none.",
+    )
+    scale_groups: int | None = option(
+        None,
+        "fp8 scales per token (equal slices of the stored width).",
+        default_doc="one per tapped layer; 1 with --subspace",
+    )
+    calibration_tokens: int = option(
+        262144, "Tokens of the data (a seeded sample) whose features fix the --subspace projection."
+    )
+    projection_from: str | None = option(
+        None,
+        "Use the projection of this subspace store instead of calibrating (a held-out store must share its training store's).",
+        path=True,
+    )
 
 
 EXPORT_DTYPES = ["bfloat16", "float32"]
@@ -67,17 +93,27 @@ EXPORT_DTYPES = ["bfloat16", "float32"]
 class TrainConfig:
     store: str = option(help="The harvest store to train from.", flag="--shards", path=True)
     out: str = option(help="Run folder: checkpoints, metrics.jsonl, tb/, drafter/.", path=True)
-    target: str | None = option(None, "Checkpoint to read the embedding / LM head from.", path=True, default_doc="the store's target")
+    target: str | None = option(
+        None, "Checkpoint to read the embedding / LM head from.", path=True, default_doc="the store's target"
+    )
     # drafter
     draft_layers: int = option(5, "Drafter layers.")
     block_size: int = option(16, "Tokens per block (1 known + B-1 drafted).")
-    drafter_overrides: dict = option(help="Override a drafter config field, KEY=VALUE (repeatable).", factory=dict, flag="--drafter-option")
+    drafter_overrides: dict = option(
+        help="Override a drafter config field, KEY=VALUE (repeatable).", factory=dict, flag="--drafter-option"
+    )
     # step
-    anchors: int | None = option(None, "Anchors per row.", default_doc="512 per 3072 tokens of the store's token budget")
+    anchors: int | None = option(
+        None, "Anchors per row.", default_doc="512 per 3072 tokens of the store's token budget"
+    )
     gamma: float | None = option(None, "Loss decay exp(-(k-1)/gamma).", default_doc="7 for B=16, 5 for 10, 4 for 8")
     rows_per_step: int = option(1, "Rows per micro-step on each rank.")
     grad_accum: int = option(1, "Micro-steps per optimizer step.")
-    loss_chunk: int | None = option(None, "Drafted tokens per LM-head chunk in the loss.", default_doc="the most that keep a chunk of logits under 2^29 (2048 rows for a 152 K-248 K vocabulary)")
+    loss_chunk: int | None = option(
+        None,
+        "Drafted tokens per LM-head chunk in the loss.",
+        default_doc="the most that keep a chunk of logits under 2^29 (2048 rows for a 152 K-248 K vocabulary)",
+    )
     # optimizer and schedule: the paper's; betas, eps and weight decay are torch's AdamW defaults
     lr: float = option(6e-4, "Peak learning rate.")
     min_lr_ratio: float = option(0.0, "Final learning rate as a fraction of the peak.")
@@ -91,7 +127,12 @@ class TrainConfig:
     seed: int = option(0, "Seed of the weights, the row order and the anchors.")
     # validation
     val_fraction: float = option(0.01, "Fraction of the store's rows held out for validation (not with --val-shards).")
-    val_store: str | None = option(None, "A held-out store of other documents (same target, layers and token budget) to validate on, instead of --val-fraction of the training store's rows.", flag="--val-shards", path=True)
+    val_store: str | None = option(
+        None,
+        "A held-out store of other documents (same target, layers and token budget) to validate on, instead of --val-fraction of the training store's rows.",
+        flag="--val-shards",
+        path=True,
+    )
     val_every: int = option(0, "Validate every N steps (0: only at the end).")
     # run
     log_every: int = option(10, "Steps between metric records.")
@@ -105,17 +146,32 @@ class TrainConfig:
     device: str | None = option(None, "Torch device.", default_doc="cuda:$LOCAL_RANK when CUDA is available, else cpu")
     compile: bool | None = option(None, "torch.compile the step.", default_doc="on for CUDA, off on the CPU")
     cuda_graph: bool = option(True, "Capture the whole step in a CUDA graph (CUDA only).")
-    peak_tflops: float = option(792.0, "Dense bf16 TFLOP/s of one device, the MFU denominator (the default: the H200's, measured).")
+    peak_tflops: float = option(
+        792.0, "Dense bf16 TFLOP/s of one device, the MFU denominator (the default: the H200's, measured)."
+    )
     tensorboard: bool = option(True, "Write TensorBoard scalars to OUT/tb.")
 
     def __post_init__(self):
         """Option values that are wrong whatever the store: one message for all of them, naming the flags."""
         from dflash.errors import DflashError
 
-        positive = ("draft_layers", "rows_per_step", "grad_accum", "loss_chunk", "epochs", "log_every", "ckpt_every",
-                    "prefetch", "reader_workers", "max_steps", "anchors")  # fmt: skip
+        positive = (
+            "draft_layers",
+            "rows_per_step",
+            "grad_accum",
+            "loss_chunk",
+            "epochs",
+            "log_every",
+            "ckpt_every",
+            "prefetch",
+            "reader_workers",
+            "max_steps",
+            "anchors",
+        )
         values = {name: getattr(self, name) for name in positive}
-        bad = [f"--{k.replace('_', '-')} {v} (must be at least 1)" for k, v in values.items() if v is not None and v < 1]
+        bad = [
+            f"--{k.replace('_', '-')} {v} (must be at least 1)" for k, v in values.items() if v is not None and v < 1
+        ]
         if not 0 <= self.val_fraction < 1:
             bad.append(f"--val-fraction {self.val_fraction} (must be in [0, 1))")
         if not 0 <= self.warmup_ratio <= 1:
@@ -193,9 +249,18 @@ class EvalConfig:
     seed: int = option(0, "Seed for sampling and for the --untrained drafter.")
     device: str = option("auto", DEVICE_HELP)
     dtype: str = option("auto", DTYPE_HELP)
-    json_path: str | None = option(None, "Also write the full report (per prompt) as JSON here, updated after every prompt.", flag="--json", path=True)
+    json_path: str | None = option(
+        None,
+        "Also write the full report (per prompt) as JSON here, updated after every prompt.",
+        flag="--json",
+        path=True,
+    )
     resume: bool = option(False, "Go on from the partial report at --json: its prompts are not run again.")
-    warmup: bool = option(True, "Run the first prompt briefly before timing, to keep allocations and kernel selection out of the timings.", hidden=True)
+    warmup: bool = option(
+        True,
+        "Run the first prompt briefly before timing, to keep allocations and kernel selection out of the timings.",
+        hidden=True,
+    )
     time_budget: float | None = option(None, "Seconds after which no further prompt is started.", hidden=True)
     min_prompts: int = option(1, "Prompts run whatever the time budget.", hidden=True)
 

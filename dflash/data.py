@@ -51,11 +51,14 @@ class DataConfig:
     max_length: int = 3072
     overflow: str = "truncate"  # "truncate" | "split"
     workers: int = 1
+    sample: int | None = None  # tokenize only this many lines, a seeded random choice (dflash plan)
 
 
 @dataclass
 class DataStats:
-    chat: int = 0  # source lines of each kind
+    lines: int = 0  # non-blank lines of the file
+    lines_used: int = 0  # lines tokenized (fewer than `lines` for a sample)
+    chat: int = 0  # lines tokenized of each kind
     text: int = 0
     completion: int = 0
     truncated: int = 0  # documents cut to max_length ...
@@ -75,6 +78,10 @@ def load_documents(cfg: DataConfig, tokenizer_path: str) -> tuple[list[Document]
     """Read, validate and tokenise every line of `cfg.path`; raise DflashError on the first bad line."""
     _check_config(cfg)
     records = _read_records(Path(cfg.path))
+    lines = len(records)
+    if cfg.sample is not None and cfg.sample < lines:
+        chosen = np.sort(np.random.default_rng(0).choice(lines, cfg.sample, replace=False))
+        records = [records[i] for i in chosen]
     tokenizer = load_tokenizer(tokenizer_path)
     if tokenizer.chat_template is None and any(kind == "chat" for _, kind, _ in records):
         raise DflashError(
@@ -83,7 +90,7 @@ def load_documents(cfg: DataConfig, tokenizer_path: str) -> tuple[list[Document]
         )
     items = [(str(cfg.path), index, kind, payload) for index, kind, payload in records]
     encoded = _encode_all(items, tokenizer, tokenizer_path, cfg.workers)
-    stats = DataStats(**{kind: sum(k == kind for _, k, _ in records) for kind in KINDS.values()})
+    stats = DataStats(lines, len(records), **{kind: sum(k == kind for _, k, _ in records) for kind in KINDS.values()})
     documents = []
     for (index, _, _), (ids, mask) in zip(records, encoded):
         documents.extend(_fit(index, ids, mask, cfg, stats))
@@ -128,7 +135,9 @@ def _check_config(cfg: DataConfig) -> None:
 def _read_records(path: Path) -> list[tuple[int, str, object]]:
     """(line index, kind, payload) for every non-blank line, each validated (kinds: see parse_line)."""
     if not path.is_file():
-        raise DflashError(f"data file {path} does not exist or is not a file; pass a JSONL file with one {LINE_EXAMPLE} per line")
+        raise DflashError(
+            f"data file {path} does not exist or is not a file; pass a JSONL file with one {LINE_EXAMPLE} per line"
+        )
     try:
         raw = path.read_bytes()
     except OSError as exc:
@@ -154,9 +163,13 @@ def _parse_document(line: bytes, where: str) -> tuple[str, object]:
     """parse_line, plus what training needs: a conversation with an assistant turn to learn from."""
     kind, payload = parse_line(line, where)
     if kind == "chat" and not any(message["role"] == "assistant" for message in payload):
-        raise DflashError(f"{where}: the conversation has no assistant turn, so nothing to train on; add one or remove the line")
+        raise DflashError(
+            f"{where}: the conversation has no assistant turn, so nothing to train on; add one or remove the line"
+        )
     if kind == "completion" and payload[1] is None:
-        raise DflashError(f"{where}: the prompt has no \"completion\", so nothing to train on; add one or remove the line")
+        raise DflashError(
+            f'{where}: the prompt has no "completion", so nothing to train on; add one or remove the line'
+        )
     return kind, payload
 
 
@@ -170,9 +183,13 @@ def _decode(line: bytes, where: str):
     try:
         record = json.loads(line.decode("utf-8"))
     except UnicodeDecodeError as exc:
-        raise DflashError(f"{where}: not valid UTF-8 ({exc.reason} at byte {exc.start}); re-encode the file as UTF-8") from exc
+        raise DflashError(
+            f"{where}: not valid UTF-8 ({exc.reason} at byte {exc.start}); re-encode the file as UTF-8"
+        ) from exc
     except json.JSONDecodeError as exc:
-        raise DflashError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object, {LINE_EXAMPLE}") from exc
+        raise DflashError(
+            f"{where}: malformed JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object, {LINE_EXAMPLE}"
+        ) from exc
     return record
 
 
@@ -194,9 +211,9 @@ def check_record(record, where: str) -> tuple[str, object]:
 
 def _check_text(text, where: str) -> str:
     if not isinstance(text, str):
-        raise DflashError(f"{where}: \"text\" must be a string, got {type(text).__name__}")
+        raise DflashError(f'{where}: "text" must be a string, got {type(text).__name__}')
     if not text.strip():
-        raise DflashError(f"{where}: empty document (\"text\" holds no characters besides whitespace); remove the line")
+        raise DflashError(f'{where}: empty document ("text" holds no characters besides whitespace); remove the line')
     return text
 
 
@@ -204,9 +221,9 @@ def _check_completion(record: dict, where: str) -> tuple[str, str | None]:
     """(prompt, completion); the completion may be absent (a prompt to answer), but not of another type."""
     prompt, completion = record["prompt"], record.get("completion")
     if not isinstance(prompt, str):
-        raise DflashError(f"{where}: \"prompt\" must be a string, got {type(prompt).__name__}")
+        raise DflashError(f'{where}: "prompt" must be a string, got {type(prompt).__name__}')
     if completion is not None and not isinstance(completion, str):
-        raise DflashError(f"{where}: \"completion\" must be a string, got {type(completion).__name__}")
+        raise DflashError(f'{where}: "completion" must be a string, got {type(completion).__name__}')
     if not (prompt + (completion or "")).strip():
         raise DflashError(f"{where}: empty document (no characters besides whitespace); remove the line")
     return prompt, completion
@@ -214,13 +231,15 @@ def _check_completion(record: dict, where: str) -> tuple[str, str | None]:
 
 def _check_messages(messages, where: str) -> list[dict]:
     if not isinstance(messages, list) or not messages:
-        raise DflashError(f"{where}: \"messages\" must be a non-empty list of {{\"role\": ..., \"content\": ...}} objects")
+        raise DflashError(f'{where}: "messages" must be a non-empty list of {{"role": ..., "content": ...}} objects')
     for number, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise DflashError(f"{where}: message {number} must be an object with \"role\" and \"content\", got {type(message).__name__}")
+            raise DflashError(
+                f'{where}: message {number} must be an object with "role" and "content", got {type(message).__name__}'
+            )
         for key in ("role", "content"):
             if not isinstance(message.get(key), str):
-                raise DflashError(f"{where}: message {number} needs a string \"{key}\", got {message.get(key)!r:.60}")
+                raise DflashError(f'{where}: message {number} needs a string "{key}", got {message.get(key)!r:.60}')
     return messages
 
 
@@ -287,7 +306,9 @@ def _render(tokenizer, messages: list[dict], where: str, generation_prompt: bool
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     except Exception as exc:  # jinja raises anything, including the template's own raise_exception
-        raise DflashError(f"{where}: the chat template cannot render this conversation ({exc}); fix the conversation") from exc
+        raise DflashError(
+            f"{where}: the chat template cannot render this conversation ({exc}); fix the conversation"
+        ) from exc
 
 
 # ---- assistant spans ----------------------------------------------------------------------------------------
@@ -383,6 +404,10 @@ def _fit(index: int, ids: np.ndarray, mask: np.ndarray, cfg: DataConfig, stats: 
         pieces = [(ids[s : s + limit].copy(), mask[s : s + limit].copy()) for s in range(0, len(ids), limit)]
         stats.split += 1
         stats.split_pieces += len(pieces)
-    documents = [Document(index, piece, piece_ids, piece_mask) for piece, (piece_ids, piece_mask) in enumerate(pieces) if piece_mask.any()]
+    documents = [
+        Document(index, piece, piece_ids, piece_mask)
+        for piece, (piece_ids, piece_mask) in enumerate(pieces)
+        if piece_mask.any()
+    ]
     stats.dropped_no_loss += len(pieces) - len(documents)
     return documents

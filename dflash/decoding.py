@@ -33,7 +33,6 @@ from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixi
 
 from dflash.errors import DflashError
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # Drafts and their acceptance
 # ---------------------------------------------------------------------------------------------------------------
@@ -221,7 +220,9 @@ class SpeculativeState:
         if self.features is not None:
             # Rows of the last pending token and the accepted drafts: committed positions n-1 .. n-1+accepted.
             first = pending.numel() - 1
-            self.features[n - 1 : n + accepted] = _features(out.hidden_states, self.layer_ids, slice(first, first + accepted + 1))
+            self.features[n - 1 : n + accepted] = _features(
+                out.hidden_states, self.layer_ids, slice(first, first + accepted + 1)
+            )
         self._resync_cache(pending.numel(), k, accepted, snapshot)
         new_tokens = draft.tokens[:accepted].tolist() + [bonus]
         self.commit(new_tokens)
@@ -360,7 +361,9 @@ class PromptLookupProposer:
 
 
 @torch.inference_mode()
-def generate_prompt_lookup(target, prompt: torch.Tensor, max_new_tokens: int, num_tokens: int) -> tuple[Generation, int]:
+def generate_prompt_lookup(
+    target, prompt: torch.Tensor, max_new_tokens: int, num_tokens: int
+) -> tuple[Generation, int]:
     """transformers' own prompt-lookup decoding (dense targets only), with the number of target forwards it ran.
 
     Its first forward verifies the prompt and the first candidates together, so its tau is

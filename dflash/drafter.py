@@ -325,7 +325,9 @@ def fold_projection(state: dict, config: DrafterConfig, projection: Tensor) -> t
     return {**state, "fc.weight": folded}, replace(config, feature_width=None)
 
 
-def export_drafter(model, config: DrafterConfig, folder, dtype: torch.dtype | None = None, projection: Tensor | None = None) -> Path:
+def export_drafter(
+    model, config: DrafterConfig, folder, dtype: torch.dtype | None = None, projection: Tensor | None = None
+) -> Path:
     """Write `config.json` + `model.safetensors` in the public layout; returns the folder.
 
     model: the drafter (compiled or not) or a full state dict (e.g. gathered from FSDP).
@@ -368,4 +370,3 @@ def load_drafter(folder, device="cpu", dtype: torch.dtype | None = None) -> tupl
         model = DFlashDrafter(config)
     model.load_state_dict(state, strict=True, assign=True)
     return model, config
-

@@ -16,7 +16,12 @@ import torch
 
 from dflash.config import EvalConfig
 from dflash.decoding import (
-    DFlashProposer, Generation, PromptLookupProposer, Proposer, generate_prompt_lookup, plain_greedy,
+    DFlashProposer,
+    Generation,
+    PromptLookupProposer,
+    Proposer,
+    generate_prompt_lookup,
+    plain_greedy,
     speculative_generate,
 )
 from dflash.drafter import DFlashDrafter, DrafterConfig, load_drafter
@@ -24,7 +29,6 @@ from dflash.errors import DflashError, describe_differences
 from dflash.regenerate import encode_prompt, eos_token_ids, load_prompts, prompt_records
 from dflash.target import default_layer_ids, load_target
 from dflash.target_files import MASK_TOKEN
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # The report
@@ -74,7 +78,9 @@ class EvalReport:
     seed: int
     plain_tokens_per_s: float
     methods: dict[str, Method]
-    prompts: list[dict]  # per prompt: index, prompt_tokens, prompt_sha256, plain {new_tokens, seconds}, runs {method: Run}
+    prompts: list[
+        dict
+    ]  # per prompt: index, prompt_tokens, prompt_sha256, plain {new_tokens, seconds}, runs {method: Run}
 
     def table(self) -> str:
         lines = [
@@ -96,7 +102,9 @@ class EvalReport:
     def prompt_table(self) -> str:
         """A row per prompt: its plain decoding, then each method's tau and speedup (`!` marks a mismatch)."""
         names = list(self.methods)
-        lines = [f"{'prompt':>6}{'tokens':>8}{'plain tok/s':>13}" + "".join(f"{n + ' tau, speedup':>34}" for n in names)]
+        lines = [
+            f"{'prompt':>6}{'tokens':>8}{'plain tok/s':>13}" + "".join(f"{n + ' tau, speedup':>34}" for n in names)
+        ]
         for row in self.prompts:
             plain = row["plain"]
             plain_rate = plain["new_tokens"] / plain["seconds"] if plain["seconds"] else 0.0
@@ -298,20 +306,33 @@ def evaluate(
 
 def _resumed_rows(earlier: dict, empty: EvalReport, encoded: list[torch.Tensor]) -> list[dict]:
     """The prompts of an earlier report, checked to belong to this evaluation, with their runs as `Run`s."""
-    keys = ("target", "drafter", "temperature", "max_new_tokens", "device", "dtype", "prompt_lookup_tokens",
-            "block_size", "seed")  # fmt: skip
+    keys = (
+        "target",
+        "drafter",
+        "temperature",
+        "max_new_tokens",
+        "device",
+        "dtype",
+        "prompt_lookup_tokens",
+        "block_size",
+        "seed",
+    )
     missing = [key for key in (*keys, "methods", "prompts") if key not in earlier]
     if missing:
-        raise DflashError(f"the earlier report lacks {', '.join(missing)}: it was written by an older dflash or is not "
-                          "an eval report; start a new report")  # fmt: skip
+        raise DflashError(
+            f"the earlier report lacks {', '.join(missing)}: it was written by an older dflash or is not "
+            "an eval report; start a new report"
+        )
     differences = describe_differences(
         {k: earlier.get(k) for k in keys}, {k: getattr(empty, k) for k in keys}, "earlier report", "this eval"
     )
     if set(earlier["methods"]) != set(empty.methods):
         differences += f"; methods: earlier report {sorted(earlier['methods'])}, this eval {sorted(empty.methods)}"
     if differences:
-        raise DflashError(f"cannot resume an eval of other settings ({differences.strip('; ')}); "
-                          "start a new report or give the same settings")  # fmt: skip
+        raise DflashError(
+            f"cannot resume an eval of other settings ({differences.strip('; ')}); "
+            "start a new report or give the same settings"
+        )
     rows, seen = [], set()
     try:
         for row in earlier["prompts"]:
@@ -333,8 +354,9 @@ def _resumed_rows(earlier: dict, empty: EvalReport, encoded: list[torch.Tensor])
                 raise KeyError("runs or plain")
             rows.append({**row, "runs": {name: Run(**run) for name, run in row["runs"].items()}})
     except (KeyError, TypeError) as exc:
-        raise DflashError(f"the earlier report is not a dflash eval report of this version ({exc!r}); start a new "
-                          "report") from None  # fmt: skip
+        raise DflashError(
+            f"the earlier report is not a dflash eval report of this version ({exc!r}); start a new report"
+        ) from None
     return rows
 
 

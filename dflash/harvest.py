@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import queue
+import shutil
 import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -214,7 +215,9 @@ def _file_identity(path: str) -> dict:
             while chunk := f.read(16 << 20):
                 digest.update(chunk)
     except OSError as exc:
-        raise DflashError(f"cannot read data file {path}: {exc.strerror}; pass an existing, readable JSONL file") from exc
+        raise DflashError(
+            f"cannot read data file {path}: {exc.strerror}; pass an existing, readable JSONL file"
+        ) from exc
     return {"data_bytes": size, "data_sha256": digest.hexdigest()}
 
 
@@ -230,7 +233,9 @@ def _fingerprint(cfg: HarvestConfig) -> dict:
         "stored_width": encoding.width,
         "scale_groups": encoding.scale_groups,
         "subspace": encoding.subspace is not None,
-        "calibration_tokens": cfg.calibration_tokens if encoding.subspace is not None and not cfg.projection_from else None,
+        "calibration_tokens": cfg.calibration_tokens
+        if encoding.subspace is not None and not cfg.projection_from
+        else None,
         "projection_sha256": _borrowed_projection(cfg, encoding, len(layers) * text.hidden_size)[1],
         "model": model,
         "layers": layers,
@@ -283,7 +288,9 @@ def target_spec(model: str, target: TappedTarget) -> manifest.TargetSpec:
         rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
         rope_theta=rope_theta_of(text),
         max_position_embeddings=text.max_position_embeddings,
-        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),  # the checkpoint's, not a VL text part's
+        tie_word_embeddings=bool(
+            getattr(config, "tie_word_embeddings", False)
+        ),  # the checkpoint's, not a VL text part's
     )
 
 
@@ -321,32 +328,80 @@ def _harvest(cfg: HarvestConfig) -> Path:
         # Triton kernels (fla's) launch on the current device, and pinned buffers bind to it: under torchrun
         # every rank would otherwise start a context on cuda:0.
         torch.cuda.set_device(cfg.device)
+    plan = PartPlan.build(documents, cfg.rank, cfg.world_size, cfg.token_budget)
+    check_free_space(out, cfg, fingerprint, len(plan.rows) - (progress or {}).get("rows_committed", 0))
     target = TappedTarget(cfg.model, fingerprint["layers"], cfg.device, DTYPES[cfg.dtype], cfg.allow_slow_kernels)
     header = _header(cfg, fingerprint, target, stats)
     if state == "resume" and store.read_manifest(out / store.HARVEST_FILE).target != header.target:
         raise DflashError(
             f"the checkpoint at {cfg.model} changed since {out} was started (its config differs); harvest into a new folder"
         )
-    plan = PartPlan.build(documents, cfg.rank, cfg.world_size, cfg.token_budget)
     projection = None
     if header.features.subspace is not None:
         projection, header = _calibrated(out, cfg, header, documents, target)
 
     store.create_store(out, header)  # harvest.json: the first write of this run but the calibration
-    part = store.PartWriter(out, store.PartSpec(
-        cfg.rank, len(plan.rows), cfg.token_budget, header.features, plan.documents_table(), plan.counts(),
-    ))  # fmt: skip
+    part = store.PartWriter(
+        out,
+        store.PartSpec(
+            cfg.rank,
+            len(plan.rows),
+            cfg.token_budget,
+            header.features,
+            plan.documents_table(),
+            plan.counts(),
+        ),
+    )
     counts = plan.counts()
     logger.info(
         "rank %d/%d: %d documents, %d tokens in %d rows of %d (%.1f%% padding)%s",
-        cfg.rank, cfg.world_size, counts["documents"], counts["tokens"], len(plan.rows), cfg.token_budget,
+        cfg.rank,
+        cfg.world_size,
+        counts["documents"],
+        counts["tokens"],
+        len(plan.rows),
+        cfg.token_budget,
         100 * counts["padding_tokens"] / max(1, len(plan.rows) * cfg.token_budget),
         f"; resuming after row {part.rows_committed}" if part.rows_committed else "",
-    )  # fmt: skip
+    )
     stalls = _run_rows(cfg, plan, target, part, header.features, projection)
     logger.info("rank %d: %s", cfg.rank, stalls.describe())
     _finish(out, cfg)
     return out
+
+
+# The lossless codecs shrink stored rows by at most about 1.4x (docs/shard-format.md): a harvest whose rows, at
+# that ratio, would still not fit on the disk cannot succeed.
+BEST_CODEC_RATIO = 1.45
+
+
+def row_bytes(token_budget: int, width: int, precision: str, scale_groups: int) -> int:
+    """Uncompressed bytes of one stored row: the features (and fp8 scales) plus the token arrays."""
+    value_bytes = 1 if precision == "fp8" else 2
+    token_bytes = sum(np.dtype(d).itemsize for d in store.TOKEN_ARRAYS.values())
+    return token_budget * (width * value_bytes + scale_groups + token_bytes)
+
+
+def check_free_space(out: Path, cfg: HarvestConfig, fingerprint: dict, rows_left: int) -> None:
+    """Refuse, before the target loads, a harvest that cannot fit on the disk of --out (every rank's rows are
+    counted as this rank's: they usually share the disk); warn when it fits only if the codec compresses."""
+    need = (
+        rows_left
+        * cfg.world_size
+        * row_bytes(
+            cfg.token_budget, fingerprint["stored_width"], fingerprint["precision"], fingerprint["scale_groups"]
+        )
+    )
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    sizes = f"the rows left need {need / 1e9:.1f} GB before compression, {existing} has {free / 1e9:.1f} GB free"
+    if need / BEST_CODEC_RATIO > free:
+        raise DflashError(
+            f"this harvest cannot fit: {sizes} (the codec saves at most ~30 %); free space, harvest to a larger disk, or "
+            "store fewer bytes per token with --precision fp8 and/or --subspace 1/4 (docs/shard-format.md)"
+        )
+    if need > free:
+        logger.warning("%s: the harvest fits only if the codec compresses well; watch the disk", sizes)
 
 
 def _header(cfg: HarvestConfig, fingerprint: dict, target: TappedTarget, stats) -> manifest.Manifest:
@@ -368,7 +423,9 @@ def _header(cfg: HarvestConfig, fingerprint: dict, target: TappedTarget, stats) 
     )
 
 
-def _calibrated(out: Path, cfg: HarvestConfig, header: manifest.Manifest, documents: list[Document], target: TappedTarget):
+def _calibrated(
+    out: Path, cfg: HarvestConfig, header: manifest.Manifest, documents: list[Document], target: TappedTarget
+):
     """The store's projection (calibrating it first if no rank has yet) and the header that records it."""
     out.mkdir(parents=True, exist_ok=True)
     stored = store.read_projection(out)
@@ -381,13 +438,21 @@ def _calibrated(out: Path, cfg: HarvestConfig, header: manifest.Manifest, docume
         projection, captured = features.top_subspace(moment.sum, width)
         logger.info(
             "calibration: %d tokens of %d documents; the top %d of %d directions hold %.2f%% of the second moment",
-            moment.tokens, sample, width, header.feature_dim, 100 * captured,
-        )  # fmt: skip
+            moment.tokens,
+            sample,
+            width,
+            header.feature_dim,
+            100 * captured,
+        )
         record = {"captured": captured, "calibration_tokens": moment.tokens, "calibration_documents": sample}
         stored = store.write_projection(out, projection.numpy(), record)
     projection, record = stored
-    subspace = manifest.SubspaceSpec(header.features.width, float(record["captured"]), int(record["calibration_tokens"]),
-                                     int(record["calibration_documents"]))  # fmt: skip
+    subspace = manifest.SubspaceSpec(
+        header.features.width,
+        float(record["captured"]),
+        int(record["calibration_tokens"]),
+        int(record["calibration_documents"]),
+    )
     header = replace(header, features=replace(header.features, subspace=subspace))
     return torch.from_numpy(projection).to(cfg.device), header
 
@@ -498,9 +563,14 @@ class Progress:
         self.total_docs = counts["documents"]
         self.docs = sum(len(row) for row in plan.rows[:committed_rows])
         self.bar = tqdm(
-            total=counts["tokens"], initial=plan.row_tokens(0, committed_rows), unit="tok", unit_scale=True,
-            desc=f"harvest rank {rank}", dynamic_ncols=True, mininterval=1.0,
-        )  # fmt: skip
+            total=counts["tokens"],
+            initial=plan.row_tokens(0, committed_rows),
+            unit="tok",
+            unit_scale=True,
+            desc=f"harvest rank {rank}",
+            dynamic_ncols=True,
+            mininterval=1.0,
+        )
 
     def commit(self, group: RowGroup):
         self.docs += sum(len(row) for row in self.plan.rows[group.first : group.last])
@@ -554,9 +624,13 @@ def store_bits(buffer: torch.Tensor) -> np.ndarray:
 
 
 def _run_rows(
-    cfg: HarvestConfig, plan: PartPlan, target: TappedTarget, part: store.PartWriter, spec: manifest.FeatureSpec,
+    cfg: HarvestConfig,
+    plan: PartPlan,
+    target: TappedTarget,
+    part: store.PartWriter,
+    spec: manifest.FeatureSpec,
     projection: torch.Tensor | None,
-) -> PipelineStalls:  # fmt: skip
+) -> PipelineStalls:
     setup_start = time.perf_counter()
     device, T = torch.device(cfg.device), cfg.token_budget
     F = len(target.layer_ids) * target.info.hidden_size

@@ -16,10 +16,15 @@ GPU_EXTRA = "pip install 'dflash[gpu]'"
 GATED_DELTA_RULE = "torch_chunk_gated_delta_rule"
 CAUSAL_CONV1D = "causal_conv1d_fn"
 SEQUENCE_FUNCTIONS = {"gated_delta_rule": GATED_DELTA_RULE, "causal_conv1d": CAUSAL_CONV1D}
-DECODE_FUNCTIONS = {"recurrent_gated_delta_rule": "torch_recurrent_gated_delta_rule", "causal_conv1d_update": "causal_conv1d_update"}
+DECODE_FUNCTIONS = {
+    "recurrent_gated_delta_rule": "torch_recurrent_gated_delta_rule",
+    "causal_conv1d_update": "causal_conv1d_update",
+}
 
 
-def select_kernels(model: torch.nn.Module, device: torch.device, allow_slow: bool, generation: bool = False) -> dict[str, str]:
+def select_kernels(
+    model: torch.nn.Module, device: torch.device, allow_slow: bool, generation: bool = False
+) -> dict[str, str]:
     """Name the kernel of each hybrid-layer function and patch transformers' choice where it falls short.
 
     On CPU: the reference code (fla, if installed, is kept for CUDA tensors only). On CUDA: fla's Triton conv

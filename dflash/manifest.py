@@ -146,7 +146,9 @@ class Manifest:
         return int(self.fingerprint["world_size"])
 
     def with_parts(self, parts: list[PartEntry]) -> "Manifest":
-        totals = {key: sum(getattr(p, key) for p in parts) for key in ("documents", "tokens", "loss_tokens", "padding_tokens")}
+        totals = {
+            key: sum(getattr(p, key) for p in parts) for key in ("documents", "tokens", "loss_tokens", "padding_tokens")
+        }
         counts = Counts(**totals, rows=sum(p.rows for p in parts))
         return dataclasses.replace(self, counts=counts, parts=tuple(parts))
 
@@ -209,7 +211,9 @@ class _Fields:
         if key not in self.raw:
             if default:
                 return default[0]
-            raise DflashError(f"{self.where}: field {self.prefix}{key} is missing; the file is damaged: restore it or harvest again")
+            raise DflashError(
+                f"{self.where}: field {self.prefix}{key} is missing; the file is damaged: restore it or harvest again"
+            )
         value = self.raw[key]
         if value is None and default and default[0] is None:
             return None
@@ -230,8 +234,15 @@ class _Fields:
 
 
 def _target(f: _Fields) -> TargetSpec:
-    optional = {"intermediate_size": int, "num_attention_heads": int, "num_key_value_heads": int, "head_dim": int,
-                "rms_norm_eps": float, "rope_theta": float, "max_position_embeddings": int}  # fmt: skip
+    optional = {
+        "intermediate_size": int,
+        "num_attention_heads": int,
+        "num_key_value_heads": int,
+        "head_dim": int,
+        "rms_norm_eps": float,
+        "rope_theta": float,
+        "max_position_embeddings": int,
+    }
     return TargetSpec(
         name=f.get("name", str),
         model_type=f.get("model_type", str),
@@ -257,8 +268,12 @@ def _features(raw: Any, where: str, feature_dim: int) -> FeatureSpec:
     subspace = None
     if f.raw.get("subspace") is not None:
         s = f.sub("subspace")
-        subspace = SubspaceSpec(s.count("width", 1), s.get("captured", float), s.count("calibration_tokens"),
-                                s.count("calibration_documents"))  # fmt: skip
+        subspace = SubspaceSpec(
+            s.count("width", 1),
+            s.get("captured", float),
+            s.count("calibration_tokens"),
+            s.count("calibration_documents"),
+        )
         if subspace.width != width or width > feature_dim:
             raise s._bad("width", f"the stored width {width}, at most {feature_dim}")
     elif width != feature_dim:
@@ -326,6 +341,9 @@ def identity_of(manifest: Manifest) -> str:
     """A content fingerprint of the store: equal for two stores that hold the same rows."""
     import hashlib
 
-    keyed = {k: v for k, v in manifest.header().to_json().items() if k in ("fingerprint", "target", "tokenizer",
-                                                                           "features", "codecs", "layer_ids", "token_budget")}  # fmt: skip
+    keyed = {
+        k: v
+        for k, v in manifest.header().to_json().items()
+        if k in ("fingerprint", "target", "tokenizer", "features", "codecs", "layer_ids", "token_budget")
+    }
     return hashlib.sha256(json.dumps(keyed, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

@@ -26,8 +26,18 @@ class SumsLayout:
     """Names of the entries of the float64 metric sums (one vector: one device-to-host read per log)."""
 
     def __init__(self, block_size: int):
-        scalars = ["loss_sum", "weight_sum", "accepted", "blocks", "context_tokens", "pairs", "grad_norm", "steps",
-                   "replay_rounds", "replay_tokens"]  # fmt: skip
+        scalars = [
+            "loss_sum",
+            "weight_sum",
+            "accepted",
+            "blocks",
+            "context_tokens",
+            "pairs",
+            "grad_norm",
+            "steps",
+            "replay_rounds",
+            "replay_tokens",
+        ]
         self.index = {name: i for i, name in enumerate(scalars)}
         self.correct = slice(len(scalars), len(scalars) + block_size - 1)
         self.counted = slice(self.correct.stop, self.correct.stop + block_size - 1)

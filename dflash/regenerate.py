@@ -21,7 +21,6 @@ from dflash.config import RegenerateConfig
 from dflash.data import check_record, jsonl_lines, parse_line
 from dflash.errors import DflashError
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # Prompts
 # ---------------------------------------------------------------------------------------------------------------
@@ -70,7 +69,7 @@ def encode_prompt(tokenizer, record: dict) -> list[int]:
     if "prompt" in record:
         return tokenizer(record["prompt"])["input_ids"]
     if not tokenizer.chat_template:
-        raise DflashError("chat prompts need a tokenizer with a chat template; use {\"text\": ...} prompts instead")
+        raise DflashError('chat prompts need a tokenizer with a chat template; use {"text": ...} prompts instead')
     text = tokenizer.apply_chat_template(record["messages"], add_generation_prompt=True, tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 

@@ -54,25 +54,63 @@ def run_smoke(cfg: SmokeConfig) -> dict:
     prompts = work / "prompts.jsonl"
     prompts.write_text("".join(PROMPTS.read_text().splitlines(keepends=True)[: cfg.prompts]))
     responses = work / "responses.jsonl"
-    stage("regenerate", lambda: regenerate(RegenerateConfig(
-        target, str(prompts), str(responses), max_new_tokens=cfg.max_new_tokens, device="cpu", dtype="float32",
-    )))  # fmt: skip
+    stage(
+        "regenerate",
+        lambda: regenerate(
+            RegenerateConfig(
+                target,
+                str(prompts),
+                str(responses),
+                max_new_tokens=cfg.max_new_tokens,
+                device="cpu",
+                dtype="float32",
+            )
+        ),
+    )
     data = work / "train.jsonl"
     data.write_text(responses.read_text() + CORPUS.read_text())
     shards = work / "shards"
-    stage("harvest", lambda: run_harvest(HarvestConfig(
-        model=target, data=str(data), out=str(shards), token_budget=cfg.token_budget, workers=1, device="cpu",
-        dtype="float32",
-    )))  # fmt: skip
+    stage(
+        "harvest",
+        lambda: run_harvest(
+            HarvestConfig(
+                model=target,
+                data=str(data),
+                out=str(shards),
+                token_budget=cfg.token_budget,
+                workers=1,
+                device="cpu",
+                dtype="float32",
+            )
+        ),
+    )
     store = Store.open(shards)
-    result = stage("train", lambda: run_training(TrainConfig(
-        store=str(shards), out=str(work / "run"), max_steps=cfg.train_steps, log_every=10, device="cpu",
-        tensorboard=False,
-    )))  # fmt: skip
-    report = stage("eval", lambda: evaluate(EvalConfig(
-        target, str(prompts), drafter=result["export"], max_new_tokens=cfg.eval_new_tokens, device="cpu",
-        dtype="float32",
-    )))  # fmt: skip
+    result = stage(
+        "train",
+        lambda: run_training(
+            TrainConfig(
+                store=str(shards),
+                out=str(work / "run"),
+                max_steps=cfg.train_steps,
+                log_every=10,
+                device="cpu",
+                tensorboard=False,
+            )
+        ),
+    )
+    report = stage(
+        "eval",
+        lambda: evaluate(
+            EvalConfig(
+                target,
+                str(prompts),
+                drafter=result["export"],
+                max_new_tokens=cfg.eval_new_tokens,
+                device="cpu",
+                dtype="float32",
+            )
+        ),
+    )
     tokens = store.manifest["counts"]["tokens"]
     last = result["records"][-1]
     summary = {
@@ -97,7 +135,10 @@ def summary_table(s: dict) -> str:
         ("train tokens/s (context)", f"{s['train_context_tok_s']:.0f}"),
         ("final train loss", f"{s['train_loss']:.3f}"),
         ("tau (acceptance length)", f"{s['tau']:.2f}"),
-        ("tau replayed on held-out rows", f"{s['val_tau']:.2f}" if s["val_tau"] is not None else "- (no held-out rows)"),
+        (
+            "tau replayed on held-out rows",
+            f"{s['val_tau']:.2f}" if s["val_tau"] is not None else "- (no held-out rows)",
+        ),
         ("greedy mismatches", str(s["mismatches"])),
         ("stage seconds", ", ".join(f"{k} {v:.1f}" for k, v in s["seconds"].items())),
     ]

@@ -31,6 +31,7 @@ from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
 from dflash.errors import DflashError, describe_differences
 from dflash.manifest import FORMAT_VERSION, FeatureSpec, Manifest, PartEntry, TargetSpec, TokenizerSpec, identity_of
+
 HARVEST_FILE = "harvest.json"
 MANIFEST_FILE = "manifest.json"
 PROGRESS_FILE = "progress.json"
@@ -230,26 +231,47 @@ class PartWriter:
         write = dict(overwrite=True, config=_array_config(read=False))
         chunk = hidden_chunk_tokens(T, f.width * f.bytes_per_value)
         group.create_array(
-            "hidden", shape=(spec.rows, T, f.width), chunks=(1, chunk, f.width), dtype=HIDDEN_DTYPES[f.precision],
-            compressors=hidden_compressors(f), fill_value=0, **write,
+            "hidden",
+            shape=(spec.rows, T, f.width),
+            chunks=(1, chunk, f.width),
+            dtype=HIDDEN_DTYPES[f.precision],
+            compressors=hidden_compressors(f),
+            fill_value=0,
+            **write,
             attributes={"precision": f.precision, "encoding": HIDDEN_ENCODINGS[f.precision]},
-        )  # fmt: skip
+        )
         if f.precision == "fp8":
             group.create_array(
-                "scales", shape=(spec.rows, T, f.scale_groups), chunks=(1, T, f.scale_groups), dtype=SCALE_DTYPE,
-                compressors=token_compressors(), fill_value=0, attributes={"meaning": "log2 of each group's scale"},
+                "scales",
+                shape=(spec.rows, T, f.scale_groups),
+                chunks=(1, T, f.scale_groups),
+                dtype=SCALE_DTYPE,
+                compressors=token_compressors(),
+                fill_value=0,
+                attributes={"meaning": "log2 of each group's scale"},
                 **write,
-            )  # fmt: skip
+            )
         for name, dtype in TOKEN_ARRAYS.items():
             fill = -1 if name == "doc_ids" else 0
             group.create_array(
-                name, shape=(spec.rows, T), chunks=(1, T), dtype=dtype, compressors=token_compressors(),
-                fill_value=fill, **write,
-            )  # fmt: skip
+                name,
+                shape=(spec.rows, T),
+                chunks=(1, T),
+                dtype=dtype,
+                compressors=token_compressors(),
+                fill_value=fill,
+                **write,
+            )
         documents = group.create_array(
-            "documents", shape=spec.documents.shape, chunks=(DOC_CHUNK, len(DOCUMENT_COLUMNS)), dtype="int64",
-            compressors=token_compressors(), fill_value=0, attributes={"columns": DOCUMENT_COLUMNS}, **write,
-        )  # fmt: skip
+            "documents",
+            shape=spec.documents.shape,
+            chunks=(DOC_CHUNK, len(DOCUMENT_COLUMNS)),
+            dtype="int64",
+            compressors=token_compressors(),
+            fill_value=0,
+            attributes={"columns": DOCUMENT_COLUMNS},
+            **write,
+        )
         documents[:] = spec.documents
         self.progress = {"rows": spec.rows, "rows_committed": 0, "counts": spec.counts}
         write_json_atomic(self.folder / PROGRESS_FILE, self.progress)
@@ -335,8 +357,13 @@ def write_projection(out: Path, projection: np.ndarray, calibration: dict) -> tu
     if (out / PROJECTION / "zarr.json").exists():
         return read_projection(out)
     tmp = out / f"{TMP_PREFIX}{PROJECTION}.{uuid.uuid4().hex}"
-    zarr.create_array(tmp, data=projection.astype(np.float32), chunks=projection.shape, compressors=token_compressors(),
-                      attributes={"meaning": "stored features = P @ concatenated features", **calibration})  # fmt: skip
+    zarr.create_array(
+        tmp,
+        data=projection.astype(np.float32),
+        chunks=projection.shape,
+        compressors=token_compressors(),
+        attributes={"meaning": "stored features = P @ concatenated features", **calibration},
+    )
     try:
         os.rename(tmp, out / PROJECTION)  # atomic; fails when another rank's is already there, which then wins
     except OSError:
@@ -387,17 +414,23 @@ def new_manifest(
     )
 
 
-def write_store(out: Path, header: Manifest, parts: list["PartContent"], projection: np.ndarray | None = None) -> "Store":
+def write_store(
+    out: Path, header: Manifest, parts: list["PartContent"], projection: np.ndarray | None = None
+) -> "Store":
     """A complete store of given rows through the real writers, for tests and benchmarks (no target involved);
     `projection`: P of a subspace store."""
     if projection is not None:
         out.mkdir(parents=True, exist_ok=True)
-        write_projection(out, projection, {"captured": header.features.subspace.captured, "calibration_tokens": 0,
-                                           "calibration_documents": 0})  # fmt: skip
+        write_projection(
+            out,
+            projection,
+            {"captured": header.features.subspace.captured, "calibration_tokens": 0, "calibration_documents": 0},
+        )
     create_store(out, header)
     for rank, content in enumerate(parts):
-        writer = PartWriter(out, PartSpec(rank, content.rows, header.token_budget, header.features, content.documents,
-                                          content.counts))  # fmt: skip
+        writer = PartWriter(
+            out, PartSpec(rank, content.rows, header.token_budget, header.features, content.documents, content.counts)
+        )
         for r in range(content.rows):
             hidden, others = content.row(r)
             writer.write_rows(r, hidden[None], {name: value[None] for name, value in others.items()})
@@ -455,7 +488,9 @@ class ChunkReader:
     def __init__(self, array: zarr.Array, folder: Path, compressors: list):
         codecs = [type(c).__name__ for c in (array.serializer, *array.filters, *array.compressors)]
         expected = ["BytesCodec", *(type(c).__name__ for c in compressors)]
-        endian = getattr(array.serializer.endian, "value", array.serializer.endian)  # an enum before zarr 3.4, a str since
+        endian = getattr(
+            array.serializer.endian, "value", array.serializer.endian
+        )  # an enum before zarr 3.4, a str since
         if codecs != expected or (endian != "little" and array.dtype.itemsize > 1):
             raise DflashError(
                 f"the {folder.name} array in {folder.parent} is encoded as {codecs}, not the {' -> '.join(expected)} "
@@ -526,7 +561,9 @@ class Store:
         if self.features.subspace is not None:
             stored = read_projection(path)
             if stored is None or stored[0].shape != (self.features.width, manifest.feature_dim):
-                raise DflashError(f"{path} is a subspace store without a valid {PROJECTION} array; the store is damaged: harvest again")
+                raise DflashError(
+                    f"{path} is a subspace store without a valid {PROJECTION} array; the store is damaged: harvest again"
+                )
             self.projection = stored[0]
 
     @classmethod
@@ -556,9 +593,11 @@ class Store:
         """Row i into the caller's arrays (the trainer's pinned slots): integers of the stored size for hidden and
         scales (the stored bits, e.g. int16 for bf16), the token arrays' own dtypes; no copy in between."""
         part, row = self.locate(i)
-        for name, (shape, dtype) in self.row_layout.items():
+        for name, (shape, _) in self.row_layout.items():
             if out[name].shape != shape:
-                raise DflashError(f"the store's rows have {name} of shape {shape}, the reader expects {out[name].shape}")
+                raise DflashError(
+                    f"the store's rows have {name} of shape {shape}, the reader expects {out[name].shape}"
+                )
         stored = np.dtype(self.row_layout["hidden"][1])
         if out["hidden"].dtype.kind not in "iu" or out["hidden"].dtype.itemsize != stored.itemsize:
             raise DflashError(

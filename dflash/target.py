@@ -96,8 +96,9 @@ class TappedTarget:
         self._attach(model, info, layer_ids, torch.device(device), dtype, allow_slow_kernels)
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module, layer_ids: list[int], num_layers: int, name: str,
-                   allow_slow_kernels: bool = False) -> "TappedTarget":
+    def from_model(
+        cls, model: torch.nn.Module, layer_ids: list[int], num_layers: int, name: str, allow_slow_kernels: bool = False
+    ) -> "TappedTarget":
         """Wrap an already-built base model that holds layers 0..max(layer_ids) of a `num_layers` target.
 
         For benchmarks, which build random weights on the GPU instead of saving and loading tens of GB.
@@ -113,8 +114,14 @@ class TappedTarget:
         )
         weight = next(model.parameters())
         target = cls.__new__(cls)
-        target._attach(model.eval().requires_grad_(False), info, check_layer_ids(layer_ids, num_layers),
-                       weight.device, weight.dtype, allow_slow_kernels)  # fmt: skip
+        target._attach(
+            model.eval().requires_grad_(False),
+            info,
+            check_layer_ids(layer_ids, num_layers),
+            weight.device,
+            weight.dtype,
+            allow_slow_kernels,
+        )
         return target
 
     def _attach(self, model, info: TargetInfo, layer_ids: list[int], device, dtype, allow_slow_kernels: bool):
@@ -127,9 +134,14 @@ class TappedTarget:
             layers[layer_id].register_forward_hook(partial(self._capture, slot))
         logger.info(
             "target %s (%s): tapping layers %s of %d, %d layers loaded, on %s; kernels: %s",
-            self.info.name, self.info.model_type, self.layer_ids, info.num_layers, len(layers), self.device,
+            self.info.name,
+            self.info.model_type,
+            self.layer_ids,
+            info.num_layers,
+            len(layers),
+            self.device,
             describe_kernels(self.kernels),
-        )  # fmt: skip
+        )
 
     @torch.inference_mode()
     def features(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -172,7 +184,9 @@ def _load_truncated(path: str, text_config, keep: int, dtype) -> torch.nn.Module
     finally:
         hf_logging.set_verbosity(verbosity)
     if loading["missing_keys"]:
-        raise DflashError(f"the checkpoint {path} lacks weights {sorted(loading['missing_keys'])[:5]}...; is it complete?")
+        raise DflashError(
+            f"the checkpoint {path} lacks weights {sorted(loading['missing_keys'])[:5]}...; is it complete?"
+        )
     if not isinstance(getattr(model, "layers", None), torch.nn.ModuleList):
         raise DflashError(f"unsupported target {type(model).__name__}: dflash needs a decoder with a `layers` list")
     if hasattr(model, "norm"):
@@ -193,9 +207,15 @@ def load_target(path: str | Path, device: str | torch.device | None = "cpu", dty
     model.requires_grad_(False)
     logger.info("target %s on %s; kernels: %s", path, device, describe_kernels(kernels))
     # The convolutions' reference code is a small op: the delta rules are the ones that cost.
-    slow = [role for role in ("gated_delta_rule", "recurrent_gated_delta_rule")
-            if device.type == "cuda" and kernels.get(role) == "torch-reference"]  # fmt: skip
+    slow = [
+        role
+        for role in ("gated_delta_rule", "recurrent_gated_delta_rule")
+        if device.type == "cuda" and kernels.get(role) == "torch-reference"
+    ]
     if slow:
-        logger.warning("the target's %s run on PyTorch reference code on the GPU: correct but slow; run %s for the "
-                       "fast kernels", " and ".join(slow), GPU_EXTRA)  # fmt: skip
+        logger.warning(
+            "the target's %s run on PyTorch reference code on the GPU: correct but slow; run %s for the fast kernels",
+            " and ".join(slow),
+            GPU_EXTRA,
+        )
     return model, AutoTokenizer.from_pretrained(path)

@@ -50,7 +50,9 @@ def tensor_files(path: str) -> dict[str, str]:
         return json.loads(Path(index).read_text())["weight_map"]
     single = checkpoint_file(path, "model.safetensors")
     if single is None:
-        raise DflashError(f"{path} holds no model.safetensors nor model.safetensors.index.json; save the target as safetensors")
+        raise DflashError(
+            f"{path} holds no model.safetensors nor model.safetensors.index.json; save the target as safetensors"
+        )
     with safe_open(single, framework="pt") as shard:
         return dict.fromkeys(shard.keys(), "model.safetensors")
 
@@ -60,11 +62,15 @@ def _find_key(file_of: dict[str, str], preferred: tuple[str, ...], suffix: str, 
     for key in preferred:
         if key in file_of:
             return key
-    candidates = [k for k in file_of if k.endswith(suffix) and not any(part in k for part in ("mtp", "visual", "vision"))]
+    candidates = [
+        k for k in file_of if k.endswith(suffix) and not any(part in k for part in ("mtp", "visual", "vision"))
+    ]
     if len(candidates) == 1:
         return candidates[0]
     found = f"candidates {candidates}" if candidates else "no tensor of that name"
-    raise DflashError(f"cannot find the target's {suffix} in {path} ({found}); is this a complete causal-LM checkpoint?")
+    raise DflashError(
+        f"cannot find the target's {suffix} in {path} ({found}); is this a complete causal-LM checkpoint?"
+    )
 
 
 def load_config(path: str, flag: str = "--model"):
@@ -74,7 +80,9 @@ def load_config(path: str, flag: str = "--model"):
     try:
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
-        raise DflashError(f"cannot load a model config from {path}: {exc}; pass {flag} a transformers checkpoint folder") from exc
+        raise DflashError(
+            f"cannot load a model config from {path}: {exc}; pass {flag} a transformers checkpoint folder"
+        ) from exc
 
 
 def read_config_json(path: str) -> dict:
@@ -98,4 +106,6 @@ def checkpoint_file(path: str, filename: str) -> str | None:
     try:
         return cached_file(path, filename, _raise_exceptions_for_missing_entries=False)
     except OSError as exc:
-        raise DflashError(f"cannot read {filename} of {path}: {exc}; pass --model a transformers checkpoint folder") from exc
+        raise DflashError(
+            f"cannot read {filename} of {path}: {exc}; pass --model a transformers checkpoint folder"
+        ) from exc

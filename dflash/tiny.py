@@ -79,7 +79,12 @@ def tiny_config(arch: str, vocab_size: int, num_layers: int = 8, hidden_size: in
         linear_value_head_dim=16,
         linear_conv_kernel_dim=4,
     )
-    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size, shared_expert_intermediate_size=hidden_size)
+    moe = dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=hidden_size,
+        shared_expert_intermediate_size=hidden_size,
+    )
     if arch == "qwen3_5":
         return transformers.Qwen3_5TextConfig(**common, **hybrid)
     if arch == "qwen3_5_moe":
@@ -93,7 +98,9 @@ def tiny_config(arch: str, vocab_size: int, num_layers: int = 8, hidden_size: in
     raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
 
 
-def make_tiny_target(folder: Path, arch: str = "qwen3_5", seed: int = 0, num_layers: int = 8, hidden_size: int = 64) -> Path:
+def make_tiny_target(
+    folder: Path, arch: str = "qwen3_5", seed: int = 0, num_layers: int = 8, hidden_size: int = 64
+) -> Path:
     """Save a random-weight `arch` model and the tiny tokenizer to `folder` (reused if already there)."""
     return save_random_target(folder, lambda vocab: tiny_config(arch, vocab, num_layers, hidden_size), seed)
 

@@ -34,8 +34,8 @@ from dflash.device import local_device
 from dflash.drafter import DFlashDrafter, DrafterConfig, export_drafter
 from dflash.errors import DflashError
 from dflash.manifest import Manifest
-from dflash.store import Store
 from dflash.metrics import Meter, MetricsLog, SumsLayout, drop_records_after, visible_pairs
+from dflash.store import Store
 from dflash.target_files import MASK_TOKEN, load_config, load_embedding_and_head
 
 logger = logging.getLogger("dflash")
@@ -45,6 +45,7 @@ ANCHORS_PER_3072 = 512  # the paper: 512 anchors per 3072-token sequence; scaled
 
 # ---------------------------------------------------------------------------------------------- the store's manifest
 # Everything the trainer reads from the store's manifest and the target's files is here.
+
 
 def check_val_store(train: Store, val: Store, train_path: str, path: str) -> None:
     """A held-out store is read into the training rows' buffers and scored against the same target: it must share
@@ -59,7 +60,11 @@ def check_val_store(train: Store, val: Store, train_path: str, path: str) -> Non
         differ.append("target (config hash)")
     if a.fingerprint.get("dtype") != b.fingerprint.get("dtype"):
         differ.append("the dtype the target ran in")
-    if (a.features.precision, a.features.width, a.features.scale_groups) != (b.features.precision, b.features.width, b.features.scale_groups):
+    if (a.features.precision, a.features.width, a.features.scale_groups) != (
+        b.features.precision,
+        b.features.width,
+        b.features.scale_groups,
+    ):
         differ.append("the feature encoding (--precision, --subspace, --scale-groups)")
     elif train.projection is not None and not np.array_equal(train.projection, val.projection):
         differ.append(f"the subspace projection (harvest the held-out store with --projection-from {train_path})")
@@ -93,7 +98,9 @@ def drafter_config(cfg: TrainConfig, store: Store, target_path: str) -> DrafterC
     text = manifest.target.text_config() if manifest.target.has_text_config else load_config(target_path, "--target")
     if manifest.features.subspace is not None:
         overrides["feature_width"] = manifest.features.width
-    return DrafterConfig.from_target_config(text, list(manifest.layer_ids), mask, num_layers=cfg.draft_layers, **overrides)
+    return DrafterConfig.from_target_config(
+        text, list(manifest.layer_ids), mask, num_layers=cfg.draft_layers, **overrides
+    )
 
 
 def load_frozen(path: str, manifest: Manifest) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,9 +273,7 @@ class Trainer:
         groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         # lr is a device tensor that the step rewrites in place; fused (CUDA and CPU) accepts a tensor lr, and
         # capturable keeps the step count on the device so the update can live in a CUDA graph.
-        return torch.optim.AdamW(
-            groups, lr=self.lr_t, betas=cfg.betas, eps=cfg.eps, fused=True, capturable=self.cuda
-        )
+        return torch.optim.AdamW(groups, lr=self.lr_t, betas=cfg.betas, eps=cfg.eps, fused=True, capturable=self.cuda)
 
     def _autocast(self):
         if self.cuda:
@@ -287,15 +292,28 @@ class Trainer:
                 s["loss_mask"][m], segments, self.num_anchors, cfg.block_size, s["anchor_keys"][m][:, None]
             )
         else:
-            anchors, valid = blocks.window_anchors(s["loss_mask"][m], segments, window, self.num_anchors, cfg.block_size)
+            anchors, valid = blocks.window_anchors(
+                s["loss_mask"][m], segments, window, self.num_anchors, cfg.block_size
+            )
         block_ids, q_positions, labels, weights = blocks.block_inputs(
-            s["input_ids"][m], s["position_ids"][m], s["loss_mask"][m], anchors, valid,
-            self.dcfg.mask_token_id, cfg.block_size, self.gamma,
-        )  # fmt: skip
+            s["input_ids"][m],
+            s["position_ids"][m],
+            s["loss_mask"][m],
+            anchors,
+            valid,
+            self.dcfg.mask_token_id,
+            cfg.block_size,
+            self.gamma,
+        )
         return dict(
-            anchors=anchors, valid=valid, segments=segments, block_ids=block_ids, q_positions=q_positions,
-            labels=labels, weights=weights,
-        )  # fmt: skip
+            anchors=anchors,
+            valid=valid,
+            segments=segments,
+            block_ids=block_ids,
+            q_positions=q_positions,
+            labels=labels,
+            weights=weights,
+        )
 
     def _micro(self, m: int, x: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(weighted-mean loss of micro-batch m, correct [N]) through drafter and frozen head."""
@@ -437,7 +455,7 @@ class Trainer:
                     done = step + 1
                     if cfg.val_every and done % cfg.val_every == 0 and done < self.total_steps:
                         # Before staging: validation uses the same staging buffers.
-                        log.write(meter.set_aside(lambda: self.validate(done)))
+                        log.write(meter.set_aside(lambda step=done: self.validate(step)))
                     if done < self.total_steps:
                         # Queued right behind the step: the copy overlaps its compute.
                         self.feed.stage(meter.wait(rows.next))
@@ -506,9 +524,16 @@ def run_training(cfg: TrainConfig) -> dict:
         logger.info(
             "training %d-layer drafter (%.1f M parameters) on %d rank(s) from step %d to %d; warmup + capture "
             "%.1f s (train step %.1f s, validation step %.1f s, capture and state restore %.1f s)",
-            trainer.dcfg.num_layers, sum(p.numel() for p in trainer.params) / 1e6, env.world_size, start,
-            trainer.total_steps, prep["total_s"], prep["train_warmup_s"], prep["val_warmup_s"], prep["capture_s"],
-        )  # fmt: skip
+            trainer.dcfg.num_layers,
+            sum(p.numel() for p in trainer.params) / 1e6,
+            env.world_size,
+            start,
+            trainer.total_steps,
+            prep["total_s"],
+            prep["train_warmup_s"],
+            prep["val_warmup_s"],
+            prep["capture_s"],
+        )
         try:
             result = trainer.fit(start, log)
             val = trainer.validate(trainer.total_steps)
@@ -520,15 +545,17 @@ def run_training(cfg: TrainConfig) -> dict:
         if "allocated_spread" in result:
             logger.info(
                 "memory over the run: allocated spread %d B, reserved spread %d B, peak %.1f GiB",
-                result["allocated_spread"], result["reserved_spread"],
+                result["allocated_spread"],
+                result["reserved_spread"],
                 torch.cuda.max_memory_allocated(env.device) / 2**30,
-            )  # fmt: skip
+            )
         if cfg.export and env.main:
             dtype = getattr(torch, cfg.export_dtype)
-            drafter = export_drafter(trainer.model, trainer.dcfg, out / "drafter", dtype=dtype, projection=trainer.projection)
+            drafter = export_drafter(
+                trainer.model, trainer.dcfg, out / "drafter", dtype=dtype, projection=trainer.projection
+            )
             result["export"] = str(drafter)
         return result
     finally:
         if env.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
-

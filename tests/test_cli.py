@@ -27,7 +27,17 @@ def _harvest(tmp_path, config_text: str, *flags: str):
     config.write_text(config_text)
     data = tmp_path / "data.jsonl"
     data.write_text('{"text": "hello"}\n')
-    args = ["harvest", "--config", str(config), "--model", str(tmp_path), "--data", str(data), "--out", str(tmp_path / "s")]
+    args = [
+        "harvest",
+        "--config",
+        str(config),
+        "--model",
+        str(tmp_path),
+        "--data",
+        str(data),
+        "--out",
+        str(tmp_path / "s"),
+    ]
     return CliRunner().invoke(main, [*args, *flags])
 
 
@@ -45,3 +55,13 @@ def test_config_values_apply_and_flags_override_them(tmp_path):
 def test_unknown_config_keys_are_named(tmp_path):
     result = _harvest(tmp_path, "token_budgt = 8\n")
     assert result.exit_code != 0 and "token_budgt" in result.output
+
+
+def test_config_keys_may_be_the_flags_names(tmp_path):
+    """`shards` (the flag) and `store` (the field behind it) both set `dflash train --shards`."""
+    for key in ("shards", "store"):
+        config = tmp_path / f"{key}.toml"
+        config.write_text(f'[train]\n{key} = "{tmp_path / "missing-store"}"\nout = "{tmp_path / "run"}"\n')
+        result = CliRunner().invoke(main, ["train", "--config", str(config)])
+        assert result.exit_code == 2, result.output
+        assert "missing-store" in result.output and "unknown keys" not in result.output, result.output

@@ -27,7 +27,9 @@ THINK_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 # Rewrites the content of earlier assistant turns: no mask can be trusted.
-REWRITING_TEMPLATE = THINK_TEMPLATE.replace("{{ m['content'] }}", "{{ m['content'] if loop.last else m['content'] | upper }}")
+REWRITING_TEMPLATE = THINK_TEMPLATE.replace(
+    "{{ m['content'] }}", "{{ m['content'] if loop.last else m['content'] | upper }}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +73,10 @@ def test_template_not_prefix_consistent_falls_back_to_content_search(tmp_path):
     tokenizer_path = _save_tokenizer(tmp_path / "think", THINK_TEMPLATE)
     documents, _ = load_documents(DataConfig(_jsonl(tmp_path, {"messages": CONVERSATION})), tokenizer_path)
     # The earlier turn is found by content; the last one, prefix-consistent, includes the think block it generates.
-    assert _masked_runs(tokenizer_path, documents[0]) == [ASSISTANT_TURNS[0], "<think>\n\n</think>\n\n" + ASSISTANT_TURNS[1]]
+    assert _masked_runs(tokenizer_path, documents[0]) == [
+        ASSISTANT_TURNS[0],
+        "<think>\n\n</think>\n\n" + ASSISTANT_TURNS[1],
+    ]
 
 
 def test_template_that_rewrites_content_is_refused(tmp_path):
@@ -88,11 +93,14 @@ def test_text_documents_have_every_token_on(tmp_path, tokenizer_path):
     assert documents[0].loss_mask.all() and (stats.text, stats.chat) == (1, 0)
 
 
-@pytest.mark.parametrize("prompt, completion", [
-    ("def add(a, b):\n", "    return a + b\n"),  # one token holds the prompt's newline and the indentation
-    ("x = 1", "0 + y"),
-    ("", "only a completion"),
-])
+@pytest.mark.parametrize(
+    "prompt, completion",
+    [
+        ("def add(a, b):\n", "    return a + b\n"),  # one token holds the prompt's newline and the indentation
+        ("x = 1", "0 + y"),
+        ("", "only a completion"),
+    ],
+)
 def test_completion_mask_is_exactly_the_completion_tokens(tmp_path, tokenizer_path, prompt, completion):
     path = _jsonl(tmp_path, {"prompt": prompt, "completion": completion})
     documents, stats = load_documents(DataConfig(path), tokenizer_path)
@@ -106,7 +114,9 @@ def test_completion_mask_is_exactly_the_completion_tokens(tmp_path, tokenizer_pa
 
 
 def test_empty_completion_is_dropped_and_counted(tmp_path, tokenizer_path):
-    path = _jsonl(tmp_path, {"prompt": "an answer that never came", "completion": ""}, {"prompt": "a", "completion": "b"})
+    path = _jsonl(
+        tmp_path, {"prompt": "an answer that never came", "completion": ""}, {"prompt": "a", "completion": "b"}
+    )
     documents, stats = load_documents(DataConfig(path), tokenizer_path)
     assert [d.doc_id for d in documents] == [1] and (stats.completion, stats.dropped_no_loss) == (2, 1)
     with pytest.raises(DflashError, match="no document of .* holds a token to train on \\(1 dropped"):
@@ -130,20 +140,31 @@ def test_truncate_and_split(tmp_path, tokenizer_path):
     assert [(d.doc_id, d.piece) for d in pieces[1:]] == [(2, p) for p in range(expected_pieces)]
     assert np.concatenate([d.input_ids for d in pieces[1:]]).tolist() == whole.input_ids.tolist()
     assert all(len(d.input_ids) <= 64 for d in pieces)
-    assert (stats.split, stats.split_pieces, stats.truncated, stats.documents) == (1, expected_pieces, 0, 1 + expected_pieces)
+    assert (stats.split, stats.split_pieces, stats.truncated, stats.documents) == (
+        1,
+        expected_pieces,
+        0,
+        1 + expected_pieces,
+    )
     assert stats.tokens == sum(len(d.input_ids) for d in pieces)
 
 
 def test_split_drops_pieces_without_loss_tokens(tmp_path, tokenizer_path):
     messages = [{"role": "user", "content": "Please read this. " * 30}, {"role": "assistant", "content": "Done."}]
-    documents, stats = load_documents(DataConfig(_jsonl(tmp_path, {"messages": messages}), max_length=32, overflow="split"), tokenizer_path)
+    documents, stats = load_documents(
+        DataConfig(_jsonl(tmp_path, {"messages": messages}), max_length=32, overflow="split"), tokenizer_path
+    )
     assert stats.dropped_no_loss == stats.split_pieces - len(documents) > 0
     assert all(d.loss_mask.any() for d in documents) and documents[0].piece > 0
 
 
 def test_two_workers_equal_one(tokenizer_path):
-    inline, inline_stats = load_documents(DataConfig(CORPUS, max_length=256, overflow="split", workers=1), tokenizer_path)
-    parallel, parallel_stats = load_documents(DataConfig(CORPUS, max_length=256, overflow="split", workers=2), tokenizer_path)
+    inline, inline_stats = load_documents(
+        DataConfig(CORPUS, max_length=256, overflow="split", workers=1), tokenizer_path
+    )
+    parallel, parallel_stats = load_documents(
+        DataConfig(CORPUS, max_length=256, overflow="split", workers=2), tokenizer_path
+    )
     assert inline_stats == parallel_stats and inline_stats.chat > 0 and inline_stats.text > 0
     assert len(inline) == len(parallel)
     for a, b in zip(inline, parallel):
@@ -166,7 +187,10 @@ BAD_LINES = {
     "messages not a list": ({"messages": "hi"}, "non-empty list"),
     "empty messages": ({"messages": []}, "non-empty list"),
     "message not an object": ({"messages": ["hi"]}, "message 0 must be an object"),
-    "content not a string": ({"messages": [{"role": "assistant", "content": None}]}, 'message 0 needs a string "content"'),
+    "content not a string": (
+        {"messages": [{"role": "assistant", "content": None}]},
+        'message 0 needs a string "content"',
+    ),
     "no assistant turn": ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant turn"),
 }
 
@@ -188,11 +212,14 @@ def test_invalid_utf8_is_reported_with_its_line_number(tmp_path, tokenizer_path)
         load_documents(DataConfig(path), tokenizer_path)
 
 
-@pytest.mark.parametrize("make, problem", [
-    (lambda tmp: tmp / "missing.jsonl", "does not exist"),
-    (lambda tmp: tmp, "does not exist or is not a file"),
-    (lambda tmp: _touch(tmp / "empty.jsonl", "\n\n"), "holds no documents"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "make, problem",
+    [
+        (lambda tmp: tmp / "missing.jsonl", "does not exist"),
+        (lambda tmp: tmp, "does not exist or is not a file"),
+        (lambda tmp: _touch(tmp / "empty.jsonl", "\n\n"), "holds no documents"),
+    ],
+)
 def test_missing_or_empty_file(tmp_path, tokenizer_path, make, problem):
     with pytest.raises(DflashError, match=problem):
         load_documents(DataConfig(make(tmp_path)), tokenizer_path)

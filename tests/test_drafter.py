@@ -14,20 +14,38 @@ pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without to
 
 # The checkpoint names listed in ../shared/DFLASH.md, written out from the document.
 DFLASH_MD_LAYER_KEYS = [
-    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-    "self_attn.q_norm.weight", "self_attn.k_norm.weight",
-    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-    "input_layernorm.weight", "post_attention_layernorm.weight",
-]  # fmt: skip
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+]
 DFLASH_MD_TOP_KEYS = ["norm.weight", "fc.weight", "hidden_norm.weight"]
 
 
 def small_config(**overrides):
     fields = dict(
-        hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        num_layers=2, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512, vocab_size=50,
-        block_size=4, mask_token_id=49, target_layer_ids=[1, 3, 5], num_target_layers=8,
-    )  # fmt: skip
+        hidden_size=32,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_layers=2,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        vocab_size=50,
+        block_size=4,
+        mask_token_id=49,
+        target_layer_ids=[1, 3, 5],
+        num_target_layers=8,
+    )
     fields.update(overrides)
     return DrafterConfig(**fields)
 

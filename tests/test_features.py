@@ -49,7 +49,9 @@ def test_fp8_round_trip_is_within_the_e4m3_bound(groups):
     assert (error <= features.fp8_error_bound(x, groups)).all()
     assert (decoded[5] == 0).all()
     # Independent decode of the stored bytes: e4m3 by its definition, times 2**exponent.
-    by_hand = e4m3_reference(bits.numpy()).reshape(64, groups, -1) * 2.0 ** exponents.numpy()[..., None].astype(np.float64)
+    by_hand = e4m3_reference(bits.numpy()).reshape(64, groups, -1) * 2.0 ** exponents.numpy()[..., None].astype(
+        np.float64
+    )
     np.testing.assert_array_equal(by_hand.reshape(64, -1), decoded.numpy())
     # Every group uses e4m3's top binade: its largest scaled value rounds into [224, 448].
     scaled_max = np.abs(e4m3_reference(bits.numpy())).reshape(64, groups, -1).max(-1)
@@ -77,7 +79,9 @@ def test_top_subspace_matches_a_float64_eigendecomposition():
     torch.testing.assert_close(moment.sum, h.float().double().T @ h.float().double())
     projection, captured = features.top_subspace(moment.sum, 12)
     assert projection.shape == (12, 48) and projection.dtype == torch.float32
-    torch.testing.assert_close(projection.double() @ projection.double().T, torch.eye(12, dtype=torch.float64), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        projection.double() @ projection.double().T, torch.eye(12, dtype=torch.float64), atol=1e-6, rtol=0
+    )
     values = torch.linalg.eigvalsh(moment.sum)
     assert captured == pytest.approx((values[-12:].sum() / values.sum()).item(), rel=1e-9)
     # The subspace is the top-12 one: the projector equals the brute-force one from the eigenvectors.
@@ -108,10 +112,19 @@ def harvest(tiny_target, data_file, tmp_path_factory):
         key = tuple(sorted(encoding.items()))
         if key not in made:
             out = tmp_path_factory.mktemp("store") / "s"
-            run_harvest(HarvestConfig(
-                model=str(tiny_target("qwen3")), data=str(data_file), out=str(out), token_budget=BUDGET,
-                forward_tokens=2 * BUDGET, dtype="float32", workers=1, device="cpu", **encoding,
-            ))  # fmt: skip
+            run_harvest(
+                HarvestConfig(
+                    model=str(tiny_target("qwen3")),
+                    data=str(data_file),
+                    out=str(out),
+                    token_budget=BUDGET,
+                    forward_tokens=2 * BUDGET,
+                    dtype="float32",
+                    workers=1,
+                    device="cpu",
+                    **encoding,
+                )
+            )
             made[key] = out
         return made[key]
 
@@ -128,11 +141,15 @@ def plain_read(path, part: str, row: int) -> np.ndarray:
     else:
         exponents = group[f"parts/{part}/scales"][row].astype(np.float64)
         groups = manifest["features"]["scale_groups"]
-        values = (e4m3_reference(hidden).reshape(len(hidden), groups, -1) * 2.0 ** exponents[..., None]).reshape(len(hidden), -1)
+        values = (e4m3_reference(hidden).reshape(len(hidden), groups, -1) * 2.0 ** exponents[..., None]).reshape(
+            len(hidden), -1
+        )
     return values
 
 
-@pytest.mark.parametrize("encoding", [dict(precision="fp8"), dict(subspace="1/4"), dict(subspace="1/4", precision="fp8")])
+@pytest.mark.parametrize(
+    "encoding", [dict(precision="fp8"), dict(subspace="1/4"), dict(subspace="1/4", precision="fp8")]
+)
 def test_each_mode_stores_the_encoded_bf16_features(harvest, encoding):
     """Every stored value equals the encoding applied to the bf16 store's value at the same place, within the
     encoding's own error: P h (bf16 matmul) for the subspace, the e4m3 bound for fp8."""
@@ -209,10 +226,23 @@ def test_a_drafter_trained_on_a_compact_store_exports_a_standard_one(harvest, ti
 
     path = harvest(**encoding)
     run = tmp_path / "run"
-    result = run_training(TrainConfig(
-        store=str(path), out=str(run), draft_layers=1, block_size=4, rows_per_step=2, max_steps=4, log_every=2,
-        val_fraction=0.1, tensorboard=False, export=True, export_dtype="float32", reader_workers=1, device="cpu",
-    ))  # fmt: skip
+    result = run_training(
+        TrainConfig(
+            store=str(path),
+            out=str(run),
+            draft_layers=1,
+            block_size=4,
+            rows_per_step=2,
+            max_steps=4,
+            log_every=2,
+            val_fraction=0.1,
+            tensorboard=False,
+            export=True,
+            export_dtype="float32",
+            reader_workers=1,
+            device="cpu",
+        )
+    )
     assert result["export"] == str(run / "drafter")
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(np.isfinite(r["loss"]) for r in records if r["kind"] == "train")
@@ -247,3 +277,27 @@ def test_a_drafter_trained_on_a_compact_store_exports_a_standard_one(harvest, ti
         theirs = exported(embed[block], h.float(), positions, context, mask) @ head.T
     assert ours.abs().max() > 0.1  # logits of a real size, so that the tolerance below means something
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_a_harvest_that_cannot_fit_is_refused_before_the_target_loads(tiny_target, data_file, tmp_path, monkeypatch):
+    import shutil as shutil_module
+    from collections import namedtuple
+
+    from dflash import harvest as harvest_module
+    from dflash.errors import DflashError
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    monkeypatch.setattr(harvest_module, "TappedTarget", lambda *a, **k: pytest.fail("the target must not load"))
+    with pytest.raises(DflashError, match=r"cannot fit: the rows left need .* GB before compression.*--precision fp8"):
+        run_harvest(
+            HarvestConfig(
+                model=str(tiny_target("qwen3")),
+                data=str(data_file),
+                out=str(tmp_path / "s"),
+                token_budget=BUDGET,
+                workers=1,
+                device="cpu",
+            )
+        )
+    assert not (tmp_path / "s").exists()

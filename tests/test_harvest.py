@@ -25,15 +25,17 @@ import torch
 from click.testing import CliRunner
 
 from cli.main import main
+from dflash import store
 from dflash.data import DataConfig, load_documents, load_tokenizer
 from dflash.harvest import HarvestConfig, run_harvest
-from dflash import store
 from dflash.store import Store
 from dflash.tiny import CORPUS
 
 ROOT = Path(__file__).resolve().parent.parent
 BUDGET = 256
-OPTIONS = dict(token_budget=BUDGET, forward_tokens=2 * BUDGET, overflow="split", dtype="float32", workers=1, device="cpu")
+OPTIONS = dict(
+    token_budget=BUDGET, forward_tokens=2 * BUDGET, overflow="split", dtype="float32", workers=1, device="cpu"
+)
 
 
 def cli_args(model, data, out, **overrides) -> list[str]:
@@ -135,7 +137,10 @@ def test_features_equal_a_standalone_forward_of_each_document(arch, harvested, t
     assert np.mean(identical) >= 0.99
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+)
 def test_stored_features_are_bit_exact_reruns_of_the_harvest_batches(device, tiny_target, data_file, tmp_path):
     """Results depend on batch shapes on GPU (bf16 kernels), so the exact reference is the harvest's own forward
     batches run again, with random tokens instead of zeros in the padding: every stored document must be
@@ -145,13 +150,17 @@ def test_stored_features_are_bit_exact_reruns_of_the_harvest_batches(device, tin
 
     model, out = str(tiny_target("qwen3_5")), tmp_path / "store"
     dtype = "float32" if device == "cpu" else "bfloat16"
-    run_harvest(HarvestConfig(model=model, data=str(data_file), out=str(out), **{**OPTIONS, "device": device, "dtype": dtype}))
+    run_harvest(
+        HarvestConfig(model=model, data=str(data_file), out=str(out), **{**OPTIONS, "device": device, "dtype": dtype})
+    )
     plan = PartPlan.build(load_documents(DataConfig(data_file, BUDGET, "split", 1), model)[0], 0, 1, BUDGET)
     target = TappedTarget(model, None, device, getattr(torch, dtype))
     stored = stored_documents(out)
     rows_per_group, generator = OPTIONS["forward_tokens"] // BUDGET, torch.Generator().manual_seed(0)
     for first in range(0, len(plan.rows), rows_per_group):
-        for batch in forward_batches(plan, first, min(first + rows_per_group, len(plan.rows)), OPTIONS["forward_tokens"]):
+        for batch in forward_batches(
+            plan, first, min(first + rows_per_group, len(plan.rows)), OPTIONS["forward_tokens"]
+        ):
             docs = [plan.docs[d] for _, d in batch]
             width = -(-len(docs[0].input_ids) // PAD_MULTIPLE) * PAD_MULTIPLE
             ids = torch.randint(0, 1000, (len(docs), width), generator=generator)
@@ -186,7 +195,9 @@ def test_every_document_once_in_exact_rows_with_padding_masked(harvested, tiny_t
         assert row["hidden"].shape == (BUDGET, shards.feature_dim) and row["input_ids"].shape == (BUDGET,)
         pad = covered[i] == 0
         assert (row["doc_ids"][pad] == -1).all() and (row["doc_ids"][~pad] >= 0).all()
-        assert not row["loss_mask"][pad].any() and not row["input_ids"][pad].any() and not row["position_ids"][pad].any()
+        assert (
+            not row["loss_mask"][pad].any() and not row["input_ids"][pad].any() and not row["position_ids"][pad].any()
+        )
         assert not row["hidden"][pad].any()
     counts = dataclasses.asdict(shards.manifest.counts)
     assert counts["documents"] == len(expected) and counts["tokens"] == int((covered == 1).sum())
@@ -198,7 +209,7 @@ def test_chat_loss_masks_cover_exactly_the_assistant_turns(harvested, tiny_targe
     stored = stored_documents(harvested("qwen3"))
     records = [json.loads(line) for line in data_file.read_text().splitlines()]
     checked = 0
-    for (doc_id, piece), doc in stored.items():
+    for (doc_id, _), doc in stored.items():
         record = records[doc_id]
         if (doc_id, 1) in stored:
             continue  # split documents: their pieces cut turns anywhere
@@ -219,7 +230,9 @@ def test_killed_harvest_resumes_to_the_same_store(harvested, tiny_target, data_f
     out = tmp_path / "store"
     # One row per forward group: many commits, so there is time to kill between the first and the last.
     command = [sys.executable, "-m", "cli", *cli_args(tiny_target("qwen3"), data_file, out, forward_tokens=BUDGET)]
-    process = subprocess.Popen(command, cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     progress = out / "parts" / "rank00000" / "progress.json"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and process.poll() is None:
@@ -245,8 +258,12 @@ def test_two_ranks_make_one_store_equal_to_one_rank(harvested, tiny_target, data
     processes = [
         subprocess.Popen(
             [sys.executable, "-m", "cli", *cli_args(tiny_target("qwen3"), data_file, out, rank=rank, world_size=2)],
-            cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            cwd=ROOT,
+            env=subprocess_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for rank in (0, 1)
     ]
     for process in processes:
@@ -261,6 +278,7 @@ def test_two_ranks_make_one_store_equal_to_one_rank(harvested, tiny_target, data
 def test_disk_full_fails_cleanly_and_the_rerun_resumes(harvested, tiny_target, data_file, tmp_path, monkeypatch):
     out = tmp_path / "store"
     args = cli_args(tiny_target("qwen3"), data_file, out)
+
     def fills_at_row_3(path, *args, **kwargs):  # the store's own chunk files: the disk fills at row 3
         if "/hidden/c/3/" in str(path):
             raise OSError(errno.ENOSPC, "No space left on device")
@@ -287,7 +305,11 @@ def test_disk_full_fails_cleanly_and_the_rerun_resumes(harvested, tiny_target, d
     [
         (None, {}, r"cannot read data file .*missing.jsonl"),
         (['{"text": "fine"}', '{"text": "broken'], {}, r"line 2: malformed JSON"),
-        (['{"text": "fine"}', '{"title": "no"}'], {}, r"line 2: the object has none of the keys \"messages\", \"text\", \"prompt\""),
+        (
+            ['{"text": "fine"}', '{"title": "no"}'],
+            {},
+            r"line 2: the object has none of the keys \"messages\", \"text\", \"prompt\"",
+        ),
         (['{"text": ""}'], {}, r"line 1: empty document"),
         (['{"messages": [{"role": "user", "content": "hi"}]}'], {}, r"line 1: the conversation has no assistant turn"),
         (['{"text": "fine"}'], {"layers": "1,99"}, r"\[99\] outside the target's 8 layers"),
@@ -324,7 +346,10 @@ def test_other_options_into_an_existing_store_are_refused(harvested, tiny_target
         main, cli_args(tiny_target("qwen3"), data_file, path, token_budget=512, max_length=256, overflow="truncate")
     )
     assert result.exit_code == 2
-    assert "different settings (overflow: store has 'split', this run 'truncate'; token_budget: store has 256" in result.output
+    assert (
+        "different settings (overflow: store has 'split', this run 'truncate'; token_budget: store has 256"
+        in result.output
+    )
     result = CliRunner().invoke(main, cli_args(tiny_target("qwen3_5"), data_file, path))
     assert result.exit_code == 2 and "model: store has" in result.output
     assert {p: p.stat().st_mtime_ns for p in path.rglob("*")} == before
@@ -349,7 +374,9 @@ def test_inspect_summarises_and_verify_finds_flipped_bytes(harvested, tmp_path):
     chunk.write_bytes(bytes(data))
     result = run_cli(["inspect", str(path), "--verify"])
     assert result.exit_code == 1
-    assert "1 damaged chunks" in result.output and "part rank00000 array hidden chunk (5, 0, 0) (row 5)" in result.output
+    assert (
+        "1 damaged chunks" in result.output and "part rank00000 array hidden chunk (5, 0, 0) (row 5)" in result.output
+    )
 
 
 def test_a_slow_writer_shows_up_as_forward_thread_waiting(tiny_target, data_file, tmp_path, monkeypatch):

@@ -1,8 +1,7 @@
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
-import numpy as np
 
 from dflash.loss import (
     block_cross_entropy,
@@ -106,11 +105,13 @@ def test_leading_runs_hand_checked():
 
 
 def test_replay_decoding_hand_checked():
-    runs = np.array([
-        # answer at 0..5: a=0 accepts 3 (commits 4 tokens), a=4 accepts 1 (2 tokens), a=6 leaves it: 2 rounds, 6
-        # tokens; the 9 at 1 and the 5 at 3 are skipped. Answer at 8..9: a=8 accepts 0, a=9 accepts 0: 2 rounds.
-        [3, 9, 0, 5, 1, 0, -1, -1, 0, 0, -1],
-        [-1, -1, 15, 0, 0, 0, 0, 0, 0, 0, 0],  # one round commits 16 tokens and leaves the answer
-    ])  # fmt: skip
+    runs = np.array(
+        [
+            # answer at 0..5: a=0 accepts 3 (commits 4 tokens), a=4 accepts 1 (2 tokens), a=6 leaves it: 2 rounds, 6
+            # tokens; the 9 at 1 and the 5 at 3 are skipped. Answer at 8..9: a=8 accepts 0, a=9 accepts 0: 2 rounds.
+            [3, 9, 0, 5, 1, 0, -1, -1, 0, 0, -1],
+            [-1, -1, 15, 0, 0, 0, 0, 0, 0, 0, 0],  # one round commits 16 tokens and leaves the answer
+        ]
+    )
     assert replay_decoding(runs) == (5, 6 + 2 + 16)
     assert replay_decoding(np.full((2, 5), -1)) == (0, 0)

@@ -33,7 +33,11 @@ PROMPTS = [
     },
     {"text": "import os\n"},
     {"prompt": "def area(r):\n", "completion": "    an answer written by someone else, to be dropped"},
-    {"messages": [{"role": "user", "content": "Tell me about the statistics.median_grouped function, in detail please."}]},
+    {
+        "messages": [
+            {"role": "user", "content": "Tell me about the statistics.median_grouped function, in detail please."}
+        ]
+    },
 ]
 MAX_NEW_TOKENS = 10
 # Line breaks to str.splitlines that json.dumps(ensure_ascii=False) writes raw inside a string.
@@ -114,7 +118,10 @@ def test_resume_after_a_killed_run_adds_only_the_missing_prompts(tiny_target, pr
 
 
 def test_resume_refuses_output_from_other_prompts(tmp_path):
-    out = write_jsonl(tmp_path / "out.jsonl", [{"messages": [{"role": "user", "content": "other"}, {"role": "assistant", "content": "x"}]}])
+    out = write_jsonl(
+        tmp_path / "out.jsonl",
+        [{"messages": [{"role": "user", "content": "other"}, {"role": "assistant", "content": "x"}]}],
+    )
     with pytest.raises(DflashError, match="out.jsonl line 1 does not answer prompt 1"):
         completed_count(out, [{"messages": [{"role": "user", "content": "mine"}]}])
     out = write_jsonl(tmp_path / "text.jsonl", [{"prompt": "other", "completion": "x"}])
@@ -126,7 +133,11 @@ def test_resume_refuses_output_from_other_prompts(tmp_path):
 
 
 def test_in_memory_prompts_are_checked_and_normalised_like_a_file():
-    records = [{"text": "a"}, {"prompt": "b", "completion": "dropped"}, {"messages": [{"role": "user", "content": "c"}]}]
+    records = [
+        {"text": "a"},
+        {"prompt": "b", "completion": "dropped"},
+        {"messages": [{"role": "user", "content": "c"}]},
+    ]
     assert prompt_records(records) == [{"prompt": "a"}, {"prompt": "b"}, records[2]]
     with pytest.raises(DflashError, match="prompt 1: the object has none of the keys"):
         prompt_records([{"title": "x"}])
@@ -152,7 +163,10 @@ def test_prompts_with_unicode_line_breaks_load_whole(tmp_path):
     "line, message",
     [
         ("{not json", "line 2: malformed JSON"),
-        ('{"messages": [{"role": "assistant", "content": "hi"}]}', "line 2: the conversation must end with a user turn"),
+        (
+            '{"messages": [{"role": "assistant", "content": "hi"}]}',
+            "line 2: the conversation must end with a user turn",
+        ),
         ('{"messages": [{"role": "user"}]}', 'line 2: message 0 needs a string "content"'),
         ('{"text": "a", "messages": []}', "line 2: the object has the keys messages, text"),
         ('{"prompt": 3}', 'line 2: "prompt" must be a string'),

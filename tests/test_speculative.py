@@ -11,8 +11,8 @@ from click.testing import CliRunner
 
 from dflash.config import EvalConfig
 from dflash.decoding import (
-    Draft,
     DFlashProposer,
+    Draft,
     PromptLookupProposer,
     accept_greedy,
     accept_sampled,
@@ -27,7 +27,11 @@ from dflash.regenerate import encode_prompt, eos_token_ids
 from dflash.target import load_target
 
 PROMPTS = [
-    {"messages": [{"role": "user", "content": "Explain what `logging.NullHandler` in the Python standard library does."}]},
+    {
+        "messages": [
+            {"role": "user", "content": "Explain what `logging.NullHandler` in the Python standard library does."}
+        ]
+    },
     {"prompt": "def parse(line):\n    return"},
 ]
 BLOCK = 8
@@ -230,7 +234,9 @@ def test_prompt_lookup_is_exact(loaded, arch):
     target, eos_ids, prompts, _ = loaded(arch)
     for prompt in prompts:
         plain = plain_greedy(target, prompt, 40, eos_ids)
-        lookup = speculative_generate(target, PromptLookupProposer(5, eos_ids=eos_ids), prompt, 40, eos_ids, max_drafts=5)
+        lookup = speculative_generate(
+            target, PromptLookupProposer(5, eos_ids=eos_ids), prompt, 40, eos_ids, max_drafts=5
+        )
         assert lookup.tokens == plain.tokens
     if arch == "qwen3":  # transformers refuses assisted generation on stateful (hybrid) models
         generation, forwards = generate_prompt_lookup(target, prompts[1], 40, 5)
@@ -240,7 +246,9 @@ def test_prompt_lookup_is_exact(loaded, arch):
 
 def test_evaluate_report_and_cli(tiny_target, tmp_path, caplog):
     target_path = tiny_target("qwen3_5")
-    cfg = EvalConfig(target_path, PROMPTS, untrained=True, max_new_tokens=12, device="cpu", block_size=BLOCK, prompt_lookup=4)
+    cfg = EvalConfig(
+        target_path, PROMPTS, untrained=True, max_new_tokens=12, device="cpu", block_size=BLOCK, prompt_lookup=4
+    )
     report = evaluate(cfg)
     assert set(report.methods) == {"untrained-dflash", "prompt-lookup"}
     for method in report.methods.values():
@@ -259,7 +267,10 @@ def test_evaluate_report_and_cli(tiny_target, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="dflash"):
         result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
-    assert "untrained-dflash" in result.output and json.loads(out.read_text())["methods"]["untrained-dflash"]["mismatches"] == 0
+    assert (
+        "untrained-dflash" in result.output
+        and json.loads(out.read_text())["methods"]["untrained-dflash"]["mismatches"] == 0
+    )
     assert "kernels: attention sdpa, gated_delta_rule torch-reference" in caplog.text
     rows = [line.split() for line in result.output.splitlines() if line.split()[:1] == ["0"]]
     assert len(rows) == 1 and rows[0][1] == str(json.loads(out.read_text())["prompts"][0]["plain"]["new_tokens"])
@@ -280,8 +291,16 @@ def test_evaluate_several_drafters_against_one_plain_run_within_a_time_budget(ti
     model, config = untrained_drafter(target, tokenizer, BLOCK, seed=1)
     folder = export_drafter(model, config, tmp_path / "drafter")
     partials = []
-    cfg = EvalConfig(target_path, PROMPTS * 3, max_new_tokens=8, device="cpu", block_size=BLOCK, prompt_lookup=0,
-                     time_budget=0.0, min_prompts=2)  # fmt: skip
+    cfg = EvalConfig(
+        target_path,
+        PROMPTS * 3,
+        max_new_tokens=8,
+        device="cpu",
+        block_size=BLOCK,
+        prompt_lookup=0,
+        time_budget=0.0,
+        min_prompts=2,
+    )
     report = evaluate(cfg, drafters=[str(folder), "untrained"], on_prompt=partials.append)
     assert set(report.methods) == {"dflash", "untrained-dflash"}
     assert len(report.prompts) == 2  # the budget is spent at once: exactly min_prompts run
@@ -292,8 +311,15 @@ def test_evaluate_several_drafters_against_one_plain_run_within_a_time_budget(ti
 
 def test_evaluate_resumes_a_partial_report(tiny_target):
     prompts = PROMPTS + [{"prompt": "import os\nimport sys\n\ndef main():\n"}]
-    cfg = EvalConfig(tiny_target("qwen3_5"), prompts, untrained=True, max_new_tokens=10, device="cpu", block_size=BLOCK,
-                     prompt_lookup=4)  # fmt: skip
+    cfg = EvalConfig(
+        tiny_target("qwen3_5"),
+        prompts,
+        untrained=True,
+        max_new_tokens=10,
+        device="cpu",
+        block_size=BLOCK,
+        prompt_lookup=4,
+    )
     whole = evaluate(cfg)
     partial = evaluate(dataclasses.replace(cfg, time_budget=0.0, min_prompts=1))
     assert len(partial.prompts) == 1
@@ -304,13 +330,17 @@ def test_evaluate_resumes_a_partial_report(tiny_target):
     for name, method in whole.methods.items():
         assert (resumed.methods[name].tau, resumed.methods[name].rounds) == (method.tau, method.rounds)
         assert resumed.methods[name].accepted_histogram == method.accepted_histogram
-        assert [p["runs"][name].new_tokens for p in resumed.prompts] == [p["runs"][name].new_tokens for p in whole.prompts]
+        assert [p["runs"][name].new_tokens for p in resumed.prompts] == [
+            p["runs"][name].new_tokens for p in whole.prompts
+        ]
     earlier = as_json(partial)
     with pytest.raises(DflashError, match="max_new_tokens: earlier report 10, this eval 11"):
         evaluate(dataclasses.replace(cfg, max_new_tokens=11), resume=earlier)
     with pytest.raises(DflashError, match="methods"):
         evaluate(dataclasses.replace(cfg, prompt_lookup=0), resume=earlier)
-    with pytest.raises(DflashError, match="block_size: earlier report 8, this eval 4.*seed: earlier report 0, this eval 7"):
+    with pytest.raises(
+        DflashError, match="block_size: earlier report 8, this eval 4.*seed: earlier report 0, this eval 7"
+    ):
         evaluate(dataclasses.replace(cfg, block_size=4, seed=7), resume=earlier)
     with pytest.raises(DflashError, match="not this prompt file's prompt 0"):
         evaluate(dataclasses.replace(cfg, data=prompts[::-1]), resume=earlier)

@@ -31,7 +31,12 @@ def synthetic_part(rank: int, rows: int, seed: int, zero_padding: bool = True):
     tokens["doc_ids"][:, :length] = (np.arange(rows) * 2 + rank)[:, None]
     tokens["loss_mask"][:, :length] = 1
     documents = np.array([(r * 2 + rank, 0, r, 0, length) for r in range(rows)], np.int64).reshape(-1, 5)
-    counts = {"documents": rows, "tokens": rows * length, "loss_tokens": rows * length, "padding_tokens": rows * (T - length)}
+    counts = {
+        "documents": rows,
+        "tokens": rows * length,
+        "loss_tokens": rows * length,
+        "padding_tokens": rows * (T - length),
+    }
     return store.PartSpec(rank, rows, T, BF16, documents, counts), hidden, tokens
 
 
@@ -81,8 +86,13 @@ def test_round_trip_across_parts_and_chunks(tmp_path, monkeypatch):
     np.testing.assert_array_equal(documents[:, 2], [0, 1, 2, 3, 4])  # global row numbers
     np.testing.assert_array_equal(documents[:, 0], [0, 2, 4, 1, 3])
     manifest = shards.manifest
-    assert dataclasses.asdict(manifest.counts) == {"documents": 5, "tokens": 3 * 20 + 2 * 21, "loss_tokens": 102,
-                                  "padding_tokens": 3 * 12 + 2 * 11, "rows": 5}  # fmt: skip
+    assert dataclasses.asdict(manifest.counts) == {
+        "documents": 5,
+        "tokens": 3 * 20 + 2 * 21,
+        "loss_tokens": 102,
+        "padding_tokens": 3 * 12 + 2 * 11,
+        "rows": 5,
+    }
     assert [p.rows for p in manifest.parts] == [3, 2]
     with pytest.raises(IndexError):
         shards.read_row(5)
@@ -119,7 +129,9 @@ def test_direct_reader_equals_plain_zarr_with_an_edge_chunk(tmp_path, monkeypatc
 
 def test_a_hidden_array_with_another_codec_is_refused(tmp_path, monkeypatch):
     out = tmp_path / "s"
-    monkeypatch.setattr(store, "hidden_compressors", lambda features: store.token_compressors())  # zstd instead of blosc
+    monkeypatch.setattr(
+        store, "hidden_compressors", lambda features: store.token_compressors()
+    )  # zstd instead of blosc
     write_store(out)
     monkeypatch.undo()  # read by this version
     with pytest.raises(DflashError, match=r"encoded as \['BytesCodec', 'ZstdCodec', 'Crc32cCodec'\].*harvest again"):
@@ -251,7 +263,9 @@ def test_check_folder(tmp_path):
     out = tmp_path / "s"
     store.create_store(out, header(1))
     assert store.check_folder(out, header(1).fingerprint) == "resume"
-    with pytest.raises(DflashError, match="token_budget: store has 32, this run 64; world_size: store has 1, this run 2"):
+    with pytest.raises(
+        DflashError, match="token_budget: store has 32, this run 64; world_size: store has 1, this run 2"
+    ):
         store.check_folder(out, header(2, token_budget=64).fingerprint)
     write_store(tmp_path / "done")
     assert store.check_folder(tmp_path / "done", header(2).fingerprint) == "complete"
@@ -290,7 +304,7 @@ def test_ranks_racing_to_create_the_store_all_succeed(tmp_path):
         out = tmp_path / f"store{attempt}"
         barrier, errors = threading.Barrier(4), []
 
-        def start():
+        def start(out=out, barrier=barrier, errors=errors):
             barrier.wait()
             try:
                 store.create_store(out, header(1))
@@ -325,9 +339,14 @@ def test_chunk_writer_writes_the_bytes_zarr_would(tmp_path, monkeypatch, precisi
     ours = zarr.open_array(part.hidden.folder, mode="r")
     assert ours.chunks == (1, 17, F)
     reference = zarr.create_array(
-        tmp_path / "reference", shape=(rows, T, F), chunks=ours.chunks, dtype=dtype,
-        compressors=store.hidden_compressors(features), fill_value=0, config={"write_empty_chunks": True},
-    )  # fmt: skip
+        tmp_path / "reference",
+        shape=(rows, T, F),
+        chunks=ours.chunks,
+        dtype=dtype,
+        compressors=store.hidden_compressors(features),
+        fill_value=0,
+        config={"write_empty_chunks": True},
+    )
     reference[:] = hidden
     files = sorted(path.relative_to(tmp_path / "reference") for path in (tmp_path / "reference").rglob("c/*/*/*"))
     assert len(files) == rows * 3

@@ -86,7 +86,9 @@ def test_layers_after_the_last_tapped_one_are_not_loaded(tiny_target, reference)
     full = reference("qwen3_5").model
     kept = [full.embed_tokens, *full.layers[:3]]
     assert sum(p.numel() for p in target.model.parameters()) == sum(p.numel() for m in kept for p in m.parameters())
-    assert sum(p.numel() for p in target.model.parameters()) < 0.6 * sum(p.numel() for p in reference("qwen3_5").parameters())
+    assert sum(p.numel() for p in target.model.parameters()) < 0.6 * sum(
+        p.numel() for p in reference("qwen3_5").parameters()
+    )
 
 
 def test_default_layer_rule():
@@ -98,7 +100,9 @@ def test_default_layer_rule():
         default_layer_ids(6)
 
 
-@pytest.mark.parametrize("layers, problem", [([0, 8], "outside"), ([2, 2], "duplicates"), ([3, 1], "increasing"), ([], "0..7")])
+@pytest.mark.parametrize(
+    "layers, problem", [([0, 8], "outside"), ([2, 2], "duplicates"), ([3, 1], "increasing"), ([], "0..7")]
+)
 def test_bad_layer_lists_name_the_valid_range(tiny_target, layers, problem):
     with pytest.raises(DflashError, match=problem) as error:
         TappedTarget(str(tiny_target("qwen3")), layers, "cpu", torch.float32)
@@ -109,7 +113,11 @@ def test_bad_layer_lists_name_the_valid_range(tiny_target, layers, problem):
 def test_info_and_kernel_log_on_cpu(tiny_target, caplog):
     with caplog.at_level(logging.INFO, logger="dflash"):
         target = TappedTarget(str(tiny_target("qwen3_5")), None, "cpu", torch.float32)
-    assert target.kernels == {"attention": "sdpa", "gated_delta_rule": "torch-reference", "causal_conv1d": "torch-reference"}
+    assert target.kernels == {
+        "attention": "sdpa",
+        "gated_delta_rule": "torch-reference",
+        "causal_conv1d": "torch-reference",
+    }
     assert "gated_delta_rule torch-reference" in caplog.text and "attention sdpa" in caplog.text
     assert (target.info.num_layers, target.info.hidden_size, target.info.vocab_size) == (8, 64, 1024)
     assert len(target.info.config_hash) == 64
@@ -196,7 +204,9 @@ def test_fla_kernels_on_gpu(tiny_target, reference):
     assert target.kernels == {"attention": "sdpa", "gated_delta_rule": "fla", "causal_conv1d": "fla-triton"}
     x = torch.randn(2, 50, 96, device="cuda").transpose(1, 2)  # the [B, D, T] view transformers passes
     weight, bias = torch.randn(96, 4, device="cuda"), torch.randn(96, device="cuda")
-    expected = torch.nn.functional.silu(torch.nn.functional.conv1d(x, weight[:, None], bias, padding=3, groups=96)[..., :50])
+    expected = torch.nn.functional.silu(
+        torch.nn.functional.conv1d(x, weight[:, None], bias, padding=3, groups=96)[..., :50]
+    )
     torch.testing.assert_close(_fla_causal_conv1d_fn(x, weight, bias, "silu"), expected, atol=1e-4, rtol=1e-4)
     documents = _documents()
     features = target.features(_right_padded(documents).cuda()).float().cpu()
@@ -239,9 +249,9 @@ def test_generation_on_the_cpu_keeps_gpu_kernels_for_cuda_tensors(tiny_target, m
 
     from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
 
-    from dflash.regenerate import encode_prompt, eos_token_ids
     from dflash.decoding import plain_greedy
     from dflash.kernels import DECODE_FUNCTIONS, SEQUENCE_FUNCTIONS
+    from dflash.regenerate import encode_prompt, eos_token_ids
     from dflash.target import load_target
 
     path = tiny_target("qwen3_5")
@@ -262,4 +272,6 @@ def test_generation_on_the_cpu_keeps_gpu_kernels_for_cuda_tensors(tiny_target, m
         target, tokenizer = load_target(path, "cpu", "float32")
     assert plain_greedy(target, prompt, 12, eos_token_ids(target, tokenizer)).tokens == expected
     assert called == [] and "recurrent_gated_delta_rule torch-reference" in caplog.text
-    assert all(getattr(modeling, name).fast is kernel for name, kernel in kernels.items())  # CUDA tensors still go there
+    assert all(
+        getattr(modeling, name).fast is kernel for name, kernel in kernels.items()
+    )  # CUDA tensors still go there

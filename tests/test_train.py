@@ -51,8 +51,18 @@ def store(target, tmp_path_factory):
 
 def config(store, out, **overrides) -> TrainConfig:
     base = dict(
-        store=str(store), out=str(out), draft_layers=1, block_size=B, rows_per_step=2, max_steps=6, log_every=1,
-        val_fraction=0.05, tensorboard=False, export=False, reader_workers=2, device="cpu",
+        store=str(store),
+        out=str(out),
+        draft_layers=1,
+        block_size=B,
+        rows_per_step=2,
+        max_steps=6,
+        log_every=1,
+        val_fraction=0.05,
+        tensorboard=False,
+        export=False,
+        reader_workers=2,
+        device="cpu",
     )
     return TrainConfig(**{**base, **overrides})
 
@@ -190,12 +200,22 @@ def test_label_alignment(bug, store, target, tmp_path, monkeypatch):
     if bug == "inclusive_mask":
         monkeypatch.setattr(blocks, "block_attention_mask", inclusive_mask)
     cfg = config(
-        tmp_path / "store", tmp_path / "run", draft_layers=2, rows_per_step=4, max_steps=300, lr=5e-3,
-        log_every=100, val_fraction=0.1, export=True, export_dtype="float32",
-    )  # fmt: skip
+        tmp_path / "store",
+        tmp_path / "run",
+        draft_layers=2,
+        rows_per_step=4,
+        max_steps=300,
+        lr=5e-3,
+        log_every=100,
+        val_fraction=0.1,
+        export=True,
+        export_dtype="float32",
+    )
     result = run_training(cfg)
     _, val_rows = reader.split_rows(Store.open(tmp_path / "store").num_rows, cfg.val_fraction)
-    accuracy, acceptance = inference_accuracy(tmp_path / "run" / "drafter", tmp_path / "store", val_rows[:12], embed, head)
+    accuracy, acceptance = inference_accuracy(
+        tmp_path / "run" / "drafter", tmp_path / "store", val_rows[:12], embed, head
+    )
     val = result["val"]
     learned = min(accuracy) > 0.85 and acceptance > 3.5  # B = 4: at most 1 + 3 accepted
     if bug is None:
@@ -217,12 +237,22 @@ def test_validation_replays_decoding(store, target, tmp_path):
     embed, head = (w.float() for w in load_embedding_and_head(str(target)))
     write_knowable_store(store, tmp_path / "store", head, seed=1, every=2)
     cfg = config(
-        tmp_path / "store", tmp_path / "run", draft_layers=2, rows_per_step=4, max_steps=300, lr=5e-3,
-        log_every=100, val_fraction=0.2, export=True, export_dtype="float32",
-    )  # fmt: skip
+        tmp_path / "store",
+        tmp_path / "run",
+        draft_layers=2,
+        rows_per_step=4,
+        max_steps=300,
+        lr=5e-3,
+        log_every=100,
+        val_fraction=0.2,
+        export=True,
+        export_dtype="float32",
+    )
     val = run_training(cfg)["val"]
     _, val_rows = reader.split_rows(Store.open(tmp_path / "store").num_rows, cfg.val_fraction)
-    rounds, tokens = decode_by_hand(inference_hits(tmp_path / "run" / "drafter", tmp_path / "store", val_rows, embed, head))
+    rounds, tokens = decode_by_hand(
+        inference_hits(tmp_path / "run" / "drafter", tmp_path / "store", val_rows, embed, head)
+    )
     assert abs(val["rounds"] - rounds) <= 0.02 * rounds, (val, rounds)
     assert abs(val["tau"] - tokens / rounds) < 0.05, (val, tokens / rounds)
     assert val["accept_len"] - val["tau"] > 0.3, val
@@ -312,16 +342,43 @@ def test_two_gloo_ranks_match_one_process(store, tmp_path):
     """2 ranks x 1 row per step == 1 process x 2 micro-steps of 1 row: same global batches (strided epoch
     order), same anchors (keyed by row), same normalisation (global weight sum), so the same weights and the same
     validation, its sums over the ranks' held-out rows included."""
-    args = ["-m", "cli", "train", "--shards", str(store), "--draft-layers", "1", "--block-size", str(B),
-            "--max-steps", "4", "--log-every", "1", "--val-fraction", "0.05", "--no-tensorboard", "--no-export",
-            "--device", "cpu"]  # fmt: skip
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+    args = [
+        "-m",
+        "cli",
+        "train",
+        "--shards",
+        str(store),
+        "--draft-layers",
+        "1",
+        "--block-size",
+        str(B),
+        "--max-steps",
+        "4",
+        "--log-every",
+        "1",
+        "--val-fraction",
+        "0.05",
+        "--no-tensorboard",
+        "--no-export",
+        "--device",
+        "cpu",
+    ]
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": "2",
+        "OMP_NUM_THREADS": "1",
+    }
     procs = [
         subprocess.Popen(
             [sys.executable, *args, "--out", str(tmp_path / "ranks"), "--rows-per-step", "1"],
-            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, cwd=ROOT, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for rank in range(2)
     ]
     outputs = [p.communicate(timeout=240)[0] for p in procs]
@@ -346,7 +403,9 @@ def test_epoch_order_splits_rows_like_one_big_batch():
     # step s of every rank with k rows == step s of one process with 4k rows
     k = 5
     for s in range(len(parts[0]) // k):
-        assert sorted(np.concatenate([p[s * k : (s + 1) * k] for p in parts])) == sorted(one[4 * k * s : 4 * k * (s + 1)])
+        assert sorted(np.concatenate([p[s * k : (s + 1) * k] for p in parts])) == sorted(
+            one[4 * k * s : 4 * k * (s + 1)]
+        )
     assert np.array_equal(one, reader.epoch_order(rows, 3, 1, 0, 1))
     assert not np.array_equal(one, reader.epoch_order(rows, 3, 2, 0, 1))
     train, val = reader.split_rows(1000, 0.01)
@@ -360,7 +419,9 @@ def test_export_round_trip(store, tmp_path):
     run_training(config(store, tmp_path / "run", max_steps=3))
     runner = CliRunner()
     for dtype in ("float32", "bfloat16"):
-        result = runner.invoke(main, ["export", str(tmp_path / "run"), "--out", str(tmp_path / dtype), "--dtype", dtype])
+        result = runner.invoke(
+            main, ["export", str(tmp_path / "run"), "--out", str(tmp_path / dtype), "--dtype", dtype]
+        )
         assert result.exit_code == 0, result.output
     trained = torch.load(tmp_path / "run" / "checkpoints" / "step_3" / "model.pt")
     exact, cfg = load_drafter(tmp_path / "float32")
@@ -378,14 +439,33 @@ def test_export_round_trip(store, tmp_path):
     with torch.no_grad():
         assert torch.equal(exact(*inputs), reference(*inputs))
         reference.to(torch.bfloat16)
-        assert torch.equal(halved(*(x.to(torch.bfloat16) if x.is_floating_point() else x for x in inputs)),
-                           reference(*(x.to(torch.bfloat16) if x.is_floating_point() else x for x in inputs)))  # fmt: skip
+        assert torch.equal(
+            halved(*(x.to(torch.bfloat16) if x.is_floating_point() else x for x in inputs)),
+            reference(*(x.to(torch.bfloat16) if x.is_floating_point() else x for x in inputs)),
+        )
 
 
 def _train_cli(store, out, *extra):
-    args = ["train", "--shards", str(store), "--out", str(out), "--draft-layers", "1", "--block-size", str(B),
-            "--max-steps", "2", "--no-tensorboard", "--no-export", "--reader-workers", "1", "--device", "cpu",
-            *extra]  # fmt: skip
+    args = [
+        "train",
+        "--shards",
+        str(store),
+        "--out",
+        str(out),
+        "--draft-layers",
+        "1",
+        "--block-size",
+        str(B),
+        "--max-steps",
+        "2",
+        "--no-tensorboard",
+        "--no-export",
+        "--reader-workers",
+        "1",
+        "--device",
+        "cpu",
+        *extra,
+    ]
     return CliRunner().invoke(main, args)
 
 
@@ -409,7 +489,9 @@ def other_store(target, tmp_path_factory):
     folder = tmp_path_factory.mktemp("val-store")
     lines = CORPUS.read_text().splitlines()[::3]
     data = folder / "other.jsonl"
-    data.write_text("".join(json.dumps({"text": json.loads(line).get("text", "held out") + " (held out)"}) + "\n" for line in lines))
+    data.write_text(
+        "".join(json.dumps({"text": json.loads(line).get("text", "held out") + " (held out)"}) + "\n" for line in lines)
+    )
     run_harvest(HarvestConfig(model=str(target), data=str(data), out=str(folder / "store"), token_budget=64, workers=1))
     return folder / "store"
 
@@ -459,8 +541,17 @@ def _corrupt_first_row(path) -> int:
 
 @pytest.mark.parametrize(
     "case",
-    ["incomplete", "format_version", "corrupt_chunk", "head_shape", "block_too_big", "too_many_anchors", "val_store",
-     "val_store_is_the_store", "resume_options"],
+    [
+        "incomplete",
+        "format_version",
+        "corrupt_chunk",
+        "head_shape",
+        "block_too_big",
+        "too_many_anchors",
+        "val_store",
+        "val_store_is_the_store",
+        "resume_options",
+    ],
 )
 def test_bad_input_is_a_clear_error(case, store, target, tiny_target, tmp_path):
     extra, shards = [], store
@@ -506,7 +597,9 @@ def test_cuda_graph_is_flat_and_matches_the_ungraphed_step(store, tmp_path):
     plain = run_training(config(store, tmp_path / "plain", max_steps=12, device="cuda", cuda_graph=False))
     assert graphed["allocated_spread"] == 0 and graphed["reserved_spread"] == 0
     assert [r["recompiles"] for r in graphed["records"]] == [0] * 12
-    np.testing.assert_allclose([r["loss"] for r in graphed["records"]], [r["loss"] for r in plain["records"]], rtol=1e-3)
+    np.testing.assert_allclose(
+        [r["loss"] for r in graphed["records"]], [r["loss"] for r in plain["records"]], rtol=1e-3
+    )
     assert_same_validation(graphed["val"], plain["val"])  # one captured step replayed over every window
 
 
@@ -517,3 +610,29 @@ def test_out_of_memory_at_capture_names_the_options():
     runner = graph.GraphedStep(step, device=torch.device("cpu"), cuda_graph=True, hint="--anchors or --loss-chunk")
     with pytest.raises(DflashError, match="out of memory during warmup of the step: lower --anchors or --loss-chunk"):
         runner.warmup()
+
+
+def test_a_version_1_store_still_trains(store, tmp_path):
+    """A store written before format version 2 (no feature encoding, no target text config in its manifest) trains
+    like the same store in version 2: bf16 at full width, the drafter shaped from the target's config.json."""
+    old = _copy_store(store, tmp_path / "v1")
+    manifest = json.loads((old / "manifest.json").read_text())
+    for key in ("features", "identity"):
+        del manifest[key]
+    manifest["format_version"] = manifest["fingerprint"]["format_version"] = 1
+    manifest["target"] = {
+        k: manifest["target"][k]
+        for k in ("name", "model_type", "config_hash", "hidden_size", "num_layers", "vocab_size")
+    }
+    manifest["storage"] = {"hidden": "uint16 holding bfloat16 bit patterns"}
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    assert Store.open(old).manifest.format_version == 1
+    for name, path in (("v1", old), ("v2", store)):
+        run_training(config(path, tmp_path / name, max_steps=2))
+    states = [
+        json.loads(next((tmp_path / name / "checkpoints").glob("step_*/state.json")).read_text())
+        for name in ("v1", "v2")
+    ]
+    assert states[0]["drafter"] == states[1]["drafter"]
+    models = [torch.load(next((tmp_path / name / "checkpoints").glob("step_*/model.pt"))) for name in ("v1", "v2")]
+    assert all(torch.equal(models[0][k], models[1][k]) for k in models[0])

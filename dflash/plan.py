@@ -1,0 +1,214 @@
+"""`dflash plan`: what a harvest and a training run will take, before running the target.
+
+From the target's config and tensor shapes (no weights loaded) and a tokenization of the data (all of it, or a
+seeded sample of its lines, scaled up with the sampling error shown): documents, tokens, rows and padding at the
+token budget; bytes per store mode; harvest and train GPU-hours estimated from the throughput bench/harvest.py and
+bench/train.py measured on an H200 (docs/benchmarks.md), scaled by this target's and drafter's FLOPs per token;
+and the free space at --out.
+"""
+
+import math
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dflash.config import HarvestConfig
+from dflash.data import DataConfig, load_documents
+from dflash.drafter import DrafterConfig
+from dflash.errors import DflashError
+from dflash.harvest import BEST_CODEC_RATIO, PartPlan, feature_encoding, row_bytes, subspace_width
+from dflash.metrics import step_flops
+from dflash.target import default_layer_ids
+from dflash.target_files import checkpoint_file, load_config, tensor_files
+
+H200_PEAK = 792e12
+# What the benchmarks measured on one H200 (docs/benchmarks.md): the harvest's dense MFU end to end at full depth
+# of the 27B-like target (bf16 store; the compact one ran at 58.8 %), and the 4B-class drafter's train step MFU.
+HARVEST_MFU = 0.563
+TRAIN_MFU = 0.562
+# Store size over the raw stored bytes, as bench/codecs.py and bench/harvest.py measured it (random-weight targets:
+# real activations compress differently, mostly better for bf16).
+CODEC_FRACTION = {"bf16": 0.76, "fp8": 0.82}
+MODES = ("bf16", "fp8", "sub1/2", "sub1/4", "sub1/8", "sub1/4+fp8", "sub1/8+fp8")
+
+
+@dataclass
+class DataEstimate:
+    lines: int  # non-blank lines of the file
+    sampled: int  # lines tokenized
+    documents: float
+    tokens: float
+    tokens_error: float  # standard error of the scaled-up token count (0 when every line was read)
+    loss_tokens: float
+    rows: float
+    padding: float  # share of row slots
+    truncated: float
+    truncated_tokens: float
+    split: float
+    mean_document: float
+
+
+def estimate_data(cfg: HarvestConfig, sample: int | None) -> DataEstimate:
+    """Tokenize the data (or `sample` of its lines, seeded) and pack it as the harvest would."""
+    data = DataConfig(cfg.data, cfg.max_length or cfg.token_budget, cfg.overflow, cfg.workers, sample=sample)
+    documents, stats = load_documents(data, cfg.model)
+    scale = stats.lines / stats.lines_used
+    rows = sum(
+        len(PartPlan.build(documents, r, cfg.world_size or 1, cfg.token_budget).rows)
+        for r in range(cfg.world_size or 1)
+    )
+    by_line: dict[int, int] = {}
+    for doc in documents:
+        by_line[doc.doc_id] = by_line.get(doc.doc_id, 0) + len(doc.input_ids)
+    per_line = np.array(list(by_line.values()) + [0] * (stats.lines_used - len(by_line)), np.float64)
+    # Sampling without replacement: the standard error of N * mean, with the finite-population correction.
+    error = 0.0
+    if stats.lines_used < stats.lines and stats.lines_used > 1:
+        error = (
+            stats.lines
+            * per_line.std(ddof=1)
+            / math.sqrt(stats.lines_used)
+            * math.sqrt(1 - stats.lines_used / stats.lines)
+        )
+    return DataEstimate(
+        lines=stats.lines,
+        sampled=stats.lines_used,
+        documents=stats.documents * scale,
+        tokens=stats.tokens * scale,
+        tokens_error=error,
+        loss_tokens=stats.loss_tokens * scale,
+        rows=rows * scale,
+        padding=1 - stats.tokens / max(1, rows * cfg.token_budget),
+        truncated=stats.truncated * scale,
+        truncated_tokens=stats.truncated_tokens * scale,
+        split=stats.split * scale,
+        mean_document=stats.tokens / max(1, stats.documents),
+    )
+
+
+def params_through(model: str, last_layer: int) -> int:
+    """Parameters of the text model up to and including layer `last_layer`, embeddings and heads excluded, read
+    from the checkpoint's tensor headers."""
+    from safetensors import safe_open
+
+    by_file: dict[str, list[str]] = {}
+    for name, file in tensor_files(model).items():
+        by_file.setdefault(file, []).append(name)
+    total = 0
+    for file, names in by_file.items():
+        with safe_open(checkpoint_file(model, file), framework="pt") as shard:
+            for name in names:
+                layer = re.search(r"\.layers\.(\d+)\.", name)
+                skip = any(part in name for part in ("visual", "vision", "mtp"))
+                if layer and int(layer.group(1)) <= last_layer and not skip:
+                    total += math.prod(shard.get_slice(name).get_shape())
+    return total
+
+
+def mode_bytes(mode: str, feature_dim: int, layers: int, token_budget: int) -> tuple[int, float]:
+    """(raw bytes per row, expected fraction on disk) of a store mode."""
+    precision = "fp8" if mode.endswith("fp8") else "bf16"
+    width = subspace_width(mode[3:].split("+")[0], feature_dim) if mode.startswith("sub") else feature_dim
+    groups = 0
+    if precision == "fp8":
+        groups = 1 if mode.startswith("sub") else math.gcd(width, layers)
+    return row_bytes(token_budget, width, precision, groups), CODEC_FRACTION[precision]
+
+
+def plan_report(cfg: HarvestConfig, sample: int | None, epochs: int, draft_layers: int, block_size: int) -> str:
+    config = load_config(cfg.model)
+    text = config.get_text_config()
+    layers = cfg.layers or default_layer_ids(text.num_hidden_layers)
+    feature_dim = len(layers) * text.hidden_size
+    feature_encoding(cfg, len(layers), feature_dim)  # the options are valid
+    data = estimate_data(cfg, sample)
+    lines = []
+    sampled = (
+        f"a seeded sample of {data.sampled} of {data.lines} lines, scaled up"
+        if data.sampled < data.lines
+        else f"all {data.lines} lines"
+    )
+    error = f" +- {1.96 * data.tokens_error:,.0f} (95 %)" if data.tokens_error else ""
+    lines += [
+        f"data       {cfg.data}: {sampled}",
+        f"documents  {data.documents:,.0f} ({data.truncated:,.0f} truncated, dropping {data.truncated_tokens:,.0f} "
+        f"tokens; {data.split:,.0f} split), mean {data.mean_document:,.0f} tokens",
+        f"tokens     {data.tokens:,.0f}{error}, {data.loss_tokens:,.0f} with loss",
+        f"rows       {data.rows:,.0f} of {cfg.token_budget} tokens, {data.padding:.1%} padding",
+        f"features   layers {layers} of {text.num_hidden_layers}: {feature_dim} per token",
+        "",
+        "| store mode | bytes per row slot (raw) | of a bf16 row | store, raw | store, expected on disk |",
+        "|---|---|---|---|---|",
+    ]
+    bf16_row = mode_bytes("bf16", feature_dim, len(layers), cfg.token_budget)[0]
+    for mode in MODES:
+        raw, fraction = mode_bytes(mode, feature_dim, len(layers), cfg.token_budget)
+        size = raw * data.rows
+        lines.append(
+            f"| {mode} | {raw / cfg.token_budget:,.0f} | {raw / bf16_row:.3f} | {_size(size)} | "
+            f"~{_size(size * fraction)} |"
+        )
+    chosen = f"{cfg.precision}" + (f", subspace {cfg.subspace}" if subspace_width(cfg.subspace, feature_dim) else "")
+    raw, fraction = mode_bytes(_mode_name(cfg, feature_dim), feature_dim, len(layers), cfg.token_budget)
+    need = raw * data.rows
+    existing = next(p for p in (Path(cfg.out), *Path(cfg.out).parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    fits = (
+        "fits"
+        if need * fraction <= free
+        else "fits only if the codec does well"
+        if need / BEST_CODEC_RATIO <= free
+        else "DOES NOT FIT"
+    )
+    lines += [
+        "",
+        f"disk       the chosen mode ({chosen}) needs {_size(need)} raw, ~{_size(need * fraction)} on disk; {existing} "
+        f"has {_size(free)} free: {fits}",
+    ]
+    params = params_through(cfg.model, max(layers))
+    harvest_tok_s = HARVEST_MFU * H200_PEAK / (2 * params)
+    drafter = DrafterConfig.from_target_config(config, layers, 0, num_layers=draft_layers, block_size=block_size)
+    anchors = max(1, round(cfg.token_budget * 512 / 3072))
+    drafted = anchors * block_size
+    pairs = drafted * (min(data.mean_document, cfg.token_budget) / 2 + block_size)
+    flops_per_token = (
+        step_flops(drafter, cfg.token_budget, drafted, anchors * (block_size - 1), pairs) / cfg.token_budget
+    )
+    train_tok_s = TRAIN_MFU * H200_PEAK / flops_per_token
+    lines += [
+        f"harvest    ~{data.tokens / harvest_tok_s / 3600:,.2f} H200-hours: {params / 1e9:.2f} B parameters run up "
+        f"to layer {max(layers)}, at the {HARVEST_MFU:.1%} dense MFU bench/harvest.py measured ({harvest_tok_s:,.0f} tok/s)",
+        f"train      ~{epochs * data.rows * cfg.token_budget / train_tok_s / 3600:,.2f} H200-hours for {epochs} epochs "
+        f"of a {draft_layers}-layer drafter: {flops_per_token / 1e9:.2f} GFLOP per context token (docs/training.md, "
+        f"anchors 512 per 3072 tokens, attention over half a mean document), at the {TRAIN_MFU:.1%} MFU "
+        f"bench/train.py measured ({train_tok_s:,.0f} tok/s)",
+        "These are estimates: the rates are one H200's on the benchmarks' shapes; the codec fractions are "
+        "random-weight activations'.",
+    ]
+    return "\n".join(lines)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:,.1f} {unit}"
+        n /= 1000
+    return f"{n:,.1f} TB"
+
+
+def _mode_name(cfg: HarvestConfig, feature_dim: int) -> str:
+    width = subspace_width(cfg.subspace, feature_dim)
+    if width is None:
+        return cfg.precision
+    name = f"sub{cfg.subspace}" if "/" in str(cfg.subspace) else None
+    if name is None:  # an explicit K: express it as a fraction for mode_bytes
+        name = f"sub{width}/{feature_dim}"
+    return name + ("+fp8" if cfg.precision == "fp8" else "")
+
+
+def check_plan_options(sample: int | None) -> None:
+    if sample is not None and sample < 2:
+        raise DflashError(f"--sample {sample}: give at least 2 lines (the sampling error needs two), or leave it out")

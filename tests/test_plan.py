@@ -1,0 +1,79 @@
+"""`dflash plan`: its counts against a real harvest of the same data, its sampling error against the truth."""
+
+import pytest
+from click.testing import CliRunner
+
+from cli.main import main
+from dflash import store
+from dflash.config import HarvestConfig
+from dflash.harvest import run_harvest
+from dflash.plan import estimate_data, mode_bytes
+from dflash.tiny import CORPUS
+
+BUDGET = 256
+
+
+@pytest.fixture(scope="module")
+def model(tiny_target):
+    return str(tiny_target("qwen3"))
+
+
+def test_full_count_equals_the_harvest(model, tmp_path):
+    cfg = HarvestConfig(
+        model=model, data=str(CORPUS), out=str(tmp_path / "s"), token_budget=BUDGET, workers=1, device="cpu"
+    )
+    estimate = estimate_data(cfg, None)
+    harvested = store.Store.open(run_harvest(cfg))
+    counts = harvested.manifest.counts
+    assert estimate.sampled == estimate.lines and estimate.tokens_error == 0
+    assert (estimate.documents, estimate.tokens, estimate.loss_tokens, estimate.rows) == (
+        counts.documents,
+        counts.tokens,
+        counts.loss_tokens,
+        counts.rows,
+    )
+    # The raw row size of the mode is what the store's arrays hold per row, before the codec.
+    raw, _ = mode_bytes("bf16", harvested.feature_dim, len(harvested.manifest.layer_ids), BUDGET)
+    per_row = sum(a.nbytes for name, a in harvested.parts[0].items() if name != "documents") / counts.rows
+    assert raw == per_row
+
+
+def test_a_sample_is_scaled_up_within_its_stated_error(model, tmp_path):
+    cfg = HarvestConfig(model=model, data=str(CORPUS), out=str(tmp_path / "s"), token_budget=BUDGET, workers=1)
+    truth = estimate_data(cfg, None)
+    sample = estimate_data(cfg, 60)
+    assert sample.sampled == 60 and sample.lines == truth.lines and sample.tokens_error > 0
+    assert abs(sample.tokens - truth.tokens) < 3 * sample.tokens_error
+    assert sample.tokens != truth.tokens  # a sample, not the whole file
+
+
+def test_plan_prints_every_mode_and_whether_it_fits(model, tmp_path):
+    result = CliRunner().invoke(
+        main,
+        [
+            "plan",
+            "--model",
+            model,
+            "--data",
+            str(CORPUS),
+            "--out",
+            str(tmp_path / "s"),
+            "--token-budget",
+            str(BUDGET),
+            "--workers",
+            "1",
+            "--precision",
+            "fp8",
+            "--subspace",
+            "1/4",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    for mode in ("| bf16 |", "| fp8 |", "| sub1/4+fp8 |", "| sub1/8 |"):
+        assert mode in result.output
+    assert "the chosen mode (fp8, subspace 1/4)" in result.output and ": fits" in result.output
+    assert "H200-hours" in result.output and not (tmp_path / "s").exists()
+    bad = CliRunner().invoke(
+        main, ["plan", "--model", model, "--data", str(CORPUS), "--out", str(tmp_path / "s"), "--sample", "1"]
+    )
+    assert bad.exit_code == 2 and "--sample 1" in bad.output
