@@ -128,14 +128,42 @@ class Scale:
 
 GPU = Scale("gpu")
 TINY = Scale(
-    "tiny", corpus_chars=3_000_000, tokenizer_chars=1_500_000, vocab_size=1024, hidden=64, layers=8, heads=4,
-    kv_heads=2, head_dim=16, intermediate=128, linear_value_heads=4, linear_key_heads=2, linear_head_dim=16,
-    seq_len=256, batch=8, lr=3e-3, target_seconds=45.0, prompt_chars=200, train_prompts=256, new_tokens=48,
-    regen_batch=64, regen_seconds=30.0, token_budget=512, rows_per_step=1, drafter_epochs=8, drafter_max_steps=300,
-    harvest_workers=1, drafter_seconds=100.0, mode_workers=1,
-    eval_prompts=12, val_prompts=32, min_eval_prompts=4, baseline_prompts=4, eval_seconds=25.0,
+    "tiny",
+    corpus_chars=3_000_000,
+    tokenizer_chars=1_500_000,
+    vocab_size=1024,
+    hidden=64,
+    layers=8,
+    heads=4,
+    kv_heads=2,
+    head_dim=16,
+    intermediate=128,
+    linear_value_heads=4,
+    linear_key_heads=2,
+    linear_head_dim=16,
+    seq_len=256,
+    batch=8,
+    lr=3e-3,
+    target_seconds=45.0,
+    prompt_chars=200,
+    train_prompts=256,
+    new_tokens=48,
+    regen_batch=64,
+    regen_seconds=30.0,
+    token_budget=512,
+    rows_per_step=1,
+    drafter_epochs=8,
+    drafter_max_steps=300,
+    harvest_workers=1,
+    drafter_seconds=100.0,
+    mode_workers=1,
+    eval_prompts=12,
+    val_prompts=32,
+    min_eval_prompts=4,
+    baseline_prompts=4,
+    eval_seconds=25.0,
     total_seconds=270.0,
-)  # fmt: skip
+)
 
 
 # ---------------------------------------------------------------------------------------------------- stages
@@ -154,15 +182,24 @@ class Run:
     """
 
     RESUMABLE = {
-        "target": ["target"], "regenerate": ["responses*.jsonl"],
-        "harvest": ["shards", "shards_val"], "drafter": ["run", "eval_*.json"],
-    }  # fmt: skip
+        "target": ["target"],
+        "regenerate": ["responses*.jsonl"],
+        "harvest": ["shards", "shards_val"],
+        "drafter": ["run", "eval_*.json"],
+    }
     # How long a call may take and how its work is spread over processes: no finished stage's result depends on
     # them, so a later call on the same --work may change them (a longer eval budget, say) and keep its stages.
     CALL_FIELDS = frozenset(
-        {"total_seconds", "eval_seconds", "drafter_seconds", "min_eval_prompts", "regen_workers_per_gpu",
-         "eval_workers_per_gpu", "mode_workers"}
-    )  # fmt: skip
+        {
+            "total_seconds",
+            "eval_seconds",
+            "drafter_seconds",
+            "min_eval_prompts",
+            "regen_workers_per_gpu",
+            "eval_workers_per_gpu",
+            "mode_workers",
+        }
+    )
 
     def __init__(self, out: Path, scale: Scale, work: Path, seed: int, restart: bool = False):
         self.out, self.scale = out, scale
@@ -210,8 +247,13 @@ class Run:
             self.results["stages"][name] = {**saved["timing"], "resumed": True}
             logger.info("-- %s: finished by an earlier call (%s), skipped", name, done)
             return saved["result"]
-        logger.info("== %s: budget %s (run at %.0f s of %.0f s)", name, f"{budget:.0f} s" if budget else "-",
-                    self.elapsed(), self.scale.total_seconds)  # fmt: skip
+        logger.info(
+            "== %s: budget %s (run at %.0f s of %.0f s)",
+            name,
+            f"{budget:.0f} s" if budget else "-",
+            self.elapsed(),
+            self.scale.total_seconds,
+        )
         t0 = time.perf_counter()
         result = fn()
         seconds = time.perf_counter() - t0
@@ -357,14 +399,22 @@ def target_config(scale: Scale, tokenizer):
     from transformers import Qwen3_5TextConfig
 
     config = Qwen3_5TextConfig(
-        vocab_size=len(tokenizer), hidden_size=scale.hidden, intermediate_size=scale.intermediate,
-        num_hidden_layers=scale.layers, num_attention_heads=scale.heads, num_key_value_heads=scale.kv_heads,
-        head_dim=scale.head_dim, max_position_embeddings=4096, tie_word_embeddings=False,
+        vocab_size=len(tokenizer),
+        hidden_size=scale.hidden,
+        intermediate_size=scale.intermediate,
+        num_hidden_layers=scale.layers,
+        num_attention_heads=scale.heads,
+        num_key_value_heads=scale.kv_heads,
+        head_dim=scale.head_dim,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
         layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(scale.layers)],
-        linear_num_value_heads=scale.linear_value_heads, linear_num_key_heads=scale.linear_key_heads,
-        linear_key_head_dim=scale.linear_head_dim, linear_value_head_dim=scale.linear_head_dim,
+        linear_num_value_heads=scale.linear_value_heads,
+        linear_num_key_heads=scale.linear_key_heads,
+        linear_key_head_dim=scale.linear_head_dim,
+        linear_value_head_dim=scale.linear_head_dim,
         linear_conv_kernel_dim=4,
-    )  # fmt: skip
+    )
     config.eos_token_id = tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
     return config
@@ -397,8 +447,16 @@ def reference_gated_delta_rule():
 
 
 @reference_gated_delta_rule()
-def train_target(scale: Scale, tokenizer, train_ids: np.ndarray, heldout_ids: np.ndarray, folder: Path,
-                 device: torch.device, sample_prompt: str, seed: int) -> dict:  # fmt: skip
+def train_target(
+    scale: Scale,
+    tokenizer,
+    train_ids: np.ndarray,
+    heldout_ids: np.ndarray,
+    folder: Path,
+    device: torch.device,
+    sample_prompt: str,
+    seed: int,
+) -> dict:
     """Plain language modelling from scratch for `scale.target_seconds` of steady steps; save_pretrained."""
     from transformers import AutoModelForCausalLM
 
@@ -408,14 +466,21 @@ def train_target(scale: Scale, tokenizer, train_ids: np.ndarray, heldout_ids: np
     model.train()
     params = sum(p.numel() for p in model.parameters())
     embed = model.get_input_embeddings().weight.numel() + model.get_output_embeddings().weight.numel()
-    logger.info("target: %.1f M parameters (%.1f M without embedding / LM head), %d train tokens, %d held-out",
-                params / 1e6, (params - embed) / 1e6, train_ids.size, heldout_ids.size)  # fmt: skip
+    logger.info(
+        "target: %.1f M parameters (%.1f M without embedding / LM head), %d train tokens, %d held-out",
+        params / 1e6,
+        (params - embed) / 1e6,
+        train_ids.size,
+        heldout_ids.size,
+    )
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=scale.lr, betas=(0.9, 0.95), fused=cuda,
-    )  # fmt: skip
+        lr=scale.lr,
+        betas=(0.9, 0.95),
+        fused=cuda,
+    )
     train = torch.from_numpy(train_ids).to(device)
     heldout = torch.from_numpy(heldout_ids).to(device)
     generator = torch.Generator().manual_seed(seed)
@@ -461,35 +526,66 @@ def train_target(scale: Scale, tokenizer, train_ids: np.ndarray, heldout_ids: np
         if steps % 10 == 0:
             losses.append(float(loss))  # one host sync per 10 steps
         if steps % log_every == 0:
-            logger.info("target step %d: loss %.3f, %.0f s, %.0f tokens/s", steps, losses[-1],
-                        elapsed, steps * scale.batch * scale.seq_len / max(elapsed, 1e-9))  # fmt: skip
+            logger.info(
+                "target step %d: loss %.3f, %.0f s, %.0f tokens/s",
+                steps,
+                losses[-1],
+                elapsed,
+                steps * scale.batch * scale.seq_len / max(elapsed, 1e-9),
+            )
     _sync(device)
     seconds = time.perf_counter() - start
 
     model.eval()
     with torch.no_grad():
         g = torch.Generator().manual_seed(seed + 1)
-        heldout_loss = float(torch.stack([loss_of(windows(heldout, scale.batch, scale.seq_len, g)) for _ in range(8)]).mean())
+        heldout_loss = float(
+            torch.stack([loss_of(windows(heldout, scale.batch, scale.seq_len, g)) for _ in range(8)]).mean()
+        )
         g = torch.Generator().manual_seed(seed + 1)
-        train_loss = float(torch.stack([loss_of(windows(train, scale.batch, scale.seq_len, g)) for _ in range(8)]).mean())
+        train_loss = float(
+            torch.stack([loss_of(windows(train, scale.batch, scale.seq_len, g)) for _ in range(8)]).mean()
+        )
         ids = torch.tensor([tokenizer(sample_prompt)["input_ids"]], device=device)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=min(96, scale.new_tokens),
-                             do_sample=False, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=min(96, scale.new_tokens),
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )
         sample = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=False)
-    logger.info("target: %d steps in %.0f s; train loss %.3f, held-out loss %.3f (nats/token)",
-                steps, seconds, train_loss, heldout_loss)  # fmt: skip
+    logger.info(
+        "target: %d steps in %.0f s; train loss %.3f, held-out loss %.3f (nats/token)",
+        steps,
+        seconds,
+        train_loss,
+        heldout_loss,
+    )
     logger.info("target sample (held-out prompt, greedy):\n%s\n>>>>>>>>\n%s\n<<<<<<<<", sample_prompt[-300:], sample)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    del model, optimizer, train, heldout
+    model = optimizer = train = heldout = None  # (the closures above hold them too)
     if cuda:
         torch.cuda.empty_cache()
     return {
         "parameters": params,
         "non_embedding_parameters": params - embed,
-        "config": {k: getattr(scale, k) for k in ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate",
-                                                   "linear_value_heads", "linear_key_heads", "linear_head_dim")},
+        "config": {
+            k: getattr(scale, k)
+            for k in (
+                "hidden",
+                "layers",
+                "heads",
+                "kv_heads",
+                "head_dim",
+                "intermediate",
+                "linear_value_heads",
+                "linear_key_heads",
+                "linear_head_dim",
+            )
+        },
         "vocab_size": len(tokenizer),
         "autocast_bf16": cuda,
         "gated_delta_rule": "torch-reference (training only; see reference_gated_delta_rule)",
@@ -515,18 +611,34 @@ def _sync(device: torch.device):
 # --------------------------------------------------------------------------------------- harvest and drafter
 
 
-def harvest_store(scale: Scale, target: Path, data: str, out: Path, device, mode: "StoreMode | None" = None,
-                  projection_from: Path | None = None) -> Path:  # fmt: skip
+def harvest_store(
+    scale: Scale,
+    target: Path,
+    data: str,
+    out: Path,
+    device,
+    mode: "StoreMode | None" = None,
+    projection_from: Path | None = None,
+) -> Path:
     """`run_harvest` of the responses in `data` into the store `out`, in `mode` (default: bf16, full width)."""
     from dflash.config import HarvestConfig
     from dflash.harvest import run_harvest
 
     mode = mode or BF16
-    return run_harvest(HarvestConfig(
-        model=str(target), data=str(data), out=str(out), token_budget=scale.token_budget,
-        workers=scale.harvest_workers, device=str(device), dtype="float32", precision=mode.precision,
-        subspace=mode.subspace, projection_from=str(projection_from) if projection_from else None,
-    ))  # fmt: skip
+    return run_harvest(
+        HarvestConfig(
+            model=str(target),
+            data=str(data),
+            out=str(out),
+            token_budget=scale.token_budget,
+            workers=scale.harvest_workers,
+            device=str(device),
+            dtype="float32",
+            precision=mode.precision,
+            subspace=mode.subspace,
+            projection_from=str(projection_from) if projection_from else None,
+        )
+    )
 
 
 def drafter_steps(scale: Scale, rows: int) -> int:
@@ -540,16 +652,30 @@ def train_drafter(scale: Scale, store: str, val_store: str, out: Path, steps: in
     from dflash.train import run_training
 
     cuda = str(device).startswith("cuda")
-    result = run_training(TrainConfig(
-        store=str(store), out=str(out), draft_layers=5, block_size=16,
-        rows_per_step=scale.rows_per_step, max_steps=max(steps, 1), val_store=str(val_store),
-        log_every=50 if cuda else 10, ckpt_every=10**9, device=str(device), tensorboard=False,
-        seed=seed, val_every=max(1, steps // 8),  # a held-out curve: where overfitting starts
-    ))  # fmt: skip
+    result = run_training(
+        TrainConfig(
+            store=str(store),
+            out=str(out),
+            draft_layers=5,
+            block_size=16,
+            rows_per_step=scale.rows_per_step,
+            max_steps=max(steps, 1),
+            val_store=str(val_store),
+            log_every=50 if cuda else 10,
+            ckpt_every=10**9,
+            device=str(device),
+            tensorboard=False,
+            seed=seed,
+            val_every=max(1, steps // 8),  # a held-out curve: where overfitting starts
+        )
+    )
     last, val = result["records"][-1], result.get("val") or {}
     metrics = (out / "metrics.jsonl").read_text().splitlines()
-    val_curve = [(r["step"], round(r["loss"], 4), round(r["accept_len"], 3), round(r["tau"], 3))
-                 for r in map(json.loads, metrics) if r.get("kind") == "val"]  # fmt: skip
+    val_curve = [
+        (r["step"], round(r["loss"], 4), round(r["accept_len"], 3), round(r["tau"], 3))
+        for r in map(json.loads, metrics)
+        if r.get("kind") == "val"
+    ]
     logger.info("drafter held-out curve (step, loss, accept length, tau of decoding replayed): %s", val_curve)
     compile_phases = slow_compile_phases()
     logger.info("drafter compile, the phases over 1 s: %s", compile_phases)
@@ -637,12 +763,20 @@ def store_stats(path) -> dict:
     total, feature_bytes = disk_bytes(path), sum(disk_bytes(p) for p in features if p.exists())
     raw = tokens * manifest.feature_dim * 2
     return {
-        "path": str(path), "bytes": total, "feature_bytes": feature_bytes, "tokens": tokens,
-        "rows": manifest.counts.rows, "feature_dim": manifest.feature_dim, "precision": f.precision,
-        "width": f.width, "scale_groups": f.scale_groups, "captured": f.subspace.captured if f.subspace else None,
-        "bytes_per_token": total / max(tokens, 1), "raw_bf16_ratio": total / max(raw, 1),
+        "path": str(path),
+        "bytes": total,
+        "feature_bytes": feature_bytes,
+        "tokens": tokens,
+        "rows": manifest.counts.rows,
+        "feature_dim": manifest.feature_dim,
+        "precision": f.precision,
+        "width": f.width,
+        "scale_groups": f.scale_groups,
+        "captured": f.subspace.captured if f.subspace else None,
+        "bytes_per_token": total / max(tokens, 1),
+        "raw_bf16_ratio": total / max(raw, 1),
         "feature_ratio": feature_bytes / max(raw, 1),
-    }  # fmt: skip
+    }
 
 
 def data_wait_share(records: list[dict]) -> float | None:
@@ -656,8 +790,18 @@ def data_wait_share(records: list[dict]) -> float | None:
     return sum(r["data_wait"] * w for r, w in zip(train, weights)) / total if total else None
 
 
-def mode_job(mode: StoreMode, scale: Scale, target: str, data: str, val_data: str, folder: str, steps: int,
-             device: str, seed: int, done: str):  # fmt: skip
+def mode_job(
+    mode: StoreMode,
+    scale: Scale,
+    target: str,
+    data: str,
+    val_data: str,
+    folder: str,
+    steps: int,
+    device: str,
+    seed: int,
+    done: str,
+):
     """One store mode, in a worker: the drafter's responses and the held-out ones harvested in the mode (the
     held-out store with the training store's projection), a drafter trained as the bf16 one, the result saved."""
     from dflash.store import write_json_atomic
@@ -673,36 +817,81 @@ def mode_job(mode: StoreMode, scale: Scale, target: str, data: str, val_data: st
     logger.info("mode %s: store %s", mode.name, store)
     t0 = time.perf_counter()
     drafter = train_drafter(scale, shards, val_shards, folder / "run", steps, device, seed)
-    result = {"mode": asdict(mode), "store": store, "val_store": val_store, "drafter": drafter,
-              "harvest_s": round(harvest_s, 1), "drafter_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
+    result = {
+        "mode": asdict(mode),
+        "store": store,
+        "val_store": val_store,
+        "drafter": drafter,
+        "harvest_s": round(harvest_s, 1),
+        "drafter_s": round(time.perf_counter() - t0, 1),
+    }
     write_json_atomic(Path(done), result)
 
 
-def run_modes(scale: Scale, modes: list[StoreMode], target: Path, results: dict, work: Path, stages: Path,
-              device: torch.device, seed: int, log: Path) -> dict:  # fmt: skip
+def run_modes(
+    scale: Scale,
+    modes: list[StoreMode],
+    target: Path,
+    results: dict,
+    work: Path,
+    stages: Path,
+    device: torch.device,
+    seed: int,
+    log: Path,
+) -> dict:
     """Every store mode not finished by an earlier call, `scale.mode_workers` at a time in worker processes (mode
     i on GPU i % GPUs), with the bf16 harvest's responses and its drafter's steps; then the saved results of all,
     bf16's (the harvest and drafter stages) first."""
     steps = drafter_steps(scale, results["harvest"]["rows"])
     todo = [m for m in modes if not mode_done(stages, m.folder).exists()]
     if todo:
-        logger.info("modes: %s to harvest and train (%s done by an earlier call), %d at a time, %d steps each",
-                    ", ".join(m.name for m in todo), ", ".join(m.name for m in modes if m not in todo) or "none",
-                    scale.mode_workers, steps)  # fmt: skip
-        jobs = [dict(mode=m, scale=scale, target=str(target), data=results["regenerate"]["file"],
-                     val_data=results["regenerate"]["val_file"], folder=str(work / MODES / m.folder), steps=steps,
-                     device=device.type, seed=seed, done=str(mode_done(stages, m.folder))) for m in todo]  # fmt: skip
-        in_workers(mode_job, jobs, gpu_count(device), log, at_once=max(scale.mode_workers, 1),
-                   names=[f"mode {m.name}" for m in todo])  # fmt: skip
-    out = {BF16.name: {
-        "mode": asdict(BF16), "store": store_stats(results["harvest"]["path"]),
-        "val_store": store_stats(results["harvest"]["val_path"]), "drafter": results["drafter"],
-    }}  # fmt: skip
+        logger.info(
+            "modes: %s to harvest and train (%s done by an earlier call), %d at a time, %d steps each",
+            ", ".join(m.name for m in todo),
+            ", ".join(m.name for m in modes if m not in todo) or "none",
+            scale.mode_workers,
+            steps,
+        )
+        jobs = [
+            dict(
+                mode=m,
+                scale=scale,
+                target=str(target),
+                data=results["regenerate"]["file"],
+                val_data=results["regenerate"]["val_file"],
+                folder=str(work / MODES / m.folder),
+                steps=steps,
+                device=device.type,
+                seed=seed,
+                done=str(mode_done(stages, m.folder)),
+            )
+            for m in todo
+        ]
+        in_workers(
+            mode_job,
+            jobs,
+            gpu_count(device),
+            log,
+            at_once=max(scale.mode_workers, 1),
+            names=[f"mode {m.name}" for m in todo],
+        )
+    out = {
+        BF16.name: {
+            "mode": asdict(BF16),
+            "store": store_stats(results["harvest"]["path"]),
+            "val_store": store_stats(results["harvest"]["val_path"]),
+            "drafter": results["drafter"],
+        }
+    }
     for m in modes:
         out[m.name] = json.loads(mode_done(stages, m.folder).read_text())
         if out[m.name]["store"]["rows"] != out[BF16.name]["store"]["rows"]:
-            logger.warning("mode %s: %d rows, bf16 %d: the stores should hold the same rows", m.name,
-                           out[m.name]["store"]["rows"], out[BF16.name]["store"]["rows"])  # fmt: skip
+            logger.warning(
+                "mode %s: %d rows, bf16 %d: the stores should hold the same rows",
+                m.name,
+                out[m.name]["store"]["rows"],
+                out[BF16.name]["store"]["rows"],
+            )
     return out
 
 
@@ -745,9 +934,11 @@ def _worker(fn, job: dict, log: str, name: str):
     from transformers.utils import logging as hf_logging
 
     logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s {name} %(name)s %(message)s", datefmt="%H:%M:%S",
+        level=logging.INFO,
+        format=f"%(asctime)s {name} %(name)s %(message)s",
+        datefmt="%H:%M:%S",
         handlers=[logging.StreamHandler(sys.stdout), logging.FileHandler(log, mode="a")],
-    )  # fmt: skip
+    )
     hf_logging.set_verbosity_error()
     if not torch.cuda.is_available():
         torch.set_num_threads(1)  # several workers share a small CPU
@@ -776,22 +967,35 @@ def regenerate_within(scale: Scale, target: Path, prompts: list[dict], out: Path
         upto = min(len(prompts), done + scale.regen_batch)
         write_jsonl(chunk, [{"text": p["text"]} for p in prompts[:upto]])
         t0 = time.perf_counter()
-        regenerate(RegenerateConfig(str(target), str(chunk), str(out), max_new_tokens=scale.new_tokens,
-                                    batch_size=scale.regen_batch, device=device, dtype="float32"), progress=False)  # fmt: skip
+        regenerate(
+            RegenerateConfig(
+                str(target),
+                str(chunk),
+                str(out),
+                max_new_tokens=scale.new_tokens,
+                batch_size=scale.regen_batch,
+                device=device,
+                dtype="float32",
+            ),
+            progress=False,
+        )
         batch_seconds = time.perf_counter() - t0
         done, chunks = upto, chunks + 1
         logger.info("regenerate: %d / %d prompts answered, last chunk %.1f s", done, len(prompts), batch_seconds)
 
 
-def regenerate_on_all(scale: Scale, target: Path, prompts: list[dict], work: Path, device: torch.device,
-                      budget: float, log: Path) -> dict:  # fmt: skip
+def regenerate_on_all(
+    scale: Scale, target: Path, prompts: list[dict], work: Path, device: torch.device, budget: float, log: Path
+) -> dict:
     """The prompts dealt out to a worker per GPU (`regen_workers_per_gpu`), each answering its share within the
     budget; their responses concatenated into work/responses.jsonl (the harvest does not care about order)."""
     gpus = gpu_count(device)
     count = max(gpus, 1) * scale.regen_workers_per_gpu
     shares = [work / f"responses_{w}of{count}.jsonl" for w in range(count)]
-    jobs = [dict(scale=scale, target=target, prompts=prompts[w::count], out=share, device=device.type, budget=budget)
-            for w, share in enumerate(shares)]  # fmt: skip
+    jobs = [
+        dict(scale=scale, target=target, prompts=prompts[w::count], out=share, device=device.type, budget=budget)
+        for w, share in enumerate(shares)
+    ]
     in_workers(regenerate_within, jobs, gpus, log)
     out, answered = work / "responses.jsonl", 0
     with out.open("wb") as merged:
@@ -825,8 +1029,18 @@ def response_stats(tokenizer, responses: Path) -> dict:
 # ------------------------------------------------------------------------------------------------------ eval
 
 
-def evaluate_all(scale: Scale, target_path: Path, drafter_path: Path, prompts: list[dict], device: torch.device,
-                 budget: float, seed: int, work: Path, log: Path, modes: dict[str, str] | None = None):  # fmt: skip
+def evaluate_all(
+    scale: Scale,
+    target_path: Path,
+    drafter_path: Path,
+    prompts: list[dict],
+    device: torch.device,
+    budget: float,
+    seed: int,
+    work: Path,
+    log: Path,
+    modes: dict[str, str] | None = None,
+):
     """The trained drafter and prompt lookup in one `dflash.evaluate.evaluate` run (one plain greedy decoding
     per prompt is the reference of both: tokens/s and the mismatch check), with the drafters of the store modes
     (`modes`: report name -> drafter folder) in the same run when given, after the untrained drafter on the first
@@ -842,8 +1056,15 @@ def evaluate_all(scale: Scale, target_path: Path, drafter_path: Path, prompts: l
     records = [{"prompt": p["text"]} for p in prompts]
     gpus = gpu_count(device)
     count = max(gpus, 1) * scale.eval_workers_per_gpu
-    settings = dict(model=str(target_path), device=device.type, dtype="float32", temperature=0.0, seed=seed,
-                    max_new_tokens=scale.new_tokens, min_prompts=scale.min_eval_prompts)  # fmt: skip
+    settings = dict(
+        model=str(target_path),
+        device=device.type,
+        dtype="float32",
+        temperature=0.0,
+        seed=seed,
+        max_new_tokens=scale.new_tokens,
+        min_prompts=scale.min_eval_prompts,
+    )
     main = "eval_main"
     drafters = str(drafter_path)
     if modes:  # another report: the one without modes (an earlier call's) has other methods
@@ -908,16 +1129,26 @@ def evaluate_share(runs: dict, share: tuple[int, int], work: Path, budget: float
         earlier = json.loads(path.read_text()) if path.exists() else None
         if earlier:
             done = len(earlier["prompts"])
-            logger.info("eval %s: %s", path.name, f"all {done} prompts done by earlier calls" if done == len(subset)
-                        else f"going on after {done} of {len(subset)} prompts")  # fmt: skip
+            logger.info(
+                "eval %s: %s",
+                path.name,
+                f"all {done} prompts done by earlier calls"
+                if done == len(subset)
+                else f"going on after {done} of {len(subset)} prompts",
+            )
         left = None if budget is None or name == "eval_baseline" else max(0.0, budget - (time.perf_counter() - start))
         with named_drafters(drafter) as drafters:
-            evaluate(EvalConfig(data=subset, prompt_lookup=lookup, time_budget=left, **settings), drafters=drafters,
-                     resume=earlier, on_prompt=lambda partial: write_json_atomic(path, asdict(partial)))  # fmt: skip
+            evaluate(
+                EvalConfig(data=subset, prompt_lookup=lookup, time_budget=left, **settings),
+                drafters=drafters,
+                resume=earlier,
+                on_prompt=lambda partial, path=path: write_json_atomic(path, asdict(partial)),
+            )
 
 
-def merge_shares(name: str, drafter: str | dict[str, str], records: list[dict], lookup: int, count: int, work: Path,
-                 settings: dict):  # fmt: skip
+def merge_shares(
+    name: str, drafter: str | dict[str, str], records: list[dict], lookup: int, count: int, work: Path, settings: dict
+):
     """The workers' reports of one run as one report: rows renumbered to the prompts' own indices, then the whole
     report rebuilt (totals, histogram, tau) by `evaluate` resuming from it with nothing left to run."""
     from dflash.config import EvalConfig
@@ -929,13 +1160,16 @@ def merge_shares(name: str, drafter: str | dict[str, str], records: list[dict], 
         raise RuntimeError(f"no worker wrote a report of {name} in {work}")
     rows = [{**row, "index": row["index"] * count + w} for w, share in shares.items() for row in share["prompts"]]
     merged = {**next(iter(shares.values())), "prompts": rows}
-    cfg = EvalConfig(data=records, prompt_lookup=lookup, time_budget=0.0, warmup=False, **{**settings, "min_prompts": 0})
+    cfg = EvalConfig(
+        data=records, prompt_lookup=lookup, time_budget=0.0, warmup=False, **{**settings, "min_prompts": 0}
+    )
     with named_drafters(drafter) as drafters:
         return evaluate(cfg, drafters=drafters, resume=merged)
 
 
-def tau_interval(prompts: list[tuple[list[int], ...]], statistic=lambda tau: tau[0], draws: int = 5000,
-                 seed: int = 0) -> list[float]:  # fmt: skip
+def tau_interval(
+    prompts: list[tuple[list[int], ...]], statistic=lambda tau: tau[0], draws: int = 5000, seed: int = 0
+) -> list[float]:
     """95 % percentile-bootstrap interval over prompts of statistic(tau), tau the taus of the methods.
 
     prompts: per prompt, the drafts accepted in each round by each method (in the same order on every prompt). A
@@ -966,17 +1200,24 @@ def bar(report, complete: bool) -> dict:
     tau = {name: m.tau for name, m in methods.items()}
     trained, lookup, untrained = tau.get("dflash"), tau.get("prompt-lookup"), tau.get("untrained-dflash")
     mismatches = {name: m.mismatches for name, m in methods.items()}
-    pairs = [(row["runs"]["dflash"].accepted, row["runs"]["prompt-lookup"].accepted) for row in report.prompts
-             if {"dflash", "prompt-lookup"} <= row["runs"].keys()]  # fmt: skip
+    pairs = [
+        (row["runs"]["dflash"].accepted, row["runs"]["prompt-lookup"].accepted)
+        for row in report.prompts
+        if {"dflash", "prompt-lookup"} <= row["runs"].keys()
+    ]
     checks = {
         "trained_vs_prompt_lookup": trained / lookup if trained and lookup else None,
         "trained_vs_prompt_lookup_95": tau_ratio_interval(pairs) if trained and lookup else None,
         "trained_vs_untrained": trained / untrained if trained and untrained else None,
     }
-    checks["pass_1.5x_prompt_lookup"] = bool(checks["trained_vs_prompt_lookup"] and checks["trained_vs_prompt_lookup"] >= 1.5)
+    checks["pass_1.5x_prompt_lookup"] = bool(
+        checks["trained_vs_prompt_lookup"] and checks["trained_vs_prompt_lookup"] >= 1.5
+    )
     checks["pass_2x_untrained"] = bool(checks["trained_vs_untrained"] and checks["trained_vs_untrained"] >= 2.0)
     checks["pass_0_mismatches"] = all(v == 0 for v in mismatches.values())
-    checks["pass_so_far"] = checks["pass_1.5x_prompt_lookup"] and checks["pass_2x_untrained"] and checks["pass_0_mismatches"]
+    checks["pass_so_far"] = (
+        checks["pass_1.5x_prompt_lookup"] and checks["pass_2x_untrained"] and checks["pass_0_mismatches"]
+    )
     checks["complete"] = complete
     checks["pass"] = checks["pass_so_far"] and complete
     return {"tau": tau, "mismatches": mismatches, **checks}
@@ -995,8 +1236,11 @@ def mode_rows(report, complete: bool, modes: dict) -> list[dict]:
     for saved in modes.values():
         mode, store, drafter = StoreMode(**saved["mode"]), saved["store"], saved["drafter"]
         method = report.methods.get(mode.method)
-        prompts = [(r["runs"][mode.method].accepted, r["runs"][BF16.method].accepted) for r in report.prompts
-                   if {mode.method, BF16.method} <= r["runs"].keys()]  # fmt: skip
+        prompts = [
+            (r["runs"][mode.method].accepted, r["runs"][BF16.method].accepted)
+            for r in report.prompts
+            if {mode.method, BF16.method} <= r["runs"].keys()
+        ]
         tau = method.tau if method else None
         difference = tau - reference if tau is not None and reference is not None else None
         row = {
@@ -1039,7 +1283,11 @@ def mode_verdict(row: dict) -> str:
         word = "FAIL (mismatches)"
     elif row["within_2pct"]:
         low = row["difference_95"][0] / (row["tau"] - row["difference"])  # relative to bf16's tau
-        word = "met (its 95 % interval too)" if row["within_2pct_95"] else f"met (its 95 % interval reaches {100 * low:+.1f} %)"
+        word = (
+            "met (its 95 % interval too)"
+            if row["within_2pct_95"]
+            else f"met (its 95 % interval reaches {100 * low:+.1f} %)"
+        )
     else:
         word = "MISSED"
     return word if row["complete"] else f"{word} so far (PARTIAL)"
@@ -1069,15 +1317,16 @@ def modes_markdown(rows: list[dict], report, complete: bool, steps: int) -> str:
             f"{captured} | {number(r['tau'], '.3f')}{span(r['tau_95'], '.2f')} | {difference} | {relative} | "
             f"{number(r['mismatches'], 'd')} | {number(r['val_tau'], '.3f')} | {number(r['step_ms'], '.1f')} | "
             f"{wait} | {mode_verdict(r)} |"
-        )  # fmt: skip
+        )
     others = rows[1:]
     lines += [
         "",
         "bar (issue 16: tau within 2 % of the bf16 drafter's on these prompts, 0 mismatches): "
         + "; ".join(f"{r['mode']} {mode_verdict(r)}" for r in others),
         "size goal (at most 0.125 of raw bf16 bytes per token, on disk): "
-        + ", ".join(f"{r['mode']} {r['raw_bf16_ratio']:.3f} ({'met' if r['size_goal'] else 'not met'})"
-                    for r in others),
+        + ", ".join(
+            f"{r['mode']} {r['raw_bf16_ratio']:.3f} ({'met' if r['size_goal'] else 'not met'})" for r in others
+        ),
     ]
     return "\n".join(lines)
 
@@ -1096,8 +1345,10 @@ def markdown(results: dict, report) -> str:
     for m in report.methods.values():
         tau = f"{m.tau:.2f}" if m.tau is not None else "-"
         prompts = sum(m.name in row["runs"] for row in report.prompts)
-        lines.append(f"| {m.name} | {prompts} | {tau} | {m.tokens_per_s:.1f} | {m.speedup:.2f}x | {m.mismatches} | "
-                     f"{' '.join(map(str, m.accepted_histogram))} |")  # fmt: skip
+        lines.append(
+            f"| {m.name} | {prompts} | {tau} | {m.tokens_per_s:.1f} | {m.speedup:.2f}x | {m.mismatches} | "
+            f"{' '.join(map(str, m.accepted_histogram))} |"
+        )
     b = results["bar"]
     ratio = lambda x: f"{x:.2f}x" if x else "-"  # noqa: E731
     low_high = b.get("trained_vs_prompt_lookup_95")
@@ -1115,7 +1366,9 @@ def markdown(results: dict, report) -> str:
     ]
     for name, st in results["stages"].items():
         earlier = " (earlier call)" if st.get("resumed") else ""
-        lines.append(f"| {name} | {st['budget_s'] if st['budget_s'] is not None else '-'} | {st['seconds']:.1f}{earlier} |")
+        lines.append(
+            f"| {name} | {st['budget_s'] if st['budget_s'] is not None else '-'} | {st['seconds']:.1f}{earlier} |"
+        )
     d, r, h, dr = results["data"], results.get("regenerate", {}), results.get("harvest", {}), results.get("drafter", {})
     lines += [
         "",
@@ -1156,19 +1409,36 @@ def scale_with_overrides(scale: Scale, assignments: list[str], parser: argparse.
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON results (rewritten after every stage); a .log beside it")
-    parser.add_argument("--tiny", action="store_true", help="toy sizes for a CPU check (minutes); numbers are meaningless")
+    parser.add_argument(
+        "--tiny", action="store_true", help="toy sizes for a CPU check (minutes); numbers are meaningless"
+    )
     parser.add_argument("--work", help="working folder (target, prompts, store, run); default: a new one under /tmp")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                        help="override a size or budget of the scale (repeatable), e.g. --set regen_seconds=120")
-    parser.add_argument("--modes", default="", metavar="MODE,...",
-                        help="store modes to measure besides bf16 (issue 16): fp8, subK or subA/B, a subspace "
-                             "optionally +fp8, e.g. fp8,sub1/2,sub1/4,sub1/8,sub1/4+fp8")  # fmt: skip
-    parser.add_argument("--stop-after", choices=[*Run.RESUMABLE, "modes"],
-                        help="end after this stage; a later call with the same --work goes on from there")
-    parser.add_argument("--restart", action="store_true",
-                        help="delete a run of other sizes or seed found in --work (by default that is an error)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a size or budget of the scale (repeatable), e.g. --set regen_seconds=120",
+    )
+    parser.add_argument(
+        "--modes",
+        default="",
+        metavar="MODE,...",
+        help="store modes to measure besides bf16 (issue 16): fp8, subK or subA/B, a subspace "
+        "optionally +fp8, e.g. fp8,sub1/2,sub1/4,sub1/8,sub1/4+fp8",
+    )
+    parser.add_argument(
+        "--stop-after",
+        choices=[*Run.RESUMABLE, "modes"],
+        help="end after this stage; a later call with the same --work goes on from there",
+    )
+    parser.add_argument(
+        "--restart",
+        action="store_true",
+        help="delete a run of other sizes or seed found in --work (by default that is an error)",
+    )
     args = parser.parse_args(argv)
 
     scale = scale_with_overrides(TINY if args.tiny else GPU, args.set, parser)
@@ -1189,14 +1459,21 @@ def main(argv=None) -> int:
         parser.error(str(exc))
     log = out.with_suffix(".log")
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S",
+        level=logging.INFO,
+        format="%(asctime)s %(name)s %(message)s",
+        datefmt="%H:%M:%S",
         handlers=[logging.StreamHandler(sys.stdout), logging.FileHandler(log, mode="w")],
-    )  # fmt: skip
+    )
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)  # fmt: skip
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else "cpu"
+        if args.device == "auto"
+        else args.device
+    )
     if device.type == "cuda":
         import fla  # noqa: F401 -- fail now, not after minutes of training, if the Triton kernels are missing
     elif not args.tiny:
@@ -1209,7 +1486,11 @@ def main(argv=None) -> int:
 
     run.results.update(
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        versions={"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__},
+        versions={
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
         triton_f32_default=os.environ.get("TRITON_F32_DEFAULT"),
         triton_cache=os.environ.get("DFLASH_TRITON_CACHE", "cold"),  # "carried": compile times are not cold
         work=str(work),
@@ -1232,15 +1513,20 @@ def main(argv=None) -> int:
         train_ids = token_stream(tokenizer, train_texts)
         heldout_texts = capped([heldout[n] for n in sorted(heldout)], scale.corpus_chars, args.seed)
         heldout_ids = token_stream(tokenizer, heldout_texts)
-        counts.update(target_train_chars=sum(map(len, train_texts)), train_tokens=int(train_ids.size),
-                      heldout_tokens=int(heldout_ids.size),
-                      chars_per_token=sum(map(len, train_texts)) / max(train_ids.size, 1))  # fmt: skip
+        counts.update(
+            target_train_chars=sum(map(len, train_texts)),
+            train_tokens=int(train_ids.size),
+            heldout_tokens=int(heldout_ids.size),
+            chars_per_token=sum(map(len, train_texts)) / max(train_ids.size, 1),
+        )
         logger.info("data: %s", counts)
         return drafter_files, heldout, tokenizer, train_ids, heldout_ids
 
     drafter_files, heldout, tokenizer, train_ids, heldout_ids = run.stage("data", 30 if not args.tiny else 20, data)
     eval_prompts = make_prompts(heldout, scale.eval_prompts, scale.prompt_chars, args.seed + 2, one_per_file=True)
-    train_prompts = make_prompts(drafter_files, scale.train_prompts, scale.prompt_chars, args.seed + 3, one_per_file=False)
+    train_prompts = make_prompts(
+        drafter_files, scale.train_prompts, scale.prompt_chars, args.seed + 3, one_per_file=False
+    )
     val_prompts = make_prompts(heldout, scale.val_prompts, scale.prompt_chars, args.seed + 4, one_per_file=False)
     write_jsonl(work / "prompts_eval.jsonl", eval_prompts)
     write_jsonl(work / "prompts_train.jsonl", train_prompts)
@@ -1249,9 +1535,13 @@ def main(argv=None) -> int:
     # 2. target
     target = work / "target"
     target_budget = scale.target_seconds + (30 if device.type == "cuda" else 5)  # + first steps, loss, save
-    run.results["target"] = run.stage("target", target_budget, lambda: train_target(
-        scale, tokenizer, train_ids, heldout_ids, target, device, eval_prompts[0]["text"], args.seed
-    ))  # fmt: skip
+    run.results["target"] = run.stage(
+        "target",
+        target_budget,
+        lambda: train_target(
+            scale, tokenizer, train_ids, heldout_ids, target, device, eval_prompts[0]["text"], args.seed
+        ),
+    )
     if stop_here("target"):
         return 0
 
@@ -1262,9 +1552,18 @@ def main(argv=None) -> int:
 
         info = regenerate_on_all(scale, target, train_prompts, work, device, scale.regen_seconds, log)
         info.update(response_stats(tokenizer, Path(info["file"])))
-        regenerate(RegenerateConfig(str(target), str(work / "prompts_val.jsonl"), str(work / "responses_val.jsonl"),
-                                    max_new_tokens=scale.new_tokens, batch_size=scale.regen_batch, device=device.type,
-                                    dtype="float32"), progress=False)  # fmt: skip
+        regenerate(
+            RegenerateConfig(
+                str(target),
+                str(work / "prompts_val.jsonl"),
+                str(work / "responses_val.jsonl"),
+                max_new_tokens=scale.new_tokens,
+                batch_size=scale.regen_batch,
+                device=device.type,
+                dtype="float32",
+            ),
+            progress=False,
+        )
         info["val_file"] = str(work / "responses_val.jsonl")
         logger.info("regenerate: %s", {k: v for k, v in info.items() if k != "sample_response"})
         logger.info("sample response:\n%s", info["sample_response"][:400])
@@ -1282,8 +1581,13 @@ def main(argv=None) -> int:
         val_shards = harvest_store(scale, target, run.results["regenerate"]["val_file"], work / "shards_val", device)
         counts = asdict(Store.open(shards).manifest.counts)
         val_rows = Store.open(val_shards).num_rows
-        return {**counts, "store_mb": disk_bytes(shards) / 1e6, "path": str(shards), "val_path": str(val_shards),
-                "val_rows": val_rows}  # fmt: skip
+        return {
+            **counts,
+            "store_mb": disk_bytes(shards) / 1e6,
+            "path": str(shards),
+            "val_path": str(val_shards),
+            "val_rows": val_rows,
+        }
 
     run.results["harvest"] = run.stage("harvest", 30 if device.type == "cuda" else 20, harvest)
     if stop_here("harvest"):
@@ -1293,11 +1597,23 @@ def main(argv=None) -> int:
     def drafter():
         rows = run.results["harvest"]["rows"]
         steps = drafter_steps(scale, rows)
-        logger.info("drafter: %d train rows, %d rows per step, %d steps (%.1f epochs); held-out store of %d rows",
-                    rows, scale.rows_per_step, steps, steps * scale.rows_per_step / max(rows, 1),
-                    run.results["harvest"]["val_rows"])  # fmt: skip
-        return train_drafter(scale, run.results["harvest"]["path"], run.results["harvest"]["val_path"], work / "run",
-                             steps, device, args.seed)  # fmt: skip
+        logger.info(
+            "drafter: %d train rows, %d rows per step, %d steps (%.1f epochs); held-out store of %d rows",
+            rows,
+            scale.rows_per_step,
+            steps,
+            steps * scale.rows_per_step / max(rows, 1),
+            run.results["harvest"]["val_rows"],
+        )
+        return train_drafter(
+            scale,
+            run.results["harvest"]["path"],
+            run.results["harvest"]["val_path"],
+            work / "run",
+            steps,
+            device,
+            args.seed,
+        )
 
     run.results["drafter"] = run.stage("drafter", scale.drafter_seconds, drafter)
     if stop_here("drafter"):
@@ -1309,24 +1625,42 @@ def main(argv=None) -> int:
         left = sum(not mode_done(run.stages, m.folder).exists() for m in modes)
         per_mode = scale.drafter_seconds + (60 if device.type == "cuda" else 40)  # + two harvests
         budget = math.ceil(left / max(scale.mode_workers, 1)) * per_mode
-        run.results["modes"] = run.stage("modes", budget, lambda: run_modes(
-            scale, modes, target, run.results, work, run.stages, device, args.seed, log
-        ))  # fmt: skip
+        run.results["modes"] = run.stage(
+            "modes",
+            budget,
+            lambda: run_modes(scale, modes, target, run.results, work, run.stages, device, args.seed, log),
+        )
         if stop_here("modes"):
             return 0
         mode_drafters = {m.method: run.results["modes"][m.name]["drafter"]["export"] for m in modes}
 
     # 7. eval
     budget = max(0.0, min(scale.eval_seconds, run.left() - 10))
-    report, complete = run.stage("eval", budget, lambda: evaluate_all(
-        scale, target, Path(run.results["drafter"]["export"]), eval_prompts, device, budget, args.seed, work, log,
-        modes=mode_drafters,
-    ))  # fmt: skip
+    report, complete = run.stage(
+        "eval",
+        budget,
+        lambda: evaluate_all(
+            scale,
+            target,
+            Path(run.results["drafter"]["export"]),
+            eval_prompts,
+            device,
+            budget,
+            args.seed,
+            work,
+            log,
+            modes=mode_drafters,
+        ),
+    )
     run.results["eval"] = asdict(report)
     run.results["bar"] = bar(report, complete)
     if not complete:
-        logger.info("eval: %d of %d held-out prompts done; the bar below is PARTIAL: rerun with --work %s to go on",
-                    len(report.prompts), len(eval_prompts), work)  # fmt: skip
+        logger.info(
+            "eval: %d of %d held-out prompts done; the bar below is PARTIAL: rerun with --work %s to go on",
+            len(report.prompts),
+            len(eval_prompts),
+            work,
+        )
     table = markdown(run.results, report)
     run.results["table"] = table
     if modes:

@@ -6,6 +6,7 @@ EvalConfig. torch and transformers are imported inside the commands so that `dfl
 
 import json
 import logging
+import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -46,6 +47,10 @@ def eval_command(**options):
     json_path = Path(cfg.json_path) if cfg.json_path else None
     if json_path and json_path.is_dir():
         raise DflashError(f"--json {json_path} is a folder; give the path of a JSON file for the report")
+    if json_path and not json_path.parent.is_dir():
+        raise DflashError(f"--json {json_path}: the folder {json_path.parent} does not exist; create it first")
+    if json_path and not os.access(json_path.parent, os.W_OK | os.X_OK):
+        raise DflashError(f"--json {json_path}: the folder {json_path.parent} is not writable; give another path")
     if json_path and not cfg.resume and json_path.exists():
         raise DflashError(
             f"{json_path} exists: pass --resume to go on from that report, or give another --json "

@@ -30,7 +30,17 @@ def harvest(**options):
 @click.command()
 @config_option
 @config_options(
-    HarvestConfig, skip=("rank", "device", "dtype", "allow_slow_kernels", "calibration_tokens", "projection_from")
+    HarvestConfig,
+    skip=(
+        "rank",
+        "device",
+        "dtype",
+        "allow_slow_kernels",
+        "calibration_tokens",
+        "projection_from",
+        "self_check",
+        "repair",
+    ),
 )
 @click.option(
     "--sample",
@@ -63,14 +73,26 @@ def plan(sample, epochs, draft_layers, block_size, **options):
 
 
 @click.command()
+@config_option
 @click.argument("store_path", metavar="STORE", type=click.Path())
 @click.option("--verify", is_flag=True, help="Read every chunk and check its CRC32C checksum.")
+@click.option(
+    "--reforward",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Load the target and re-run this many stored documents (drawn at random), each alone, comparing every "
+    "stored feature with the fresh forward.",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the --reforward draw.")
+@click.option("--model", "model", help="Target folder for --reforward.  [default: the one the store records]")
+@click.option("--device", help="Torch device for --reforward.  [default: cuda when available, else cpu]")
 @reports_errors
-def inspect(store_path, verify):
-    """Summarise a store (--verify: check chunks).
+def inspect(store_path, verify, reforward, seed, model, device):
+    """Summarise a store (--verify: check chunks; --reforward N: check features against the target).
 
     Prints the manifest, counts, padding and bytes per token; --verify reads every chunk and checks its
-    checksum, exiting with status 1 if any is damaged.
+    checksum, exiting with status 1 if any is damaged; --reforward N re-runs N stored documents through the
+    target and exits with status 1 if any stored feature differs by more than the store's encoding error.
     """
     from pathlib import Path
 
@@ -82,8 +104,19 @@ def inspect(store_path, verify):
         click.echo(_describe(path, header))
     opened = store.Store.open(path)  # raises for an incomplete or foreign store
     click.echo(_describe(path, opened.manifest))
+    failed = False
     if verify:
-        _verify(opened)
+        failed = _verify(opened)
+    if reforward:
+        from dflash.selfcheck import describe_failure, run_reforward
+
+        check = run_reforward(path, reforward, seed, device, model)
+        click.echo(f"reforward  {check.describe()}")
+        for failure in check.failures:
+            click.echo(f"  {describe_failure(failure)}")
+        failed = failed or not check.passed
+    if failed:
+        raise SystemExit(1)
 
 
 def _describe(path, manifest) -> str:
@@ -109,11 +142,12 @@ def _describe(path, manifest) -> str:
         f"({counts.padding_tokens / max(1, slots):.1%} of row slots)",
         f"disk       {on_disk / 1e9:.3f} GB: {on_disk / max(1, counts.tokens):.0f} bytes per token, "
         f"{on_disk / max(1, raw):.3f} of raw bf16 features ({manifest.feature_dim * 2} bytes per token)",
+        "self-check " + (manifest.self_check.describe() if manifest.self_check else "not run (inspect --reforward N)"),
     ]
     return "\n".join(lines)
 
 
-def _verify(opened) -> None:
+def _verify(opened) -> bool:
     from tqdm import tqdm
 
     from dflash import store
@@ -125,5 +159,11 @@ def _verify(opened) -> None:
         click.echo(f"verify     {len(problems)} damaged chunks:")
         for problem in problems:
             click.echo(f"  {problem}")
-        raise SystemExit(1)
+        ranks = sorted({int(problem.split("part rank", 1)[1][:5]) for problem in problems})
+        click.echo(
+            f"repair     rerun the harvest command with --repair for rank(s) {', '.join(map(str, ranks))}: it "
+            "re-harvests exactly the damaged rows"
+        )
+        return True
     click.echo("verify     every chunk present and its checksum correct")
+    return False

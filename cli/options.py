@@ -11,30 +11,122 @@ import click
 
 from dflash.errors import DflashError
 
+_FILE_DICTS = "dflash.config_dicts"  # ctx.meta key: dict options' values from --config, merged by _key_values
+
+
+def _command_names(ctx: click.Context) -> set[str]:
+    """Every dflash command's name (a --config file may hold tables for several commands)."""
+    root = ctx.find_root().command
+    names = set(root.commands) if isinstance(root, click.Group) else set()
+    return names | {ctx.info_name}
+
 
 def _load_config(ctx: click.Context, _param, path: str | None):
     """Turn a TOML file into the command's defaults, so that flags given on the command line win.
 
-    The file may hold the command's keys at top level or under a table named after the command
-    (`[harvest]`, `[train]`); keys use the option names with `-` or `_`.
+    The file holds the command's keys at top level and / or under a table named after the command (`[harvest]`,
+    `[train]`; the table's value wins); keys use the option names with `-` or `_`. Tables named after other dflash
+    commands are skipped, so one file may serve several commands. Every other key must be an option of this
+    command with a value of its type: anything else is an error naming the key, never silently dropped.
     """
     if path is None:
         return None
     try:
-        table = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+        document = tomllib.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise click.BadParameter(f"cannot read config {path}: {exc}") from exc
-    table = table.get(ctx.info_name, table)
     # Keys are the flags' names (`shards`, `val-shards`) or the parameters' own (`store`).
-    names = {opt.lstrip("-").replace("-", "_"): p.name for p in ctx.command.params for opt in p.opts}
-    names.update({p.name: p.name for p in ctx.command.params})
-    known = set(names)
-    values = {key.replace("-", "_"): value for key, value in table.items() if not isinstance(value, dict)}
-    unknown = sorted(set(values) - known)
+    params = {p.name: p for p in ctx.command.params if p.name != "config"}
+    names = {opt.lstrip("-").replace("-", "_"): p.name for p in params.values() for opt in p.opts}
+    names.update({name: name for name in params})
+    commands = _command_names(ctx)
+    own = ctx.info_name
+    entries = []  # (key as written, where, value); the command's table after the top level, so that it wins
+    tables = []
+    for key, value in document.items():
+        if isinstance(value, dict) and key in commands:
+            if key == own:
+                tables = [(k, f"[{own}] {k}", v) for k, v in value.items()]
+        elif isinstance(value, dict) and key.replace("-", "_") not in names:
+            raise click.BadParameter(
+                f"{path}: [{key}] is neither a dflash command's table ({', '.join(sorted(commands))}) nor an "
+                f"option of dflash {own}; fix the table's name"
+            )
+        else:
+            entries.append((key, key, value))
+    unknown = sorted(where for key, where, _ in entries + tables if key.replace("-", "_") not in names)
     if unknown:
-        raise click.BadParameter(f"unknown keys in {path}: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
-    ctx.default_map = {**(ctx.default_map or {}), **{names[key]: value for key, value in values.items()}}
+        known = sorted(k.replace("_", "-") for k in names)
+        raise click.BadParameter(
+            f"unknown keys in {path} for dflash {own}: {', '.join(unknown)} (known: {', '.join(known)}); "
+            "keys meant for another command go under its table, e.g. [harvest]"
+        )
+    defaults, dicts = {}, {}
+    for key, where, value in entries + tables:
+        param = params[names[key.replace("-", "_")]]
+        value = _checked(param, value, f"{path}: {where}")
+        if isinstance(value, dict):
+            dicts[param.name] = {**dicts.get(param.name, {}), **value}  # the table's keys win
+        else:
+            defaults[param.name] = value
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    ctx.meta[_FILE_DICTS] = dicts
     return path
+
+
+def _checked(param: click.Parameter, value, where: str):
+    """A --config value checked against its option's type; lists of integers as `1,3,5` for _int_list."""
+
+    def wrong(expected: str):
+        return click.BadParameter(f"{where} = {value!r} is not {expected}")
+
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def is_number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    kind = param.type
+    if param.callback is _key_values:
+        if not isinstance(value, dict):
+            raise wrong("a table, e.g. {intermediate_size = 9216}")
+        return value
+    if param.callback is _int_list:
+        if isinstance(value, list) and all(is_int(v) for v in value):
+            return ",".join(map(str, value))
+        if isinstance(value, str):
+            return value
+        raise wrong("a list of integers, e.g. [1, 9, 17]")
+    if isinstance(value, (dict, list)) and not isinstance(kind, click.Tuple):
+        raise wrong("a single value")
+    if getattr(param, "is_flag", False) or isinstance(kind, click.types.BoolParamType):
+        if not isinstance(value, bool):
+            raise wrong("true or false")
+    elif isinstance(kind, click.Tuple):
+        if not isinstance(value, list) or len(value) != len(kind.types):
+            raise wrong(f"a list of {len(kind.types)} values")
+        for item, item_type in zip(value, kind.types):
+            if isinstance(item_type, click.types.FloatParamType) and not is_number(item):
+                raise wrong(f"a list of {len(kind.types)} numbers")
+            if isinstance(item_type, click.types.IntParamType) and not is_int(item):
+                raise wrong(f"a list of {len(kind.types)} integers")
+    elif isinstance(kind, click.Choice):
+        if value not in kind.choices:
+            raise wrong(f"one of {', '.join(map(str, kind.choices))}")
+    elif isinstance(kind, click.types.IntParamType):
+        if not is_int(value):
+            raise wrong("an integer")
+    elif isinstance(kind, click.types.FloatParamType):
+        if not is_number(value):
+            raise wrong("a number")
+    elif isinstance(kind, click.Path):
+        if not isinstance(value, str):
+            raise wrong('a path in quotes, e.g. "runs/a"')
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)  # a plain string option given a number, e.g. `subspace = 256`
+    elif not isinstance(value, str):
+        raise wrong("a string")
+    return value
 
 
 config_option = click.option(
@@ -61,12 +153,11 @@ def reports_errors(command):
     return wrapper
 
 
-def _key_values(_ctx, _param, values):
-    """`--drafter-option intermediate_size=9216` (repeatable) -> {"intermediate_size": 9216}."""
-    if values is None or isinstance(values, dict):  # not given, or from a --config file
-        return values or None
-    out = {}
-    for item in values:
+def _key_values(ctx, param, values):
+    """`--drafter-option intermediate_size=9216` (repeatable) -> {"intermediate_size": 9216}; the flags win over
+    a `drafter-option = {...}` table of the --config file."""
+    out = dict(ctx.meta.get(_FILE_DICTS, {}).get(param.name) or {})
+    for item in values or ():
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise click.BadParameter(f"{item!r} is not KEY=VALUE, e.g. intermediate_size=9216")

@@ -21,24 +21,42 @@ def train(**options):
 
     Run with torchrun for several GPUs (one process per GPU); on one GPU or the CPU, run it directly. Writes
     metrics to OUT/metrics.jsonl and OUT/tb, checkpoints to OUT/checkpoints/step_N, and exports the drafter
-    to OUT/drafter at the end.
+    to OUT/drafter at the end. One run at a time owns OUT. Ctrl-C or SIGTERM saves a checkpoint after the
+    current step and stops; the same command with --resume continues the run.
     """
     from dflash.train import run_training
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    result = run_training(given(TrainConfig, options))
+    try:
+        result = run_training(given(TrainConfig, options))
+    except KeyboardInterrupt:  # before the first step, or a second Ctrl-C: no checkpoint was saved for it
+        click.echo(
+            "error: interrupted without a new checkpoint; rerun the same command with --resume to continue from the "
+            "last checkpoint (without --resume if there is none)",
+            err=True,
+        )
+        raise SystemExit(130) from None
+    if result.get("damaged_rows"):
+        rows = result["damaged_rows"]
+        click.echo(f"skipped {len(rows)} damaged row(s) of the store: {', '.join(map(str, rows[:20]))}")
     if "export" in result:
         click.echo(f"drafter written to {result['export']}")
 
 
 @click.command()
+@config_option
 @click.argument("run", type=click.Path())
 @config_options(ExportConfig)
 @reports_errors
 def export(**options):
-    """Export the drafter of a training RUN in the public DFlash checkpoint layout."""
+    """Export the drafter of a training RUN in the public DFlash checkpoint layout.
+
+    OUT must be new or empty; an earlier export there is replaced only with --force. The files are written to a
+    temporary folder beside OUT and renamed into place, so an interrupted export leaves no half-written folder.
+    The folder also loads with transformers: AutoModel.from_pretrained(OUT, trust_remote_code=True).
+    """
     from dflash.checkpoint import Checkpointer
 
     cfg = given(ExportConfig, options)
-    path = Checkpointer(cfg.run).export(cfg.out, step=cfg.step, dtype=cfg.dtype)
+    path = Checkpointer(cfg.run).export(cfg.out, step=cfg.step, dtype=cfg.dtype, force=cfg.force)
     click.echo(f"drafter written to {path}")

@@ -1,14 +1,23 @@
-"""The checkpoints of a training run: save, find the latest, load in place, check a resume, export.
+"""The checkpoints of a training run: the run folder's lock, save, find the latest, load in place, check a resume,
+export.
 
-A checkpoint is the folder RUN/checkpoints/step_N: written into .tmp-step_N by every rank and renamed by rank 0
-once all files are in it, so a folder named step_N is complete by construction and the latest checkpoint is the
-highest such N. Loading copies into the trainer's live tensors in place, so that the captured step keeps reading
-the same storage. Contents and resume semantics are in docs/training.md.
+A checkpoint is the folder RUN/checkpoints/step_N: written into .tmp-step_N-<save id> by every rank (every file
+flushed to disk), and renamed by rank 0 once all files are in it, so a folder named step_N is complete by
+construction. Every checkpoint is self-consistent: its state.json holds a random save id and the sha256 of every
+file rank 0 wrote, and each rank's rng file the same save id; a resume takes the newest checkpoint that passes
+these checks (naming the ones it skips). Loading copies into the trainer's live tensors in place, so that the
+captured step keeps reading the same storage. One run at a time owns a run folder (`RunLock`). Contents and resume
+semantics are in docs/training.md.
 """
 
 import dataclasses
+import errno
+import fcntl
+import hashlib
 import json
+import logging
 import os
+import secrets
 import shutil
 from pathlib import Path
 
@@ -16,13 +25,19 @@ import torch
 import torch.distributed as dist
 
 from dflash.config import TrainConfig
-from dflash.drafter import DFlashDrafter, DrafterConfig, export_drafter
+from dflash.drafter import DFlashDrafter, DrafterConfig, check_export_target, export_drafter
 from dflash.errors import DflashError, describe_differences
 
+logger = logging.getLogger("dflash")
+
 PREFIX = "step_"
+LOCK_FILE = ".lock"
+METRICS_FILE = "metrics.jsonl"  # (dflash.metrics writes it; named here to tell an earlier run's folder)
+# Errors of a full disk or a file-size limit: reported in one line, the previous checkpoint left intact.
+DISK_ERRORS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
 
 # Options that may differ between a run and its resumption: they change how the run executes or reports, not
-# the sequence of weights it computes.
+# the sequence of weights it computes (max_damaged_rows: a run stopped by a damaged row resumes with it raised).
 RESUMABLE_CHANGES = {
     "out",
     "store",
@@ -40,6 +55,8 @@ RESUMABLE_CHANGES = {
     "tensorboard",
     "prefetch",
     "reader_workers",
+    "max_damaged_rows",
+    "allow_failed_self_check",
 }
 
 
@@ -59,6 +76,126 @@ def read_state(path: Path) -> dict:
     return json.loads((Path(path) / "state.json").read_text())
 
 
+def on_rank0(rank: int, world_size: int, fn):
+    """fn() on rank 0, its result (or its DflashError) handed to every rank: no rank waits for one that failed."""
+    if world_size == 1:
+        return fn()
+    box = [None]
+    if rank == 0:
+        try:
+            box = [("ok", fn())]
+        except DflashError as exc:
+            box = [("error", str(exc))]
+    dist.broadcast_object_list(box, 0)
+    kind, value = box[0]
+    if kind == "error":
+        raise DflashError(value)
+    return value
+
+
+def max_over_ranks(value: int, world_size: int, device) -> int:
+    """The largest of the ranks' `value`s (one tiny all-reduce; the value itself on one rank)."""
+    if world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def any_rank(flag: bool, world_size: int, device) -> bool:
+    """True when `flag` is true on any rank."""
+    return bool(max_over_ranks(int(flag), world_size, device))
+
+
+def fsync_folder(path: Path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def disk_error(exc: OSError, what: str, where: Path) -> DflashError:
+    """One line for a full disk or a file-size limit, naming the disk (the folder and its free space)."""
+    try:
+        free = f"{shutil.disk_usage(where).free / 2**30:.1f} GiB free"
+    except OSError:
+        free = "free space unknown"
+    return DflashError(
+        f"{what}: {os.strerror(exc.errno)} on the disk of {where} ({free}); free space there (or raise the file "
+        "size limit) and rerun with --resume"
+    )
+
+
+class RunLock:
+    """An exclusive OS lock (flock) on RUN/.lock for the lifetime of a run: the kernel drops it when the process
+    dies, however it dies, so a stale lock never blocks; a second run into the same folder is refused."""
+
+    def __init__(self, run):
+        self.run = Path(run)
+        self.fd = None
+
+    def acquire(self):
+        path = self.run / LOCK_FILE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise DflashError(f"cannot lock the run folder {self.run}: {exc.strerror}") from None
+            raise DflashError(
+                f"{self.run} is in use by another dflash train (pid {holder}); wait for it to finish or stop it, "
+                "or choose another --out"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def release(self):
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+
+class _Hashing:
+    """A write-only file that hashes what passes through (torch.save writes into it): no second read to hash."""
+
+    def __init__(self, f):
+        self.f, self.sha = f, hashlib.sha256()
+
+    def write(self, data):
+        self.sha.update(data)
+        return self.f.write(data)
+
+    def flush(self):
+        self.f.flush()
+
+
+def _write(path: Path, obj) -> str:
+    """torch.save `obj` (or write bytes) to `path`, flushed to the disk; returns the file's sha256."""
+    with open(path, "wb") as f:
+        out = _Hashing(f)
+        if isinstance(obj, bytes):
+            out.write(obj)
+        else:
+            torch.save(obj, out)
+        f.flush()
+        os.fsync(f.fileno())
+    return out.sha.hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            sha.update(block)
+    return sha.hexdigest()
+
+
 class Checkpointer:
     """The checkpoints of the run in `out`, seen from one rank (rank 0 writes the files every rank shares)."""
 
@@ -70,82 +207,164 @@ class Checkpointer:
     def path(self, step: int) -> Path:
         return self.folder / f"{PREFIX}{step}"
 
+    def complete(self) -> list[Path]:
+        """The checkpoints renamed to step_N (complete by construction unless a power loss cut them), newest first."""
+        numbers = [p.name.removeprefix(PREFIX) for p in self.folder.glob(f"{PREFIX}*")]
+        return [self.path(s) for s in sorted((int(n) for n in numbers if n.isdigit()), reverse=True)]
+
     def latest(self) -> Path | None:
         """The complete checkpoint with the highest step: complete ones are exactly those renamed to step_N."""
-        numbers = [p.name.removeprefix(PREFIX) for p in self.folder.glob(f"{PREFIX}*")]
-        steps = [int(n) for n in numbers if n.isdigit()]
-        return self.path(max(steps)) if steps else None
+        paths = self.complete()
+        return paths[0] if paths else None
+
+    def problem(self, path: Path) -> str | None:
+        """Why the checkpoint at `path` cannot be loaded (cut short, empty, files of different saves), or None."""
+        try:
+            state = read_state(path)
+        except (OSError, ValueError) as exc:
+            return f"its state.json is missing or unreadable ({exc.__class__.__name__})"
+        files, save_id = state.get("files"), state.get("save_id")
+        if files is None:  # a checkpoint of an earlier version: no digests, check that its files are not empty
+            files = {name: None for name in ("model.pt", "optimizer.pt")}
+        for name, digest in files.items():
+            file = path / name
+            if not file.is_file() or file.stat().st_size == 0:
+                return f"{name} is missing or empty"
+            if digest is not None and _sha256(file) != digest:
+                return f"{name} does not match its state.json (cut short, or written by another save)"
+        for r in range(state.get("world_size", self.world_size)):
+            file = path / f"rng_rank{r}.pt"
+            try:
+                saved = torch.load(file, weights_only=True)
+            except Exception as exc:  # missing, empty or cut short: whatever torch.load raises
+                return f"{file.name} cannot be read ({exc.__class__.__name__})"
+            if saved.get("save_id") != save_id:
+                return f"{file.name} belongs to another save than its state.json"
+        return None
 
     # ---- resume
 
-    def to_resume(self, cfg: TrainConfig) -> Path | None:
-        """The checkpoint this run continues from (None: a fresh run), after checking that it may.
+    def to_resume(self, cfg: TrainConfig, store_identity: str = "") -> Path | None:
+        """The checkpoint this run continues from (None: a fresh run), after checking that it may; decided on rank
+        0 and handed to every rank.
 
-        --resume needs a complete checkpoint made with the same trajectory-shaping options; without --resume the
-        run folder must hold no checkpoints."""
-        latest = self.latest()
+        --resume takes the newest checkpoint that loads (naming the ones it skips) made with the same
+        trajectory-shaping options and store; without --resume the run folder must hold no earlier run."""
+        return on_rank0(self.rank, self.world_size, lambda: self._to_resume(cfg, store_identity))
+
+    def _to_resume(self, cfg: TrainConfig, store_identity: str) -> Path | None:
+        paths = self.complete()
+        metrics = self.run / METRICS_FILE
+        earlier = metrics.is_file() and metrics.stat().st_size > 0
         if not cfg.resume:
-            if latest is not None:
+            if paths or earlier:
+                held = "checkpoints" if paths else f"the metrics of an earlier run ({metrics.name})"
                 raise DflashError(
-                    f"{self.run} already holds checkpoints of a run; pass --resume to continue it or choose a new --out"
+                    f"{self.run} already holds {held}; pass --resume to continue that run, or choose a new --out "
+                    "(or delete the folder) to start fresh"
                 )
             return None
-        if latest is None:
-            raise DflashError(f"--resume: {self.run} has no complete checkpoint; start without --resume")
-        self.check_resumable(cfg, latest)
-        return latest
+        skipped = []
+        for path in paths:
+            reason = self.problem(path)
+            if reason is None:
+                break
+            logger.warning("--resume: skipping checkpoint %s: %s", path, reason)
+            skipped.append(f"{path.name}: {reason}")
+        else:
+            detail = f" that loads ({'; '.join(skipped)})" if skipped else ""
+            fresh = f"remove {metrics} and start" if earlier else "start"
+            raise DflashError(f"--resume: {self.run} has no complete checkpoint{detail}; {fresh} without --resume")
+        if skipped:
+            logger.warning("--resume: continuing from %s instead", path.name)
+        self.check_resumable(cfg, path, store_identity)
+        return path
 
-    def check_resumable(self, cfg: TrainConfig, path: Path):
-        """A resume must continue the same run: every option that shapes the trajectory must be unchanged."""
+    def check_resumable(self, cfg: TrainConfig, path: Path, store_identity: str = ""):
+        """A resume must continue the same run: every option that shapes the trajectory must be unchanged, and the
+        store must be the same (its manifest's identity)."""
+        state = read_state(path)
         now = fingerprint(cfg, self.world_size)
-        details = describe_differences(read_state(path)["fingerprint"], now, "checkpoint", "now")
+        details = describe_differences(state["fingerprint"], now, "checkpoint", "now")
         if details:
             raise DflashError(
                 f"cannot resume {path}: the run was made with other options ({details}); "
                 "rerun with the original options or train into a new --out"
             )
+        saved = state.get("store_identity", "")
+        if saved and store_identity and saved != store_identity:
+            raise DflashError(
+                f"cannot resume {path}: it was trained on the store {state['config']['store']} (identity "
+                f"{saved[:16]}), but --shards {cfg.store} is another store (identity {store_identity[:16]}); pass "
+                "the original --shards or train into a new --out"
+            )
 
     # ---- save and load
 
-    def save(self, trainer, step: int):
-        """Written into a temporary folder that rank 0 renames to step_N once every rank's files are in it."""
+    def save(self, trainer, step: int) -> Path:
+        """Written into a temporary folder of this save that rank 0 renames to step_N once every rank's files are
+        in it, flushed to the disk. A full disk is one DflashError on every rank, the previous checkpoint intact."""
         self.check_replicas(trainer)
         main = self.rank == 0
         final = self.path(step)
-        tmp = final.with_name(f".tmp-{final.name}")
+        save_id = on_rank0(self.rank, self.world_size, lambda: secrets.token_hex(8))
+        tmp = final.with_name(f".tmp-{final.name}-{save_id}")
+        failure = None
+        try:
+            if main:
+                for stale in self.folder.glob(".tmp-*"):  # the run folder is locked: these are a dead run's
+                    shutil.rmtree(stale, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            self._barrier()
+            rng = {"torch": torch.get_rng_state(), "save_id": save_id, "sums": trainer.sums.detach().cpu()}
+            if trainer.cuda:
+                rng["cuda"] = torch.cuda.get_rng_state(trainer.device)
+            _write(tmp / f"rng_rank{self.rank}.pt", rng)
+            if main:
+                epoch, index = trainer.plan.position(step)
+                files = {"model.pt": _write(tmp / "model.pt", trainer.model.state_dict())}
+                if trainer.projection is not None:  # the export folds it into fc
+                    files["projection.pt"] = _write(tmp / "projection.pt", trainer.projection)
+                files["optimizer.pt"] = _write(tmp / "optimizer.pt", trainer.optimizer.state_dict())
+                state = {
+                    "step": step,
+                    "epoch": epoch,
+                    "index": index,
+                    "total_steps": trainer.total_steps,
+                    "fingerprint": fingerprint(trainer.cfg, self.world_size),
+                    "config": dataclasses.asdict(trainer.cfg),
+                    "drafter": dataclasses.asdict(trainer.dcfg),
+                    "world_size": self.world_size,
+                    "store_identity": trainer.store.manifest.identity,
+                    "save_id": save_id,
+                    "files": files,
+                }
+                _write(tmp / "state.json", (json.dumps(state, indent=2) + "\n").encode())
+        except OSError as exc:
+            if exc.errno not in DISK_ERRORS:
+                raise
+            failure = exc
+        failed = any_rank(failure is not None, self.world_size, trainer.device)
+        if failed:
+            if main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            previous = self.latest()
+            kept = f"; the previous checkpoint {previous.name} is intact" if previous else ""
+            what = f"writing checkpoint {final.name} failed" + ("" if failure else " on another rank")
+            if failure is None:
+                raise DflashError(f"{what} (a full disk or a file-size limit){kept}")
+            raise DflashError(str(disk_error(failure, what, self.folder)) + kept) from None
         if main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        self._barrier()
-        rng = {"torch": torch.get_rng_state()}
-        if trainer.cuda:
-            rng["cuda"] = torch.cuda.get_rng_state(trainer.device)
-        torch.save(rng, tmp / f"rng_rank{self.rank}.pt")
-        if main:
-            epoch, index = trainer.plan.position(step)
-            state = {
-                "step": step,
-                "epoch": epoch,
-                "index": index,
-                "total_steps": trainer.total_steps,
-                "fingerprint": fingerprint(trainer.cfg, self.world_size),
-                "config": dataclasses.asdict(trainer.cfg),
-                "drafter": dataclasses.asdict(trainer.dcfg),
-                "world_size": self.world_size,
-            }
-            torch.save(trainer.model.state_dict(), tmp / "model.pt")
-            if trainer.projection is not None:  # the export folds it into fc
-                torch.save(trainer.projection, tmp / "projection.pt")
-            torch.save(trainer.optimizer.state_dict(), tmp / "optimizer.pt")
-            (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
-        self._barrier()
-        if main:
+            fsync_folder(tmp)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
+            fsync_folder(self.folder)
         self._barrier()
+        return final
 
     def load(self, trainer, path: Path):
-        """Copy the checkpoint into the live tensors in place: the captured graph keeps reading the same storage."""
+        """Copy the checkpoint into the live tensors in place: the captured graph keeps reading the same storage.
+        The metric sums of the steps after the last record come back too, so the next record is the same."""
         state = read_state(path)
         with torch.no_grad():
             trainer.model.load_state_dict(torch.load(path / "model.pt", map_location=trainer.device))
@@ -157,9 +376,13 @@ class Checkpointer:
                     value.copy_(saved[i][key])
             trainer.step_t.fill_(state["step"])
         rng = torch.load(path / f"rng_rank{self.rank}.pt")
+        if rng.get("save_id") != state.get("save_id"):
+            raise DflashError(f"{path} holds files of two saves; resume from another checkpoint")
         torch.set_rng_state(rng["torch"])
         if trainer.cuda and "cuda" in rng:
             torch.cuda.set_rng_state(rng["cuda"], trainer.device)
+        if "sums" in rng and rng["sums"].shape == trainer.sums.shape:
+            trainer.sums.copy_(rng["sums"])
 
     def check_replicas(self, trainer):
         """Every rank must hold the same weights (same gradients, same update): compare per-tensor checksums."""
@@ -177,17 +400,30 @@ class Checkpointer:
 
     # ---- export
 
-    def export(self, out, step: int | None = None, dtype: str = "bfloat16") -> Path:
-        """Write the drafter of a checkpoint (the latest complete one by default) in the public layout."""
+    def export(self, out, step: int | None = None, dtype: str = "bfloat16", force: bool = False) -> Path:
+        """Write the drafter of a checkpoint (the latest complete one by default) in the public layout.
+
+        `out` must be new, empty, or (with `force`) an earlier export; nothing else in it is ever overwritten."""
+        check_export_target(out, replace_export=force)  # before reading the checkpoint: refuse early
         path = self.latest() if step is None else self.path(step)
         if path is None or not (path / "state.json").exists():
-            which = "a complete checkpoint" if step is None else f"checkpoint step {step}"
+            which = "complete checkpoint" if step is None else f"checkpoint step {step}"
             raise DflashError(
                 f"{self.run} has no {which} (looked in {self.folder}); train first or pick another --step"
             )
-        dcfg = DrafterConfig(**read_state(path)["drafter"])
-        with torch.device("meta"):
-            model = DFlashDrafter(dcfg)
-        model.load_state_dict(torch.load(path / "model.pt", map_location="cpu"), assign=True)
-        projection = torch.load(path / "projection.pt") if dcfg.feature_width is not None else None
-        return export_drafter(model, dcfg, out, dtype=getattr(torch, dtype), projection=projection)
+        try:
+            dcfg = DrafterConfig(**read_state(path)["drafter"])
+            with torch.device("meta"):
+                model = DFlashDrafter(dcfg)
+            model.load_state_dict(torch.load(path / "model.pt", map_location="cpu"), assign=True)
+            projection = torch.load(path / "projection.pt") if dcfg.feature_width is not None else None
+        except DflashError:
+            raise
+        except Exception as exc:  # a checkpoint cut short or edited: torch / pickle / JSON errors of many kinds
+            raise DflashError(
+                f"cannot read checkpoint {path} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                "it is damaged or incomplete: export another one with --step"
+            ) from None
+        return export_drafter(
+            model, dcfg, out, dtype=getattr(torch, dtype), projection=projection, replace_export=force
+        )

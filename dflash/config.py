@@ -84,6 +84,14 @@ class HarvestConfig:
         "Use the projection of this subspace store instead of calibrating (a held-out store must share its training store's).",
         path=True,
     )
+    self_check: int = option(
+        4,
+        "Stored documents re-run alone through the target at the end and compared with the store; the result goes "
+        "into the manifest (0: skip; `dflash inspect --reforward N` runs it later).",
+    )
+    repair: bool = option(
+        False, "Re-harvest the rows of this rank's part whose chunks are damaged (what `inspect --verify` lists)."
+    )
 
 
 EXPORT_DTYPES = ["bfloat16", "float32"]
@@ -150,6 +158,14 @@ class TrainConfig:
         792.0, "Dense bf16 TFLOP/s of one device, the MFU denominator (the default: the H200's, measured)."
     )
     tensorboard: bool = option(True, "Write TensorBoard scalars to OUT/tb.")
+    max_damaged_rows: int = option(
+        0,
+        "Damaged store rows (failed checksum, missing chunk) to skip with zero loss weight, counted in the metrics; "
+        "one more stops the run (0: the first stops it, after a checkpoint). Counted per rank.",
+    )
+    allow_failed_self_check: bool = option(
+        False, "Train on a store whose check against its target failed at harvest (refused otherwise)."
+    )
 
     def __post_init__(self):
         """Option values that are wrong whatever the store: one message for all of them, naming the flags."""
@@ -190,6 +206,7 @@ class ExportConfig:
     out: str = option(help="Folder to write config.json + model.safetensors to.", path=True)
     step: int | None = option(None, "Checkpoint step to export.", default_doc="the latest complete one")
     dtype: str = option("bfloat16", "Dtype of the exported weights.", choices=EXPORT_DTYPES)
+    force: bool = option(False, "Replace an earlier dflash export at --out (any other non-empty folder is refused).")
 
 
 # ---- generation: regenerate and eval --------------------------------------------------------------------------

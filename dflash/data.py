@@ -19,6 +19,7 @@ loss token (for example a split-off prompt) are dropped, since they could hold n
 """
 
 import json
+import logging
 import multiprocessing
 import re
 from collections.abc import Iterator
@@ -29,7 +30,10 @@ import numpy as np
 
 from dflash.errors import DflashError
 
+logger = logging.getLogger("dflash")
+
 OVERFLOW_MODES = ("truncate", "split")
+TRUNCATION_WARNING = 0.5  # a truncation dropping more than this share of a document's tokens is warned about
 LINE_EXAMPLE = (
     '{"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]}, {"text": ...} '
     'or {"prompt": ..., "completion": ...}'
@@ -69,6 +73,9 @@ class DataStats:
     documents: int = 0  # documents returned, pieces counted one by one
     tokens: int = 0
     loss_tokens: int = 0
+    truncated_most: int = 0  # truncated documents that lost more than TRUNCATION_WARNING of their tokens ...
+    largest_cut: int = 0  # ... the most tokens one truncation dropped ...
+    largest_cut_line: int = -1  # ... and that document's line (0-based; -1: none)
 
     def summary(self) -> str:
         return ", ".join(f"{field.name} {getattr(self, field.name)}" for field in fields(self))
@@ -102,6 +109,19 @@ def load_documents(cfg: DataConfig, tokenizer_path: str) -> tuple[list[Document]
     stats.documents = len(documents)
     stats.tokens = sum(len(doc.input_ids) for doc in documents)
     stats.loss_tokens = sum(int(doc.loss_mask.sum()) for doc in documents)
+    if stats.truncated_most:
+        logger.warning(
+            "WARNING: --overflow truncate cut %d document(s) of %s to less than %d%% of their length, dropping %d "
+            "tokens in all (document %d alone lost %d of its tokens, keeping %d); those tokens are never trained on. "
+            "Pass --overflow split to keep them as standalone pieces, or raise --max-length",
+            stats.truncated_most,
+            cfg.path,
+            round(100 * (1 - TRUNCATION_WARNING)),
+            stats.truncated_tokens,
+            stats.largest_cut_line,
+            stats.largest_cut,
+            cfg.max_length,
+        )
     return documents, stats
 
 
@@ -399,6 +419,10 @@ def _fit(index: int, ids: np.ndarray, mask: np.ndarray, cfg: DataConfig, stats: 
     elif cfg.overflow == "truncate":
         stats.truncated += 1
         stats.truncated_tokens += len(ids) - limit
+        if len(ids) - limit > TRUNCATION_WARNING * len(ids):
+            stats.truncated_most += 1
+        if len(ids) - limit > stats.largest_cut:
+            stats.largest_cut, stats.largest_cut_line = len(ids) - limit, index
         pieces = [(ids[:limit].copy(), mask[:limit].copy())]
     else:
         pieces = [(ids[s : s + limit].copy(), mask[s : s + limit].copy()) for s in range(0, len(ids), limit)]

@@ -12,6 +12,7 @@ The drafter has no embedding and no LM head: both are the target's, frozen, and 
 
 import json
 from dataclasses import dataclass, field, replace
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 
 import torch
@@ -77,6 +78,7 @@ class DrafterConfig:
             target_layer_ids=[int(i) for i in target_layer_ids],
             num_target_layers=_get(text, "num_hidden_layers"),
         )
+        check_overrides(overrides)
         fields.update(overrides)
         return cls(**fields)
 
@@ -146,6 +148,41 @@ class DrafterConfig:
             target_layer_ids=[int(i) for i in dflash_field("target_layer_ids")],
             num_target_layers=config.get("num_target_layers"),
         )
+
+
+def check_overrides(overrides: dict) -> None:
+    """`--drafter-option KEY=VALUE` values: known DrafterConfig fields with values of their type."""
+    import types
+    import typing
+
+    hints = typing.get_type_hints(DrafterConfig)
+    known = sorted(f.name for f in dataclass_fields(DrafterConfig))
+    unknown = sorted(set(overrides) - set(known))
+    if unknown:
+        raise DflashError(
+            f"unknown drafter config field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} in --drafter-option; "
+            f"the fields are {', '.join(known)}"
+        )
+
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    for name, value in overrides.items():
+        kind = hints[name]
+        if isinstance(kind, types.UnionType):  # `int | None`
+            if value is None:
+                continue
+            kind = next(k for k in typing.get_args(kind) if k is not type(None))
+        if kind is int:
+            ok, want = is_int(value), "an integer"
+        elif kind is float:
+            ok, want = is_int(value) or isinstance(value, float), "a number"
+        elif typing.get_origin(kind) is list:
+            ok, want = isinstance(value, list) and all(map(is_int, value)), "a list of integers"
+        else:
+            ok, want = True, ""
+        if not ok:
+            raise DflashError(f"--drafter-option {name}={value!r} is not {want}; give {want} for {name}")
 
 
 def _get(config, name, *default):
@@ -325,17 +362,72 @@ def fold_projection(state: dict, config: DrafterConfig, projection: Tensor) -> t
     return {**state, "fc.weight": folded}, replace(config, feature_width=None)
 
 
+EXPORT_MODELING = "modeling_dflash.py"  # dflash/export_modeling.py, copied: AutoModel(trust_remote_code) loads it
+EXPORT_FILES = ("config.json", "model.safetensors", EXPORT_MODELING)
+AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
+
+
+def is_export(folder) -> bool:
+    """Whether `folder` holds an earlier dflash export (a DFlash config.json and nothing but the export's files)."""
+    folder = Path(folder)
+    try:
+        names = {p.name for p in folder.iterdir()}
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (
+        names <= {*EXPORT_FILES, "__pycache__"}
+        and isinstance(config, dict)
+        and config.get("architectures") == ["DFlashDraftModel"]
+    )
+
+
+def check_export_target(folder, replace_export: bool, force_flag: str = "--force") -> Path:
+    """Refuse to export into `folder` unless it is absent, empty, or (with `replace_export`) an earlier export."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise DflashError(f"{folder} is a file, not a folder; give --out a new folder for the drafter")
+    try:
+        if not folder.is_dir() or not any(folder.iterdir()):
+            return folder
+    except OSError as exc:
+        raise DflashError(f"cannot read {folder} ({exc.strerror}); give --out a folder you can write") from None
+    if not is_export(folder):
+        shown = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
+        listing = ", ".join(shown[:8]) + (f" and {len(shown) - 8} more" if len(shown) > 8 else "")
+        raise DflashError(
+            f"{folder} is not empty and is not a dflash export (it holds {listing}); "
+            "give --out a new or empty folder: an export never overwrites other files"
+        )
+    if not replace_export:
+        raise DflashError(f"{folder} holds an earlier drafter export; pass {force_flag} to replace it")
+    return folder
+
+
 def export_drafter(
-    model, config: DrafterConfig, folder, dtype: torch.dtype | None = None, projection: Tensor | None = None
+    model,
+    config: DrafterConfig,
+    folder,
+    dtype: torch.dtype | None = None,
+    projection: Tensor | None = None,
+    replace_export: bool = True,
 ) -> Path:
-    """Write `config.json` + `model.safetensors` in the public layout; returns the folder.
+    """Write `config.json` + `model.safetensors` in the public layout, plus `modeling_dflash.py` and an `auto_map`
+    so that `AutoModel.from_pretrained(folder, trust_remote_code=True)` gives the drafter; returns the folder.
 
     model: the drafter (compiled or not) or a full state dict (e.g. gathered from FSDP).
     dtype: the saved dtype; None keeps the parameters' dtype, which makes a reload reproduce outputs exactly.
     projection: P [k, n*H] of a subspace store, folded into fc (`fold_projection`).
+    replace_export: whether an earlier dflash export in `folder` may be replaced. A folder holding anything else is
+    always refused. The files are written into a temporary sibling folder that is renamed into place, so that an
+    interruption leaves either the earlier folder or the whole new export, never half of one.
     """
+    import os
+    import shutil
+
     from safetensors.torch import save_file
 
+    folder = check_export_target(folder, replace_export)
     state = model if isinstance(model, dict) else getattr(model, "_orig_mod", model).state_dict()
     if projection is not None:
         state, config = fold_projection(state, config, projection)
@@ -348,11 +440,51 @@ def export_drafter(
         )
     tensors = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in state.items()}
     saved_dtype = dtype or next(iter(tensors.values())).dtype
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(config.to_hf_config(saved_dtype), indent=2) + "\n")
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DflashError(f"cannot create {folder.parent} ({exc.strerror}); give --out a writable folder") from None
+    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
+    old = folder.parent / f".{folder.name}.old-{os.getpid()}"
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        hf_config = {**config.to_hf_config(saved_dtype), "auto_map": dict(AUTO_MAP)}
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        shutil.copyfile(Path(__file__).with_name("export_modeling.py"), tmp / EXPORT_MODELING)
+        if folder.exists():  # empty, or an earlier export (checked above): moved aside, removed once replaced
+            folder.rename(old)
+        tmp.rename(folder)
+    except BaseException as exc:  # a full disk, or Ctrl-C: put the earlier folder back, drop the partial one
+        if old.exists() and not folder.exists():
+            old.rename(folder)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(exc, OSError):
+            raise
+        raise DflashError(
+            f"cannot write the drafter to {folder} ({exc.strerror or exc}); give --out a writable folder "
+            "with free space"
+        ) from None
+    shutil.rmtree(old, ignore_errors=True)
     return folder
+
+
+def read_drafter_config(folder) -> DrafterConfig:
+    """The DrafterConfig of an exported (or public) drafter folder, without reading its weights."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
+        raise DflashError(f"{folder} is not a drafter folder: it needs config.json and model.safetensors")
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        return DrafterConfig.from_hf_config(config)
+    except DflashError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise DflashError(
+            f"{folder / 'config.json'} is not a DFlash drafter config ({type(exc).__name__}: {exc}); "
+            "export the drafter again with `dflash export`"
+        ) from None
 
 
 def load_drafter(folder, device="cpu", dtype: torch.dtype | None = None) -> tuple[DFlashDrafter, DrafterConfig]:
@@ -360,13 +492,29 @@ def load_drafter(folder, device="cpu", dtype: torch.dtype | None = None) -> tupl
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    if not (folder / "config.json").exists() or not (folder / "model.safetensors").exists():
-        raise DflashError(f"{folder} is not a drafter folder: it needs config.json and model.safetensors")
-    config = DrafterConfig.from_hf_config(json.loads((folder / "config.json").read_text()))
-    state = load_file(folder / "model.safetensors", device=str(device))
+    config = read_drafter_config(folder)
+    try:
+        state = load_file(folder / "model.safetensors", device=str(device))
+    except Exception as exc:  # safetensors raises its own SafetensorError for damaged files, OSError for I/O
+        raise DflashError(
+            f"cannot read {folder / 'model.safetensors'}: it is damaged or cut short ({exc}); export the drafter again"
+        ) from None
+    expected = checkpoint_keys(config)
+    if sorted(state) != expected:
+        extra, missing = sorted(set(state) - set(expected)), sorted(set(expected) - set(state))
+        raise DflashError(
+            f"{folder / 'model.safetensors'} does not match its config.json (unexpected {extra[:5]}, missing "
+            f"{missing[:5]}); export the drafter again"
+        )
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}
     with torch.device("meta"):  # no random init of weights that are overwritten right away
         model = DFlashDrafter(config)
-    model.load_state_dict(state, strict=True, assign=True)
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as exc:  # a shape that does not match the config
+        raise DflashError(
+            f"{folder / 'model.safetensors'} does not match its config.json ({str(exc).splitlines()[-1].strip()}); "
+            "export the drafter again"
+        ) from None
     return model, config

@@ -10,12 +10,14 @@ ends with a log line of how long the forward thread was blocked and on what (`Pi
 slower than the bare forward either shows the wait there or loses its time elsewhere (the GIL, the CPU).
 """
 
+import contextlib
 import errno
 import hashlib
 import logging
 import os
 import queue
 import shutil
+import signal
 import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -25,7 +27,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from dflash import __version__, features, manifest, store
+from dflash import __version__, features, manifest, selfcheck, store
 from dflash.config import HarvestConfig
 from dflash.data import DataConfig, Document, load_documents, load_tokenizer
 from dflash.device import DTYPES, local_device
@@ -297,10 +299,26 @@ def target_spec(model: str, target: TappedTarget) -> manifest.TargetSpec:
 # ---------------------------------------------------------------------------------------------- the harvest
 
 
+class Interrupted(BaseException):
+    """SIGTERM (or SIGINT) during a harvest: unwinds like KeyboardInterrupt, so the writer commits what it has."""
+
+
+def _on_sigterm(signum, _frame):
+    raise Interrupted(signal.Signals(signum).name)
+
+
 def run_harvest(cfg: HarvestConfig) -> Path:
     """Harvest this rank's part of the store at cfg.out (resuming it if started); return the store path."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
         return _harvest(_resolve(cfg))
+    except (KeyboardInterrupt, Interrupted) as exc:
+        why = exc.args[0] if isinstance(exc, Interrupted) else "SIGINT"
+        raise DflashError(
+            f"harvest interrupted ({why}); the rows committed so far are kept: rerun the same command to resume "
+            "after them"
+        ) from None
     except OSError as exc:
         if exc.errno != errno.ENOSPC:
             raise
@@ -308,17 +326,49 @@ def run_harvest(cfg: HarvestConfig) -> Path:
             f"the disk holding {cfg.out} is full ({exc}); free space and rerun the same command: the harvest "
             "resumes after the rows already written"
         ) from exc
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _harvest(cfg: HarvestConfig) -> Path:
     out = Path(cfg.out)
     fingerprint = _fingerprint(cfg)
     state = store.check_folder(out, fingerprint)
-    if state == "complete":
-        logger.info("%s is already a complete store; nothing to do", out)
+    if state == "complete" and not cfg.repair:
+        logger.info(
+            "%s is already a complete store; nothing to do (if `dflash inspect --verify` finds damaged chunks, rerun "
+            "this command with --repair)",
+            out,
+        )
         return out
-    progress = store.part_progress(out, cfg.world_size)[cfg.rank] if state == "resume" else None
-    if progress is not None and progress["rows_committed"] == progress["rows"]:
+    store.check_writable(out)
+    with contextlib.ExitStack() as stack:  # the part's lock, once taken, is held to the end of the run
+
+        def lock() -> None:
+            stack.enter_context(store.part_lock(out, cfg.rank))
+
+        return _harvest_part(cfg, out, fingerprint, state, lock)
+
+
+def _harvest_part(cfg: HarvestConfig, out: Path, fingerprint: dict, state: str, lock) -> Path:
+    progress = store.part_progress(out, cfg.world_size)[cfg.rank] if state != "new" else None
+    done = progress is not None and progress["rows_committed"] == progress["rows"]
+    damage = None
+    if cfg.repair:
+        if not done:
+            raise DflashError(
+                f"--repair mends a finished part, and part {store.part_name(cfg.rank)} of {out} is not finished; rerun "
+                "the same command without --repair to finish it first"
+            )
+        damage = store.part_damage(out, cfg.rank, store.read_manifest(out / store.HARVEST_FILE).features)
+        if not damage.rows and not damage.documents:
+            logger.info("part %s of %s: every chunk present and its checksum correct; nothing to repair", cfg.rank, out)
+            if state != "complete":
+                _finish(out, cfg)
+            return out
+        logger.info("part %d: re-harvesting %d damaged rows %s", cfg.rank, len(damage.rows), damage.rows[:20])
+    elif done:
         _finish(out, cfg)
         return out
 
@@ -329,7 +379,16 @@ def _harvest(cfg: HarvestConfig) -> Path:
         # every rank would otherwise start a context on cuda:0.
         torch.cuda.set_device(cfg.device)
     plan = PartPlan.build(documents, cfg.rank, cfg.world_size, cfg.token_budget)
-    check_free_space(out, cfg, fingerprint, len(plan.rows) - (progress or {}).get("rows_committed", 0))
+    rows_left = len(damage.rows) if damage else len(plan.rows) - (progress or {}).get("rows_committed", 0)
+    check_free_space(out, cfg, fingerprint, rows_left)
+    # Lock the part before anything of it is written (or a leftover deleted): a second run of this rank is refused
+    # here, before it loads the target. Data and free space were checked first: a refused run leaves no folder.
+    lock()
+    if state == "resume" and not cfg.repair:
+        progress = store.part_progress(out, cfg.world_size)[cfg.rank]  # the run that held the lock may have gone on
+        if progress is not None and progress["rows_committed"] == progress["rows"]:
+            _finish(out, cfg)
+            return out
     target = TappedTarget(cfg.model, fingerprint["layers"], cfg.device, DTYPES[cfg.dtype], cfg.allow_slow_kernels)
     header = _header(cfg, fingerprint, target, stats)
     if state == "resume" and store.read_manifest(out / store.HARVEST_FILE).target != header.target:
@@ -364,9 +423,31 @@ def _harvest(cfg: HarvestConfig) -> Path:
         100 * counts["padding_tokens"] / max(1, len(plan.rows) * cfg.token_budget),
         f"; resuming after row {part.rows_committed}" if part.rows_committed else "",
     )
+    if damage is not None:
+        return _repair(cfg, out, plan, target, part, header, projection, damage, state)
     stalls = _run_rows(cfg, plan, target, part, header.features, projection)
     logger.info("rank %d: %s", cfg.rank, stalls.describe())
-    _finish(out, cfg)
+    _finish(out, cfg, target)
+    return out
+
+
+def _repair(cfg, out: Path, plan: PartPlan, target, part, header, projection, damage, state: str) -> Path:
+    """Rewrite the damaged rows of a finished part. The rows are re-harvested in the row groups an uninterrupted
+    harvest formed (multiples of the group size from row 0), so the forward batches, and the bytes, are the same."""
+    if damage.documents:
+        part.arrays["documents"][:] = plan.documents_table()
+    per_group = max(1, cfg.forward_tokens // cfg.token_budget)
+    firsts = sorted({row // per_group * per_group for row in damage.rows})
+    groups = [(first, min(first + per_group, len(plan.rows))) for first in firsts]
+    _run_rows(cfg, plan, target, part, header.features, projection, groups)
+    left = store.part_damage(out, cfg.rank, header.features)
+    if left.rows or left.documents:
+        raise DflashError(
+            f"part {store.part_name(cfg.rank)} of {out} is still damaged after the repair: {left.problems[:3]}"
+        )
+    logger.info("part %d repaired: %d rows rewritten, every chunk of the part checks", cfg.rank, len(damage.rows))
+    if state != "complete":
+        _finish(out, cfg, target)
     return out
 
 
@@ -485,9 +566,16 @@ def _second_moment(documents: list[Document], target: TappedTarget, tokens: int,
     return moment, len(sample)
 
 
-def _finish(out: Path, cfg: HarvestConfig) -> None:
+def _finish(out: Path, cfg: HarvestConfig, target: TappedTarget | None = None) -> None:
     if store.finalize(out, store.read_manifest(out / store.HARVEST_FILE)):
         logger.info("store complete: %s", out)
+        if cfg.self_check > 0:
+            if target is None:
+                layers = store.read_manifest(out / store.MANIFEST_FILE).layer_ids
+                target = TappedTarget(cfg.model, list(layers), cfg.device, DTYPES[cfg.dtype], cfg.allow_slow_kernels)
+            check = selfcheck.reforward_check(out, target, cfg.self_check)
+            store.record_self_check(out, check)
+            selfcheck.log_check(check, out)
     else:
         parts = store.part_progress(out, cfg.world_size)
         pending = [r for r, p in enumerate(parts) if p is None or p["rows_committed"] < p["rows"]]
@@ -530,9 +618,9 @@ class RowGroup:
 class RowWriter(threading.Thread):
     """Writes finished row groups and commits them; CPU only. An error stops writing and is raised later."""
 
-    def __init__(self, part: store.PartWriter, free: queue.Queue, on_commit):
+    def __init__(self, part: store.PartWriter, free: queue.Queue, on_commit, commit: bool = True):
         super().__init__(daemon=True, name="dflash-writer")
-        self.part, self.free, self.on_commit = part, free, on_commit
+        self.part, self.free, self.on_commit, self.commit = part, free, on_commit, commit
         self.jobs: queue.Queue = queue.Queue()  # bounded in effect by the HOST_BUFFERS buffers in circulation
         self.error: BaseException | None = None
 
@@ -543,7 +631,8 @@ class RowWriter(threading.Thread):
                     n = group.last - group.first
                     host = {name: store_bits(buffer[:n]) for name, buffer in group.host.items()}
                     self.part.write_rows(group.first, host.pop("hidden"), {**host, **group.tokens})
-                    self.part.commit(group.last)
+                    if self.commit:  # a repair rewrites rows of a finished part: nothing new to commit
+                        self.part.commit(group.last)
                     self.on_commit(group)
                 except BaseException as exc:  # handed to the main thread, which raises it
                     self.error = exc
@@ -630,7 +719,9 @@ def _run_rows(
     part: store.PartWriter,
     spec: manifest.FeatureSpec,
     projection: torch.Tensor | None,
+    groups: list[tuple[int, int]] | None = None,
 ) -> PipelineStalls:
+    """Harvest the row groups [first, last) after the committed rows (or `groups`: a repair's, not committed)."""
     setup_start = time.perf_counter()
     device, T = torch.device(cfg.device), cfg.token_budget
     F = len(target.layer_ids) * target.info.hidden_size
@@ -647,13 +738,15 @@ def _run_rows(
         free.put(encoder.buffers(pin=cuda))
     stored_bytes = T * (spec.width * spec.bytes_per_value + spec.scale_groups)
     row_bytes = stored_bytes + T * sum(np.dtype(d).itemsize for d in store.TOKEN_ARRAYS.values())
-    progress = Progress(plan, part.rows_committed, row_bytes, cfg.rank)
-    writer = RowWriter(part, free, progress.commit)
+    progress = Progress(plan, part.rows_committed if groups is None else 0, row_bytes, cfg.rank)
+    writer = RowWriter(part, free, progress.commit, commit=groups is None)
+    if groups is None:
+        starts = range(part.rows_committed, len(plan.rows), rows_per_group)
+        groups = [(first, min(first + rows_per_group, len(plan.rows))) for first in starts]
     writer.start()
     pending, stalls = None, PipelineStalls(setup_s=time.perf_counter() - setup_start)
     try:
-        for step, first in enumerate(range(part.rows_committed, len(plan.rows), rows_per_group)):
-            last = min(first + rows_per_group, len(plan.rows))
+        for step, (first, last) in enumerate(groups):
             writer.check()
             t0 = time.perf_counter()
             host = free.get()  # blocks only when writing falls behind the forward

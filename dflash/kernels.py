@@ -64,8 +64,14 @@ def select_kernels(
 
 
 def describe_kernels(kernels: dict[str, str]) -> str:
-    """The log line's `role kernel, ...`."""
-    return ", ".join(f"{role} {kernel}" for role, kernel in kernels.items())
+    """The log line's `role kernel, ...`, saying why when the reference code runs."""
+    line = ", ".join(f"{role} {kernel}" for role, kernel in kernels.items())
+    if any("reference" in kernel for kernel in kernels.values()):
+        line += (
+            " (PyTorch reference code: the right path on a CPU, where fla's Triton kernels cannot run, so "
+            "transformers' advice to install flash-linear-attention does not apply there)"
+        )
+    return line
 
 
 def _kernel_name(function) -> str:

@@ -117,6 +117,39 @@ class PartEntry:
 
 
 @dataclass(frozen=True)
+class CheckFailure:
+    """One document whose stored features differ from a fresh forward by more than the encoding error."""
+
+    doc_id: int
+    piece: int
+    row: int  # global row index
+    layer: int | None  # the tapped layer whose slice failed (None for a subspace store: P mixes the layers)
+    relative_error: float
+    matches_layer: int | None = None  # another layer of the fresh forward that matches that slice better
+
+
+@dataclass(frozen=True)
+class SelfCheck:
+    """The store checked against its target (`dflash inspect --reforward`, run at the end of a harvest): stored
+    documents drawn at random, each re-run alone and unpadded, every stored value compared with the fresh one."""
+
+    passed: bool
+    documents: int
+    seed: int
+    tolerance: float  # relative error (norm of the difference / norm of the fresh features) allowed per slice
+    worst_relative_error: float
+    bit_equal: float  # share of the stored values bit-equal to the fresh forward's encoding
+    failures: tuple[CheckFailure, ...] = ()
+
+    def describe(self) -> str:
+        verdict = "passed" if self.passed else f"FAILED on {len(self.failures)} slice(s)"
+        return (
+            f"{verdict}: {self.documents} documents re-run alone, worst relative error {self.worst_relative_error:.2e}"
+            f" (tolerance {self.tolerance:.2e}), {self.bit_equal:.2%} of values bit-equal"
+        )
+
+
+@dataclass(frozen=True)
 class Manifest:
     format_version: int
     dflash_version: str
@@ -134,6 +167,7 @@ class Manifest:
     identity: str = ""  # sha256 of the content-deciding fields (fingerprint, target, tokenizer, features, codecs)
     counts: Counts | None = None  # manifest.json only
     parts: tuple[PartEntry, ...] = ()
+    self_check: SelfCheck | None = None  # manifest.json only, when the harvest (or inspect) ran the check
     format: str = "dflash-harvest"
     extra: dict = field(default_factory=dict)  # keys written by a newer dflash, kept on rewrite
 
@@ -154,7 +188,7 @@ class Manifest:
 
     def header(self) -> "Manifest":
         """The record without counts and parts: what harvest.json holds."""
-        return dataclasses.replace(self, counts=None, parts=())
+        return dataclasses.replace(self, counts=None, parts=(), self_check=None)
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
@@ -162,6 +196,8 @@ class Manifest:
         out["layer_ids"] = list(self.layer_ids)
         if self.counts is None:
             del out["counts"], out["parts"]
+        if self.self_check is None:
+            del out["self_check"]
         return {**extra, **out}
 
     @classmethod
@@ -317,6 +353,8 @@ def _parse_manifest(raw: Any, where: str) -> Manifest:
         extra={k: v for k, v in raw.items() if k not in known and k not in ("storage",)},
     )
     _Fields(manifest.fingerprint, where, "fingerprint.").count("world_size", 1)
+    if raw.get("self_check") is not None:
+        manifest = dataclasses.replace(manifest, self_check=_self_check(f.sub("self_check")))
     if "counts" not in raw:
         return manifest
     parts = [_part(_Fields(p, where, f"parts[{i}].")) for i, p in enumerate(f.get("parts", list))]
@@ -335,6 +373,34 @@ def _part(f: _Fields) -> PartEntry:
     if not PART_NAME.fullmatch(name):
         raise f._bad("name", "rankNNNNN (a part folder's name, never a path)")
     return PartEntry(name, *(f.count(key) for key in ("rows", "documents", "tokens", "loss_tokens", "padding_tokens")))
+
+
+def _self_check(f: _Fields) -> SelfCheck:
+    failures = []
+    for i, raw in enumerate(f.get("failures", list)):
+        g = _Fields(raw, f.where, f"{f.prefix}failures[{i}].")
+        failures.append(
+            CheckFailure(
+                g.get("doc_id", int),
+                g.count("piece"),
+                g.count("row"),
+                g.get("layer", int, None),
+                g.get("relative_error", float),
+                g.get("matches_layer", int, None),
+            )
+        )
+    bit_equal = f.get("bit_equal", float)
+    if not 0.0 <= bit_equal <= 1.0:
+        raise f._bad("bit_equal", "a share between 0 and 1")
+    return SelfCheck(
+        f.get("passed", bool),
+        f.count("documents"),
+        f.get("seed", int),
+        f.get("tolerance", float),
+        f.get("worst_relative_error", float),
+        bit_equal,
+        tuple(failures),
+    )
 
 
 def identity_of(manifest: Manifest) -> str:

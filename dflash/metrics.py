@@ -8,6 +8,7 @@ record. Field meanings and the MFU formula are in docs/training.md.
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from dflash import graph
 from dflash.drafter import DrafterConfig
+from dflash.errors import DflashError
 
 logger = logging.getLogger("dflash")
 
@@ -37,6 +39,7 @@ class SumsLayout:
             "steps",
             "replay_rounds",
             "replay_tokens",
+            "damaged_rows",
         ]
         self.index = {name: i for i, name in enumerate(scalars)}
         self.correct = slice(len(scalars), len(scalars) + block_size - 1)
@@ -59,6 +62,7 @@ class SumsLayout:
             "accept_len": sums[self["accepted"]] / max(sums[self["blocks"]], 1),
             "acc": [c / max(n, 1) for c, n in zip(correct, counted)],  # accuracy per block position k = 1..B-1
             "blocks": int(sums[self["blocks"]]),
+            "damaged_rows": int(sums[self["damaged_rows"]]),  # rows skipped (--max-damaged-rows) since the last one
         }
         if sums[self["replay_rounds"]]:
             rounds = sums[self["replay_rounds"]]
@@ -137,6 +141,9 @@ class Meter:
 
     def read(self, step: int) -> dict:
         trainer, world_size = self.trainer, self.trainer.env.world_size
+        new_damaged = trainer.damaged.take_new()
+        if new_damaged:  # counted on the host by the readers
+            trainer.sums[trainer.layout["damaged_rows"]] += new_damaged
         if world_size > 1:  # sums over all ranks: the record describes the global batch
             dist.all_reduce(trainer.sums)
         sums = trainer.sums.tolist()  # the one host sync of a log step
@@ -151,6 +158,7 @@ class Meter:
         flops = step_flops(trainer.dcfg, sums[layout["context_tokens"]], drafted, labelled, sums[layout["pairs"]])
         peak = world_size * trainer.cfg.peak_tflops * 1e12
         record.update(
+            total_steps=trainer.total_steps,
             epoch=trainer.plan.position(step - 1)[0],
             lr=float(trainer.lr_t),
             grad_norm=sums[layout["grad_norm"]] / steps,
@@ -196,8 +204,15 @@ class MetricsLog:
     def write(self, record: dict | None):
         if not self.enabled or record is None:
             return
-        self.jsonl.write(json.dumps(record) + "\n")
-        self.jsonl.flush()
+        try:
+            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()
+        except OSError as exc:
+            from dflash.checkpoint import DISK_ERRORS, disk_error
+
+            if exc.errno not in DISK_ERRORS:
+                raise
+            raise disk_error(exc, f"writing {METRICS_FILE} failed", Path(self.jsonl.name).parent) from None
         logger.info(format_record(record))
         if self.tb is not None:
             for key, value in record.items():
@@ -219,21 +234,61 @@ def format_record(r: dict) -> str:
         f"{r['kind']} step {r['step']}: loss {r['loss']:.4f} accept {r['accept_len']:.2f} "
         f"acc k1 {accuracy[0]:.3f} k{len(accuracy)} {accuracy[-1]:.3f}"
     )
+    damaged = f" | skipped {r['damaged_rows']} damaged row(s)" if r.get("damaged_rows") else ""
     if r["kind"] != "train":
         tau = f" tau {r['tau']:.2f} ({r['rounds']} rounds)" if "tau" in r else ""
-        return head + f"{tau} ({r['blocks']} blocks)"
+        return head + f"{tau} ({r['blocks']} blocks){damaged}"
     mfu = f" mfu {100 * r['mfu']:.1f}%" if r.get("mfu") is not None else ""
     mem = f" mem {r['mem_allocated'] / 2**30:.1f}/{r['mem_reserved'] / 2**30:.1f} GiB" if "mem_allocated" in r else ""
+    left = r.get("total_steps", r["step"]) - r["step"]
+    eta = f" | ETA {_clock(left * r['step_ms'] / 1000)}" if left > 0 else ""
     return (
         f"{head} | lr {r['lr']:.2e} gnorm {r['grad_norm']:.2f} | {r['step_ms']:.0f} ms/step "
         f"ctx {r['context_tok_s']:.0f} tok/s drafted {r['drafted_tok_s']:.0f} tok/s{mfu} "
-        f"wait {100 * r['data_wait']:.1f}%{mem} recompiles {r['recompiles']}"
+        f"wait {100 * r['data_wait']:.1f}%{mem} recompiles {r['recompiles']}{damaged}{eta}"
     )
 
 
-def drop_records_after(out: Path, step: int):
-    """A resumed run recomputes the steps after its checkpoint: drop the interrupted run's records of them."""
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
+
+
+def read_records(out: Path) -> list[dict]:
+    """The records of RUN/metrics.jsonl. A torn last line (the process died while writing it) is dropped; any other
+    line that is not a record is an error naming it."""
     path = Path(out) / METRICS_FILE
-    if path.exists():
-        lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
-        path.write_text("".join(line + "\n" for line in lines))
+    if not path.exists():
+        return []
+    lines = path.read_bytes().decode(errors="replace").splitlines()
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("not a metrics record")
+        except ValueError:
+            if i == len(lines) - 1:
+                logger.warning("dropping the torn last line of %s (the run was stopped while writing it)", path)
+                continue
+            raise DflashError(
+                f"line {i + 1} of {path} is not a metrics record; repair or remove that line, then rerun"
+            ) from None
+        records.append(record)
+    return records
+
+
+def drop_records_after(out: Path, step: int) -> list[dict]:
+    """A resumed run recomputes the steps after its checkpoint: drop the interrupted run's records of them (and a
+    torn last line). Returns the records kept; the file is replaced atomically."""
+    path = Path(out) / METRICS_FILE
+    if not path.exists():
+        return []
+    kept = [r for r in read_records(out) if r["step"] <= step]
+    tmp = path.with_name(f".{METRICS_FILE}.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in kept))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return kept

@@ -10,6 +10,7 @@ Three pieces, each with one job:
   the previous step runs, then into the static buffers just before the next step (event-synchronised).
 """
 
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -20,6 +21,8 @@ import numpy as np
 import torch
 
 from dflash.errors import DflashError
+
+logger = logging.getLogger("dflash")
 
 # The torch dtype each stored dtype travels in. bf16 hidden states (uint16 bits in the store) travel as
 # bfloat16 and fp8 ones as their uint8 bits, so that every device copy is a plain byte copy.
@@ -131,6 +134,45 @@ def allocate_batch(shape: BatchShape, device, pin: bool = False) -> dict[str, to
     return {name: torch.zeros(s, dtype=dtype, device=device, pin_memory=pin) for name, (s, dtype) in shapes.items()}
 
 
+class DamagedRow(DflashError):
+    """A store row could not be read (failed checksum, missing chunk, codec error) and may not be skipped."""
+
+
+class DamagedRows:
+    """The damaged rows met by this rank's readers, and how many may be skipped (`--max-damaged-rows`). A skipped
+    row's slot is zeroed: loss mask 0 and doc ids -1 give it no anchor and no loss weight, shapes unchanged."""
+
+    def __init__(self, limit: int = 0):
+        self.limit = limit
+        self.rows: list[int] = []
+        # Several ranks cannot stop on one rank's error: there a row past the limit is zeroed too and kept here,
+        # and the trainer stops every rank at the next log step (where they agree) with a checkpoint.
+        self.defer = False
+        self.fatal: DamagedRow | None = None
+        self.reported = 0  # rows already counted in a metrics record
+        self._lock = threading.Lock()
+
+    def met(self, row: int, exc: DflashError):
+        """Record a damaged row; raises DamagedRow when it may not be skipped."""
+        with self._lock:
+            if len(self.rows) >= self.limit:
+                allowed = f"the {self.limit} damaged rows allowed are used up; " if self.limit else ""
+                error = DamagedRow(f"{exc} ({allowed}--max-damaged-rows N skips up to N such rows)")
+                if not self.defer:
+                    raise error from exc
+                self.fatal = self.fatal or error
+                return
+            self.rows.append(row)
+            count = len(self.rows)
+        logger.warning("skipping damaged row %d (%d of at most %d): %s", row, count, self.limit, exc)
+
+    def take_new(self) -> int:
+        """Rows skipped since the last call (for the next metrics record)."""
+        with self._lock:
+            new, self.reported = len(self.rows) - self.reported, len(self.rows)
+        return new
+
+
 def _numpy_view(t: torch.Tensor) -> np.ndarray:
     # numpy has no bfloat16: view the bits as int16 so that the store's uint16 bits land unchanged.
     return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
@@ -153,8 +195,18 @@ class RowReader:
     the size of the store).
     """
 
-    def __init__(self, store, steps, shape: BatchShape, depth: int = 2, workers: int = 4, pin: bool = False):
+    def __init__(
+        self,
+        store,
+        steps,
+        shape: BatchShape,
+        depth: int = 2,
+        workers: int = 4,
+        pin: bool = False,
+        damaged: DamagedRows | None = None,
+    ):
         self.store, self.shape = store, shape
+        self.damaged = DamagedRows() if damaged is None else damaged
         self.slots = [allocate_batch(shape, "cpu", pin=pin) for _ in range(depth + 1)]
         self._views = [{name: _numpy_view(t) for name, t in slot.items()} for slot in self.slots]
         self._free: queue.Queue[int] = queue.Queue()
@@ -195,7 +247,13 @@ class RowReader:
     def _read_into(self, slot: int, i: int, row: int):
         micro, r = divmod(i, self.shape.rows)
         views = self._views[slot]
-        self.store.read_row_into(row, {name: views[name][micro, r] for name in self.shape.fields})
+        out = {name: views[name][micro, r] for name in self.shape.fields}
+        try:
+            self.store.read_row_into(row, out)
+        except DflashError as exc:
+            self.damaged.met(row, exc)  # raises unless the row may be skipped
+            for name, view in out.items():
+                view[...] = -1 if name == "doc_ids" else 0
 
     def next(self) -> HostBatch | None:
         """The next step's batch, fully read (None after the last step); raises a reader error here."""

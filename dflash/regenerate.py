@@ -9,7 +9,8 @@ raw text. Output lines, in prompt order, are what `dflash harvest` reads:
 
 Resuming: the output is only ever appended whole batches at a time (one write, flushed and fsynced), a
 trailing partial line left by a killed run is cut off, and a rerun starts after the lines already there, once
-they are checked to answer the same prompts.
+they are checked to answer the same prompts and the settings recorded beside the output (model, length,
+sampling, seed: `OUT.settings.json`) are checked to be this run's.
 """
 
 import json
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from dflash.config import RegenerateConfig
 from dflash.data import check_record, jsonl_lines, parse_line
-from dflash.errors import DflashError
+from dflash.errors import DflashError, describe_differences
 
 # ---------------------------------------------------------------------------------------------------------------
 # Prompts
@@ -121,6 +122,68 @@ def completed_count(out: Path, records: list[dict]) -> int:
     return len(lines)
 
 
+def settings_path(out: Path) -> Path:
+    """Where the generation settings of an output are recorded: beside it, `responses.jsonl.settings.json`."""
+    return out.with_name(out.name + ".settings.json")
+
+
+def generation_settings(cfg: RegenerateConfig) -> dict:
+    """What decides the answers (beside the prompts, which are checked line by line): a resumed output must have
+    been written with the same."""
+    model = Path(cfg.model)
+    return {
+        "model": str(model.resolve()) if model.exists() else str(cfg.model),
+        "max_new_tokens": cfg.max_new_tokens,
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "top_k": cfg.top_k,
+        "seed": cfg.seed,
+    }
+
+
+def check_output(out: Path, settings: dict) -> None:
+    """Before any work: `out` must be writable, and an output already holding answers must have been written with
+    the same settings (refused otherwise, naming the fields); records the settings beside a new output."""
+    path = settings_path(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "ab"):
+            pass
+    except OSError as exc:
+        raise DflashError(f"--out {out} cannot be written ({exc.strerror}); choose a writable path and rerun") from None
+    try:
+        recorded = json.loads(path.read_text()) if path.exists() else None
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise DflashError(
+            f"{path} is damaged ({exc}); delete it if {out} was written with this run's settings"
+        ) from None
+    has_answers = out.stat().st_size > 0
+    if isinstance(recorded, dict) and has_answers:
+        details = describe_differences(recorded, settings, "the output has", "this run")
+        if details:
+            raise DflashError(
+                f"{out} was written with other generation settings ({details}); rerun with the output's settings to "
+                "resume it, or write to a new --out"
+            )
+        return
+    if has_answers and recorded is None:
+        import logging
+
+        logging.getLogger("dflash").warning(
+            "%s has no record of the settings it was written with (an older dflash); resuming with this run's, "
+            "recorded in %s",
+            out,
+            path,
+        )
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(settings, indent=2) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise DflashError(f"cannot write {path} ({exc.strerror}); choose a writable --out and rerun") from None
+
+
 def append_lines(out: Path, records: list[dict]) -> None:
     """Append whole lines in one write, then flush to disk, so a kill leaves at most a partial last line."""
     payload = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
@@ -190,7 +253,7 @@ def regenerate(cfg: RegenerateConfig, progress: bool = True) -> RegenerateStats:
     out = Path(cfg.out)
     if out.is_dir():
         raise DflashError(f"--out {out} is a folder; give the path of a JSONL file to write the responses to")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    check_output(out, generation_settings(cfg))
     done = completed_count(out, records)
     if done == len(records):
         return RegenerateStats(len(records), done, 0)

@@ -30,9 +30,9 @@ class SmokeConfig:
 
 def run_smoke(cfg: SmokeConfig) -> dict:
     """Run every stage fresh (only the tiny target is cached) and return the summary."""
-    from dflash.config import EvalConfig, RegenerateConfig, TrainConfig
+    from dflash.config import EvalConfig, HarvestConfig, RegenerateConfig, TrainConfig
     from dflash.evaluate import evaluate
-    from dflash.harvest import HarvestConfig, run_harvest
+    from dflash.harvest import run_harvest
     from dflash.regenerate import regenerate
     from dflash.store import Store, disk_bytes
     from dflash.train import run_training
@@ -105,13 +105,15 @@ def run_smoke(cfg: SmokeConfig) -> dict:
                 target,
                 str(prompts),
                 drafter=result["export"],
+                num_prompts=cfg.eval_prompts,
                 max_new_tokens=cfg.eval_new_tokens,
                 device="cpu",
                 dtype="float32",
-            )
+            ),
+            progress=True,
         ),
     )
-    tokens = store.manifest["counts"]["tokens"]
+    tokens = store.manifest.counts.tokens
     last = result["records"][-1]
     summary = {
         "store_bytes": disk_bytes(shards),

@@ -14,12 +14,16 @@ The exact format, and how to read it with plain zarr, is in docs/shard-format.md
 
 import bisect
 import dataclasses
+import errno
+import fcntl
 import json
 import math
 import os
 import shutil
+import socket
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,12 +34,22 @@ import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
 from dflash.errors import DflashError, describe_differences
-from dflash.manifest import FORMAT_VERSION, FeatureSpec, Manifest, PartEntry, TargetSpec, TokenizerSpec, identity_of
+from dflash.manifest import (
+    FORMAT_VERSION,
+    FeatureSpec,
+    Manifest,
+    PartEntry,
+    SelfCheck,
+    TargetSpec,
+    TokenizerSpec,
+    identity_of,
+)
 
 HARVEST_FILE = "harvest.json"
 MANIFEST_FILE = "manifest.json"
 PROGRESS_FILE = "progress.json"
 PROJECTION = "projection"
+LOCK_FILE = ".lock"  # in each part folder: held (flock) by the harvest process writing that part
 TMP_PREFIX = ".dflash-tmp-"
 CHUNK_BYTES = 32 << 20  # uncompressed size of one hidden chunk: a row is read in a few large, parallel reads
 DOC_CHUNK = 65536
@@ -153,14 +167,20 @@ def check_folder(out: Path, fingerprint: dict) -> str:
     if not out.is_dir():
         raise DflashError(f"--out {out} is a file, not a folder; choose a new or empty folder")
     raw = read_json(out / HARVEST_FILE)
-    if raw is None:  # a harvest stopped before harvest.json may have left its calibration
-        others = sorted(p.name for p in out.iterdir() if not p.name.startswith(TMP_PREFIX) and p.name != PROJECTION)
+    if raw is None:  # a harvest stopped before harvest.json may have left its calibration and part locks
+        others = sorted(
+            p.name
+            for p in out.iterdir()
+            if not p.name.startswith(TMP_PREFIX) and p.name != PROJECTION and not (p.name == "parts" and _only_locks(p))
+        )
         if others:
             shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
             raise DflashError(
                 f"--out {out} holds other content ({shown}) and is not a dflash store; choose a new or empty folder"
             )
         return "new"
+    if not isinstance(raw, dict):
+        raise DflashError(f"{out / HARVEST_FILE} is damaged (not a JSON object); restore it, or start in a new folder")
     if raw.get("format_version") != FORMAT_VERSION:
         raise DflashError(
             f"{out} is a dflash store of format version {raw.get('format_version')}, this dflash writes "
@@ -174,6 +194,51 @@ def check_folder(out: Path, fingerprint: dict) -> str:
             f"to resume it, or choose a new --out folder"
         )
     return "complete" if (out / MANIFEST_FILE).exists() else "resume"
+
+
+def _only_locks(folder: Path) -> bool:
+    return folder.is_dir() and all(p.is_dir() or p.name == LOCK_FILE for p in folder.rglob("*"))
+
+
+def check_writable(out: Path, option: str = "--out") -> None:
+    """Refuse, before any work, an output that cannot be written: create and remove a file in it (or in the
+    nearest folder above it that exists, where it would be created)."""
+    existing = next(p for p in (out, *out.parents) if p.exists() or p == p.parent)
+    if existing == out and not out.is_dir():
+        return  # a file where the folder should be: the caller's own check names that
+    probe = existing / f"{TMP_PREFIX}probe-{uuid.uuid4().hex}"
+    try:
+        probe.open("x").close()
+        probe.unlink()
+    except OSError as exc:
+        why = "is on a read-only file system" if exc.errno == errno.EROFS else f"is not writable ({exc.strerror})"
+        raise DflashError(
+            f"{option} {out}: {existing} {why}; choose a writable folder (or fix its permissions) and rerun"
+        ) from None
+
+
+@contextmanager
+def part_lock(out: Path, rank: int):
+    """Hold an exclusive OS lock (flock) on the part's lock file for the block: a second harvest of the same
+    rank into the same store is refused, naming the process that holds it, instead of deleting its files."""
+    folder = out / "parts" / part_name(rank)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "an unknown process"
+            raise DflashError(
+                f"part {part_name(rank)} of {out} is being harvested right now by {holder} (it holds {path}); "
+                "let that run finish, or stop it and rerun this command, which resumes the part"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def create_store(out: Path, header: Manifest) -> None:
@@ -210,7 +275,7 @@ class PartWriter:
 
     def __init__(self, out: Path, spec: PartSpec):
         self.folder = out / "parts" / part_name(spec.rank)
-        self.progress = read_json(self.folder / PROGRESS_FILE)
+        self.progress = read_progress(self.folder / PROGRESS_FILE)
         if self.progress is None:  # absent until every array exists: a half-created part is simply redone
             self._create(out, spec)
         elif self.progress["rows"] != spec.rows or self.progress["counts"] != spec.counts:
@@ -332,8 +397,37 @@ class HiddenChunkWriter:
         os.replace(partial, path)
 
 
+PART_COUNTS = ("documents", "tokens", "loss_tokens", "padding_tokens")
+
+
+def read_progress(path: Path) -> dict | None:
+    """A part's progress.json, validated: rows, rows_committed (0..rows) and the part's counts; None if absent."""
+    raw = read_json(path)
+    if raw is None:
+        return None
+
+    def count(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    counts = raw.get("counts") if isinstance(raw, dict) else None
+    if (
+        not isinstance(raw, dict)
+        or not count(raw.get("rows"))
+        or not count(raw.get("rows_committed"))
+        or raw["rows_committed"] > raw["rows"]
+        or not isinstance(counts, dict)
+        or sorted(counts) != sorted(PART_COUNTS)
+        or not all(count(v) for v in counts.values())
+    ):
+        raise DflashError(
+            f"{path} is damaged or was edited (expected rows, rows_committed <= rows and the counts "
+            f"{', '.join(PART_COUNTS)}, all non-negative integers); delete it to redo that part, or restore it"
+        )
+    return raw
+
+
 def part_progress(out: Path, world_size: int) -> list[dict | None]:
-    return [read_json(out / "parts" / part_name(rank) / PROGRESS_FILE) for rank in range(world_size)]
+    return [read_progress(out / "parts" / part_name(rank) / PROGRESS_FILE) for rank in range(world_size)]
 
 
 def finalize(out: Path, header: Manifest) -> bool:
@@ -348,6 +442,31 @@ def finalize(out: Path, header: Manifest) -> bool:
     manifest = dataclasses.replace(header, identity=identity_of(header)).with_parts(parts)
     write_json_atomic(out / MANIFEST_FILE, manifest.to_json())
     return True
+
+
+def record_self_check(out: Path, check: SelfCheck) -> Manifest:
+    """Rewrite manifest.json with the result of a check against the target (atomic; the identity is unchanged)."""
+    manifest = _open_manifest(out)
+    manifest = dataclasses.replace(manifest, self_check=check)
+    write_json_atomic(out / MANIFEST_FILE, manifest.to_json())
+    return manifest
+
+
+def target_path(path: Path, manifest: Manifest) -> str:
+    """The target checkpoint a store was harvested from: an absolute path as recorded, a relative one resolved
+    against the store's parent folder (older stores), or a hub name when no such folder exists."""
+    model = str(manifest.fingerprint.get("model", manifest.target.name))
+    if Path(model).is_absolute():
+        return model
+    for base in (Path(path).resolve().parent, Path.cwd()):
+        if (base / model / "config.json").is_file():
+            return str((base / model).resolve())
+    if model.startswith((".", "~")) or os.sep + os.sep in model or model.count("/") > 1:
+        raise DflashError(
+            f"{path} records its target as the relative path {model!r}, which is not a model folder relative to the "
+            "store's parent or the current folder; pass the target's folder explicitly (--target / --model)"
+        )
+    return model
 
 
 def write_projection(out: Path, projection: np.ndarray, calibration: dict) -> tuple[np.ndarray, dict]:
@@ -544,12 +663,20 @@ class Store:
         self.part_names = [part.name for part in manifest.parts]
         self.part_starts = np.cumsum([0] + [part.rows for part in manifest.parts]).tolist()
         self.row_layout = row_arrays(self.features, self.token_budget)
-        group = zarr.open_group(path, mode="r")
         names = arrays_of(self.features)
-        self.parts = [
-            {name: group[f"parts/{part}/{name}"].with_config(_array_config(read=True)) for name in names}
-            for part in self.part_names
-        ]
+        try:
+            group = zarr.open_group(path, mode="r")
+            self.parts = [
+                {name: group[f"parts/{part}/{name}"].with_config(_array_config(read=True)) for name in names}
+                for part in self.part_names
+            ]
+        except Exception as exc:  # a missing part folder or array, damaged zarr.json metadata
+            raise DflashError(
+                f"the arrays of {path} cannot be opened ({type(exc).__name__}: {exc}); the store is damaged: restore "
+                "its parts folder, or harvest again"
+            ) from None
+        for entry, arrays in zip(manifest.parts, self.parts):
+            self._check_shapes(entry, arrays)
         self.row_readers = [
             {
                 name: ChunkReader(arrays[name], path / "parts" / part / name, compressors_of(name, self.features))
@@ -566,10 +693,30 @@ class Store:
                 )
             self.projection = stored[0]
 
+    def _check_shapes(self, entry: PartEntry, arrays: dict) -> None:
+        """The manifest's rows and documents against the arrays on disk: reader and verify see the same rows."""
+        problems = [
+            f"{name} has {array.shape[0]} rows and {array.shape[1:]} per row, expected {entry.rows} and {shape}"
+            for name, (shape, _) in self.row_layout.items()
+            if (array := arrays[name]).shape != (entry.rows, *shape)
+        ]
+        if arrays["documents"].shape != (entry.documents, len(DOCUMENT_COLUMNS)):
+            problems.append(f"documents has {arrays['documents'].shape[0]} entries, expected {entry.documents}")
+        if problems:
+            raise DflashError(
+                f"{self.path / MANIFEST_FILE} does not match part {entry.name}'s arrays ({'; '.join(problems)}); the "
+                "manifest or the part was edited or replaced: restore it, or harvest again"
+            )
+
     @classmethod
     def open(cls, path) -> "Store":
         path = Path(path)
         return cls(path, _open_manifest(path))
+
+    @property
+    def self_check(self) -> SelfCheck | None:
+        """The recorded check against the target (None if never run); `.passed` False: the features are wrong."""
+        return self.manifest.self_check
 
     @property
     def feature_dim(self) -> int:
@@ -630,6 +777,47 @@ def disk_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
+@dataclass
+class PartDamage:
+    rows: list[int]  # rows of the part (local) with a missing or corrupt chunk in any row array
+    documents: bool  # the documents table is damaged
+    problems: list[str]
+
+
+def _chunk_problem(array: zarr.Array, chunk_file: Path, coords) -> str | None:
+    try:
+        if not chunk_file.is_file():
+            return "chunk file missing"
+        array.get_block_selection(coords)
+        return None
+    except Exception as exc:  # zarr raises ValueError on a checksum mismatch, codec errors otherwise
+        return str(exc)
+
+
+def part_damage(out: Path, rank: int, features: FeatureSpec, threads: int = 8) -> PartDamage:
+    """Read every chunk of one part (finished, with or without the store's manifest): its damaged rows."""
+    folder = out / "parts" / part_name(rank)
+    try:
+        group = zarr.open_group(folder, mode="r")
+        arrays = {name: group[name].with_config(_array_config(read=True)) for name in arrays_of(features)}
+    except Exception as exc:
+        raise DflashError(
+            f"the arrays of part {part_name(rank)} of {out} cannot be opened ({exc}); their metadata is damaged: "
+            "restore the part folder, or harvest again into a new folder"
+        ) from None
+    jobs = [(name, array, coords) for name, array in arrays.items() for coords in np.ndindex(*array.cdata_shape)]
+
+    def check(job):
+        name, array, coords = job
+        problem = _chunk_problem(array, folder / name / array.metadata.encode_chunk_key(coords), coords)
+        return None if problem is None else (name, coords, f"array {name} chunk {coords}: {problem}")
+
+    with ThreadPoolExecutor(threads) as pool:
+        found = [result for result in pool.map(check, jobs) if result is not None]
+    rows = sorted({coords[0] for name, coords, _ in found if name != "documents"})
+    return PartDamage(rows, any(name == "documents" for name, _, _ in found), [text for _, _, text in found])
+
+
 def check_chunks(store: Store, progress=None, threads: int = 8) -> list[str]:
     """Read every chunk of every array; return one line per missing or corrupt chunk, naming part/array/row."""
     jobs = [
@@ -646,12 +834,8 @@ def check_chunks(store: Store, progress=None, threads: int = 8) -> list[str]:
             where += f" (row {store.part_starts[part] + coords[0]})"
         chunk_file = store.path / "parts" / store.part_names[part] / name / array.metadata.encode_chunk_key(coords)
         try:
-            if not chunk_file.is_file():
-                return f"{where}: chunk file missing"
-            array.get_block_selection(coords)
-            return None
-        except Exception as exc:  # zarr raises ValueError on a checksum mismatch, codec errors otherwise
-            return f"{where}: {exc}"
+            problem = _chunk_problem(array, chunk_file, coords)
+            return None if problem is None else f"{where}: {problem}"
         finally:
             if progress is not None:
                 progress(array.nbytes // array.nchunks)

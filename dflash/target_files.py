@@ -77,12 +77,68 @@ def load_config(path: str, flag: str = "--model"):
     """The checkpoint's transformers config; `flag` names the option that takes the checkpoint, for the error."""
     from transformers import AutoConfig
 
+    if Path(path).expanduser().exists() or not _hub_name(path):
+        check_target_folder(path, flag)
     try:
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise DflashError(
             f"cannot load a model config from {path}: {exc}; pass {flag} a transformers checkpoint folder"
         ) from exc
+
+
+def _hub_name(path: str) -> bool:
+    """`org/name` that is no local path: transformers would look it up on the hub."""
+    return not (Path(path).is_absolute() or path.startswith((".", "~"))) and path.count("/") == 1
+
+
+def check_target_folder(path, flag: str = "--model") -> dict:
+    """A one-line error for a --model that is not a complete local checkpoint folder; returns its config.json.
+
+    Checked before transformers loads it, which would otherwise take a missing folder for a hub repo id, say only
+    "Should have a model_type key", or initialise missing weights at random."""
+    from safetensors import safe_open
+
+    folder = Path(path)
+    fix = f"pass {flag} the target's checkpoint folder (config.json, tokenizer and *.safetensors)"
+    if not folder.exists():
+        raise DflashError(f"{flag} {folder} does not exist; {fix}")
+    if not folder.is_dir():
+        raise DflashError(f"{flag} {folder} is a file, not a folder; {fix}")
+    if not (folder / "config.json").is_file():
+        raise DflashError(f"{flag} {folder} has no config.json, so it is not a model folder; {fix}")
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise DflashError(f"{folder / 'config.json'} is not readable JSON ({exc}); {fix}") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise DflashError(f"{folder / 'config.json'} names no model_type, so it is no transformers model; {fix}")
+    if "DFlashDraftModel" in (config.get("architectures") or []):
+        raise DflashError(f"{flag} {folder} is a DFlash drafter, not a target; pass it as --drafter and {fix}")
+    index = folder / "model.safetensors.index.json"
+    try:
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise DflashError(f"{index} is damaged ({type(exc).__name__}: {exc}); copy the checkpoint again") from None
+    if files is None:
+        if not (folder / "model.safetensors").is_file():
+            raise DflashError(f"{flag} {folder} holds no model.safetensors (nor an index of shards); {fix}")
+        files = ["model.safetensors"]
+    names = []
+    for name in files:
+        try:
+            with safe_open(folder / name, framework="pt") as shard:
+                names += list(shard.keys())
+        except Exception as exc:  # SafetensorError for a damaged or truncated file, OSError for a missing one
+            raise DflashError(
+                f"{folder / name} is missing, damaged or cut short ({exc}); copy the checkpoint again"
+            ) from None
+    if not any(name.endswith("embed_tokens.weight") for name in names):
+        raise DflashError(
+            f"the weights of {flag} {folder} hold no embed_tokens: not a causal-LM checkpoint, it would load with "
+            f"random weights; {fix}"
+        )
+    return config
 
 
 def read_config_json(path: str) -> dict:

@@ -18,6 +18,8 @@ import dataclasses
 import logging
 import math
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,14 +30,23 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dflash import blocks, features, graph, loss, reader
-from dflash.checkpoint import Checkpointer, read_state
+from dflash.checkpoint import (
+    DISK_ERRORS,
+    Checkpointer,
+    RunLock,
+    any_rank,
+    disk_error,
+    max_over_ranks,
+    on_rank0,
+    read_state,
+)
 from dflash.config import TrainConfig
 from dflash.device import local_device
 from dflash.drafter import DFlashDrafter, DrafterConfig, export_drafter
 from dflash.errors import DflashError
 from dflash.manifest import Manifest
-from dflash.metrics import Meter, MetricsLog, SumsLayout, drop_records_after, visible_pairs
-from dflash.store import Store
+from dflash.metrics import Meter, MetricsLog, SumsLayout, drop_records_after, read_records, visible_pairs
+from dflash.store import Store, target_path
 from dflash.target_files import MASK_TOKEN, load_config, load_embedding_and_head
 
 logger = logging.getLogger("dflash")
@@ -75,8 +86,19 @@ def check_val_store(train: Store, val: Store, train_path: str, path: str) -> Non
         )
 
 
-def _target_path(cfg: TrainConfig, manifest: Manifest) -> str:
-    path = cfg.target or manifest.fingerprint["model"]
+def check_self_check(cfg: TrainConfig, store: Store) -> None:
+    """A store whose recorded check against its target failed holds features the target does not produce: refuse
+    it unless told otherwise."""
+    check = store.manifest.self_check
+    if check is not None and not check.passed and not cfg.allow_failed_self_check:
+        raise DflashError(
+            f"the store {store.path} failed its check against the target at harvest ({check.describe()}); its "
+            "features are not what the target computes: harvest again, or pass --allow-failed-self-check to train anyway"
+        )
+
+
+def _target_path(cfg: TrainConfig, store: Store) -> str:
+    path = cfg.target or target_path(store.path, store.manifest)
     if cfg.target is None and Path(path).is_absolute() and not Path(path).exists():  # (a hub name is not absolute)
         raise DflashError(
             f"the store was harvested from {path}, which is not here; pass --target the target checkpoint folder"
@@ -175,6 +197,39 @@ def learning_rate(step: torch.Tensor, cfg: TrainConfig, total_steps: int) -> tor
     return cfg.lr * torch.where(s < warmup, warm, cosine)
 
 
+# ---------------------------------------------------------------------------------------------- stopping
+
+
+class StopSignals:
+    """SIGINT / SIGTERM while training: ask the loop to stop after the current step with a checkpoint. The first
+    signal puts the previous handlers back, so a second one stops at once (losing the steps since the last
+    checkpoint). Handlers can only be set from the main thread; elsewhere this does nothing."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def _handle(self, signum, _frame):
+        self.received = signal.Signals(signum).name
+        self._restore()
+        logger.warning("%s: saving a checkpoint after this step, then stopping (again: stop at once)", self.received)
+
+    def _restore(self):
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+    def __exit__(self, *exc):
+        self._restore()
+
+
 # ---------------------------------------------------------------------------------------------- the trainer
 
 
@@ -186,8 +241,9 @@ class Trainer:
         self.cfg, self.env, self.device = cfg, env, env.device
         self.cuda = self.device.type == "cuda"
         self.store = Store.open(cfg.store)
+        check_self_check(cfg, self.store)
         manifest = self.store.manifest
-        self.target_path = _target_path(cfg, manifest)
+        self.target_path = _target_path(cfg, self.store)
         embed, head = load_frozen(self.target_path, manifest)
         self.dcfg = drafter_config(cfg, self.store, self.target_path)
         self.encoding = manifest.features
@@ -233,12 +289,21 @@ class Trainer:
         rows_per_step = self.shape.rows_per_step
         self.plan = reader.DataPlan(train_rows, val_rows, rows_per_step, cfg.seed, env.rank, env.world_size)
         if self.plan.steps_per_epoch == 0:
+            held_out = ""
+            if not cfg.val_store and len(val_rows):
+                held_out = (
+                    f" (--val-fraction {cfg.val_fraction} holds out {len(val_rows)} of its {self.store.num_rows} "
+                    "rows: lower it, or give held-out documents with --val-shards)"
+                )
             raise DflashError(
                 f"the store's {len(train_rows)} training rows give no full step of {self.shape.rows_per_step} rows "
-                f"on each of {env.world_size} ranks; lower --rows-per-step / --grad-accum or harvest more data"
+                f"on each of {env.world_size} ranks{held_out}; lower --rows-per-step / --grad-accum or harvest more "
+                "data"
             )
         self.total_steps = cfg.max_steps or cfg.epochs * self.plan.steps_per_epoch
         self.checkpoints = Checkpointer(cfg.out, env.rank, env.world_size)
+        self.damaged = reader.DamagedRows(cfg.max_damaged_rows)  # shared by the training and validation readers
+        self.damaged.defer = env.world_size > 1  # several ranks stop together, at a log step (see DamagedRows)
 
         compile_on = self.cuda if cfg.compile is None else cfg.compile
         self.forward = graph.compile_fn(self.model, compile_on)
@@ -407,13 +472,13 @@ class Trainer:
                 for value in state.values():
                     value.zero_()
             self.step_t.zero_()
+        self.sums.zero_()
+        self.val_sums.zero_()
         if checkpoint is not None:
-            self.checkpoints.load(self, checkpoint)
+            self.checkpoints.load(self, checkpoint)  # (with the sums of its steps after the last record)
         elif self.env.world_size > 1:
             for p in self.params:  # identical seeds already give identical weights; make it a guarantee
                 dist.broadcast(p.data, 0)
-        self.sums.zero_()
-        self.val_sums.zero_()
         if self.cuda:
             torch.cuda.synchronize(self.device)
         times["total_s"] = time.perf_counter() - t0
@@ -441,32 +506,89 @@ class Trainer:
     # ---- the loop
 
     def fit(self, start_step: int, log: MetricsLog) -> dict:
+        """Train from `start_step` to the last step. SIGINT / SIGTERM and a damaged row (unless skipped) stop the
+        run between steps with a checkpoint, as a DflashError that says how to go on."""
         cfg = self.cfg
         meter = Meter(self)
         if start_step >= self.total_steps:
             return meter.summary()
         rows = self._reader(self.store, self.plan.steps(start_step, self.total_steps), self.shape)
+        saved = start_step  # the step of the last checkpoint (the one resumed from, or none at a fresh start)
+
+        def checkpoint(done: int) -> str:
+            nonlocal saved
+            if done != saved:
+                self.checkpoints.save(self, done)
+                saved = done
+            return f"checkpoint {self.checkpoints.path(done)}" if done else "no checkpoint (no step was trained)"
+
+        def next_batch(done: int):
+            try:
+                return meter.wait(rows.next)
+            except reader.DamagedRow as exc:
+                if self.env.world_size > 1:  # the other ranks cannot join a save from here
+                    raise
+                if done > start_step and done % cfg.log_every == 0:  # staged before its step's record: write it
+                    log.write(meter.read(done))
+                how = "rerun with --resume" if done else "rerun"
+                raise DflashError(
+                    f"{exc}; stopped after step {done} with {checkpoint(done)}: {how} (with --max-damaged-rows N "
+                    "to skip such rows, or after repairing the store)"
+                ) from None
+
         try:
-            with graph.no_recompiles():
-                self.feed.stage(meter.wait(rows.next))
+            with graph.no_recompiles(), StopSignals() as stop:
+                self.feed.stage(next_batch(start_step))
                 for step in range(start_step, self.total_steps):
                     self.feed.commit()
                     self.train_step()
                     done = step + 1
                     if cfg.val_every and done % cfg.val_every == 0 and done < self.total_steps:
                         # Before staging: validation uses the same staging buffers.
-                        log.write(meter.set_aside(lambda step=done: self.validate(step)))
+                        try:
+                            log.write(meter.set_aside(lambda step=done: self.validate(step)))
+                        except reader.DamagedRow as exc:  # raised on every rank (see validate)
+                            raise DflashError(
+                                f"{exc}; stopped after step {done} with {checkpoint(done)}: rerun with --resume (with "
+                                "--max-damaged-rows N to skip such rows, or after repairing the store)"
+                            ) from None
                     if done < self.total_steps:
                         # Queued right behind the step: the copy overlaps its compute.
-                        self.feed.stage(meter.wait(rows.next))
-                    if done % cfg.log_every == 0 or done == self.total_steps:
+                        self.feed.stage(next_batch(done))
+                    log_step = done % cfg.log_every == 0 or done == self.total_steps
+                    if log_step:
                         log.write(meter.read(done))
                     if done % cfg.ckpt_every == 0 or done == self.total_steps:
-                        self.checkpoints.save(self, done)
+                        checkpoint(done)
+                    # One process checks its flag every step (host only); ranks agree on it at log steps, where
+                    # the record's read already synchronises, so that every rank stops after the same step.
+                    if self.env.world_size == 1 or log_step:
+                        # 0: go on, 1: a signal, 2: a damaged row past the limit (several ranks: see DamagedRows)
+                        code = 2 if self.damaged.fatal is not None else int(stop.received is not None)
+                        code = max_over_ranks(code, self.env.world_size, self.device)
+                        if code:
+                            where = checkpoint(done)
+                            if code == 1 and done == self.total_steps:
+                                break
+                            self._stop_error(code, stop.received, done, where)
         finally:
             self.feed.drain()
             rows.close()
         return meter.summary()
+
+    def _stop_error(self, code: int, signame: str | None, done: int, where: str):
+        """The error that ends a run stopped between steps (all ranks agreeing), saying how to go on."""
+        fatal = self.damaged.fatal
+        if code == 2:
+            what = f"{fatal}" if fatal is not None else "another rank met a damaged row (its log names it)"
+            raise DflashError(
+                f"{what}; stopped after step {done} with {where} (the steps since the row was read trained without "
+                "it); rerun with --resume (with --max-damaged-rows N to skip such rows, or after repairing the store)"
+            )
+        raise DflashError(
+            f"stopped by {signame or 'a signal to another rank'} after step {done} of {self.total_steps}, {where} "
+            "saved; continue with the same command and --resume"
+        )
 
     def validate(self, step: int) -> dict | None:
         """Forward-only pass over this rank's held-out rows, every eligible anchor scored; sums over all ranks.
@@ -494,6 +616,9 @@ class Trainer:
             rows.close()
         self.val_sums[self.layout["replay_rounds"]] += rounds
         self.val_sums[self.layout["replay_tokens"]] += tokens
+        self.val_sums[self.layout["damaged_rows"]] += self.damaged.take_new()
+        if self.damaged.defer and any_rank(self.damaged.fatal is not None, self.env.world_size, self.device):
+            raise self.damaged.fatal or reader.DamagedRow("another rank met a damaged held-out row (its log names it)")
         if self.env.world_size > 1:
             dist.all_reduce(self.val_sums)
         totals = self.val_sums.tolist()
@@ -501,24 +626,55 @@ class Trainer:
 
     def _reader(self, store, steps, shape: reader.BatchShape) -> reader.RowReader:
         cfg = self.cfg
-        return reader.RowReader(store, steps, shape, depth=cfg.prefetch, workers=cfg.reader_workers, pin=self.cuda)
+        return reader.RowReader(
+            store, steps, shape, depth=cfg.prefetch, workers=cfg.reader_workers, pin=self.cuda, damaged=self.damaged
+        )
 
 
 # ---------------------------------------------------------------------------------------------- entry points
 
 
-def run_training(cfg: TrainConfig) -> dict:
-    """Train (or resume) a drafter; returns the final metrics, validation and export path (rank 0 writes files)."""
-    env = init_distributed(cfg.device)
+def final_validation(out: Path, step: int) -> dict | None:
+    """The final validation record of a finished run (resumed again: it is not computed and written twice)."""
+    final = [r for r in read_records(out) if r["kind"] == "val" and r["step"] == step]
+    return final[-1] if final else None
+
+
+def check_out(cfg: TrainConfig) -> Path:
+    """The run folder must be a folder (made here), outside the stores, and writable: checked before any work."""
     out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise DflashError(f"--out {out} is a file; give --out a folder for the run (checkpoints, metrics, drafter)")
+    for flag, store in (("--shards", cfg.store), ("--val-shards", cfg.val_store)):
+        if store and (out.resolve() == Path(store).resolve() or Path(store).resolve() in out.resolve().parents):
+            raise DflashError(f"--out {out} is inside the store {store} ({flag}); give --out a folder outside it")
+    if cfg.max_damaged_rows < 0:
+        raise DflashError(f"--max-damaged-rows {cfg.max_damaged_rows} (must be at least 0)")
+    probe = out / f".write-test-{os.getpid()}"
     try:
-        checkpoint = Checkpointer(out, env.rank, env.world_size).to_resume(cfg)
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise DflashError(f"cannot write to --out {out} ({exc.strerror}); give --out a writable folder") from None
+    return out
+
+
+def run_training(cfg: TrainConfig) -> dict:
+    """Train (or resume) a drafter; returns the final metrics, validation and export path (rank 0 writes files).
+
+    Rank 0 holds the run folder's lock for the whole run: a second run into the same --out is refused."""
+    env = init_distributed(cfg.device)
+    lock = RunLock(cfg.out)
+    try:
+        out = check_out(cfg)
+        on_rank0(env.rank, env.world_size, lambda: lock.acquire() and None)
+        identity = Store.open(cfg.store).manifest.identity
+        checkpoint = Checkpointer(out, env.rank, env.world_size).to_resume(cfg, identity)
         start = read_state(checkpoint)["step"] if checkpoint is not None else 0
         if checkpoint is not None and env.main:
             drop_records_after(out, start)
         trainer = Trainer(cfg, env)
-        if env.main:
-            out.mkdir(parents=True, exist_ok=True)
         prep = trainer.prepare(checkpoint)
         log = MetricsLog(out, env.main, cfg.tensorboard)
         logger.info(
@@ -536,12 +692,37 @@ def run_training(cfg: TrainConfig) -> dict:
         )
         try:
             result = trainer.fit(start, log)
-            val = trainer.validate(trainer.total_steps)
-            log.write(val)
+            # The export comes before the final validation: a validation that fails must not cost the drafter.
+            if cfg.export and env.main:
+                dtype = getattr(torch, cfg.export_dtype)
+                try:
+                    drafter = export_drafter(
+                        trainer.model, trainer.dcfg, out / "drafter", dtype=dtype, projection=trainer.projection
+                    )
+                except OSError as exc:  # the final checkpoint is saved: a resume (or `dflash export`) exports it
+                    if exc.errno not in DISK_ERRORS:
+                        raise
+                    raise disk_error(exc, "exporting the drafter failed", out) from None
+                result["export"] = str(drafter)
+            # A resumed run that had already finished has its final validation record: it is not written twice.
+            val = None
+            if start >= trainer.total_steps:
+                val = on_rank0(env.rank, env.world_size, lambda: final_validation(out, trainer.total_steps))
+            if val is None:
+                val = trainer.validate(trainer.total_steps)
+                log.write(val)
         finally:
             log.close()
         result["val"] = val
         result["prepare_s"] = prep
+        result["damaged_rows"] = list(trainer.damaged.rows)
+        if trainer.damaged.rows:
+            logger.warning(
+                "skipped %d damaged row(s) of the store (--max-damaged-rows %d): %s",
+                len(trainer.damaged.rows),
+                cfg.max_damaged_rows,
+                ", ".join(map(str, trainer.damaged.rows[:20])),
+            )
         if "allocated_spread" in result:
             logger.info(
                 "memory over the run: allocated spread %d B, reserved spread %d B, peak %.1f GiB",
@@ -549,13 +730,8 @@ def run_training(cfg: TrainConfig) -> dict:
                 result["reserved_spread"],
                 torch.cuda.max_memory_allocated(env.device) / 2**30,
             )
-        if cfg.export and env.main:
-            dtype = getattr(torch, cfg.export_dtype)
-            drafter = export_drafter(
-                trainer.model, trainer.dcfg, out / "drafter", dtype=dtype, projection=trainer.projection
-            )
-            result["export"] = str(drafter)
         return result
     finally:
+        lock.release()
         if env.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()

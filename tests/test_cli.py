@@ -65,3 +65,121 @@ def test_config_keys_may_be_the_flags_names(tmp_path):
         result = CliRunner().invoke(main, ["train", "--config", str(config)])
         assert result.exit_code == 2, result.output
         assert "missing-store" in result.output and "unknown keys" not in result.output, result.output
+
+
+# ---------------------------------------------------------------------------------------------- --config strictness
+
+
+def _echo_group():
+    """A group shaped like `dflash`: a stand-in `train` that prints the options it got, and the real harvest."""
+    import json
+
+    import click
+
+    from cli.harvest import harvest
+    from cli.options import config_option, config_options, reports_errors
+    from dflash.config import TrainConfig
+
+    @click.command("train")
+    @config_option
+    @config_options(TrainConfig)
+    @reports_errors
+    def train(**options):
+        click.echo(json.dumps({k: v for k, v in options.items() if v is not None}))
+
+    @click.group()
+    def group():
+        pass
+
+    group.add_command(train)
+    group.add_command(harvest)
+    return group
+
+
+def _train_options(tmp_path, config_text: str, *flags: str):
+    import json
+
+    config = tmp_path / "c.toml"
+    config.write_text(config_text)
+    result = CliRunner().invoke(_echo_group(), ["train", "--config", str(config), *flags])
+    return json.loads(result.output) if result.exit_code == 0 else result
+
+
+def test_config_top_level_and_command_table_both_apply(tmp_path):
+    got = _train_options(tmp_path, 'shards = "s"\nmax-steps = 3\n[train]\nout = "r"\nmax-steps = 4\n')
+    assert got == {"store": "s", "out": "r", "max_steps": 4}  # the command's table wins over the top level
+
+
+def test_config_tables_of_other_commands_are_skipped_and_unknown_tables_refused(tmp_path):
+    got = _train_options(tmp_path, '[train]\nshards = "s"\n[harvest]\nmodel = "m"\ntoken-budget = 8\n')
+    assert got == {"store": "s"}
+    result = _train_options(tmp_path, '[trian]\nshards = "s"\n')
+    assert result.exit_code == 2 and "[trian] is neither a dflash command's table" in result.output, result.output
+    result = _train_options(tmp_path, '[train]\nshards = "s"\nmax_stepz = 3\n')
+    assert result.exit_code == 2 and "[train] max_stepz" in result.output, result.output
+
+
+def test_config_values_of_the_wrong_type_are_named(tmp_path):
+    cases = {
+        "max-steps = 2.7": "max-steps = 2.7 is not an integer",
+        'max-steps = "3"': "max-steps = '3' is not an integer",
+        "lr = true": "lr = True is not a number",
+        "resume = 1": "resume = 1 is not true or false",
+        'export-dtype = "int8"': "export-dtype = 'int8' is not one of bfloat16, float32",
+        "out = 3": "out = 3 is not a path",
+        "betas = [0.9]": "betas = [0.9] is not a list of 2 values",
+        "drafter-option = 3": "drafter-option = 3 is not a table",
+        "out = [1, 2]": "out = [1, 2] is not a single value",
+    }
+    for line, message in cases.items():
+        result = _train_options(tmp_path, line + "\n")
+        assert result.exit_code == 2 and message in result.output, (line, result.output)
+
+
+def test_config_lists_and_tables_reach_their_options(tmp_path):
+    got = _train_options(
+        tmp_path,
+        "lr = 1\nbetas = [0.8, 0.9]\nresume = true\n[train.drafter-option]\nintermediate_size = 9216\nrope_theta = 1e4\n",
+        "--drafter-option",
+        "rope_theta=5",
+    )
+    assert got["lr"] == 1 and got["betas"] == [0.8, 0.9] and got["resume"] is True
+    assert got["drafter_overrides"] == {"intermediate_size": 9216, "rope_theta": 5}  # the flag wins
+    assert _train_options(tmp_path, "drafter-option = {num_layers = 2}\n")["drafter_overrides"] == {"num_layers": 2}
+
+
+def test_config_list_for_a_list_flag(tmp_path):
+    for value in ("[1, 3, 5]", '"1,3,5"'):
+        result = _harvest(tmp_path, f"token_budget = 8\nlayers = {value}\n")
+        assert result.exit_code == 2 and "token budget 8 " in result.output, result.output  # layers accepted
+    result = _harvest(tmp_path, "token_budget = 8\nlayers = [1, 2.5]\n")
+    assert result.exit_code == 2 and "layers = [1, 2.5] is not a list of integers" in result.output, result.output
+
+
+def test_export_takes_config(tmp_path):
+    config = tmp_path / "e.toml"
+    config.write_text('[export]\nout = "x"\nstep = 1.5\n')
+    result = CliRunner().invoke(main, ["export", str(tmp_path), "--config", str(config)])
+    assert result.exit_code == 2 and "step = 1.5 is not an integer" in result.output, result.output
+
+
+def test_a_model_that_is_not_a_checkpoint_folder_is_one_line(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for model, expected in ((tmp_path / "missing", "does not exist"), (empty, "has no config.json")):
+        args = ["harvest", "--model", str(model), "--data", str(data), "--out", str(tmp_path / "s")]
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 2 and expected in result.output, result.output
+        assert "Traceback" not in result.output and not (tmp_path / "s").exists()
+
+
+def test_inspect_takes_a_config_file(tmp_path):
+    config = tmp_path / "inspect.toml"
+    config.write_text("[inspect]\nverify = true\nseed = 3\n")
+    result = CliRunner().invoke(main, ["inspect", "--config", str(config), str(tmp_path / "no-store")])
+    assert result.exit_code == 2 and "not a folder" in result.output and "unknown" not in result.output, result.output
+    config.write_text("[inspect]\nverfy = true\n")
+    result = CliRunner().invoke(main, ["inspect", "--config", str(config), str(tmp_path / "no-store")])
+    assert result.exit_code != 0 and "verfy" in result.output, result.output

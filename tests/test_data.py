@@ -149,6 +149,22 @@ def test_truncate_and_split(tmp_path, tokenizer_path):
     assert stats.tokens == sum(len(d.input_ids) for d in pieces)
 
 
+def test_a_truncation_dropping_most_of_a_document_is_warned_about(tmp_path, tokenizer_path, caplog):
+    long_text = "The quick brown fox jumps over the lazy dog. " * 20
+    path = _jsonl(tmp_path, {"text": "short one"}, {"text": long_text})
+    n = len(load_documents(DataConfig(path, max_length=10_000), tokenizer_path)[0][1].input_ids)
+    with caplog.at_level("WARNING", logger="dflash"):
+        _, stats = load_documents(DataConfig(path, max_length=n - 10, overflow="truncate"), tokenizer_path)
+    assert stats.truncated == 1 and stats.truncated_most == 0 and not caplog.records  # a small cut: the count only
+    with caplog.at_level("WARNING", logger="dflash"):
+        _, stats = load_documents(DataConfig(path, max_length=16, overflow="truncate"), tokenizer_path)
+    assert (stats.truncated_most, stats.largest_cut, stats.largest_cut_line) == (1, n - 16, 1)
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert f"dropping {n - 16} tokens" in message and "document 1 alone lost" in message
+    assert "--overflow split" in message
+
+
 def test_split_drops_pieces_without_loss_tokens(tmp_path, tokenizer_path):
     messages = [{"role": "user", "content": "Please read this. " * 30}, {"role": "assistant", "content": "Done."}]
     documents, stats = load_documents(

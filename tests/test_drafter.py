@@ -226,3 +226,17 @@ def test_from_target_config(arch):
     assert (cfg.vocab_size, cfg.num_target_layers, cfg.num_layers, cfg.block_size) == (300, 12, 3, 8)
     assert cfg.feature_dim == 3 * 64 and cfg.target_layer_ids == [1, 5, 9]
     assert DrafterConfig.from_hf_config(cfg.to_hf_config()) == cfg
+
+
+def test_drafter_options_name_unknown_fields_and_wrong_types():
+    target = tiny_config("qwen3", vocab_size=300, num_layers=12, hidden_size=64)
+    with pytest.raises(DflashError, match="unknown drafter config field foo in --drafter-option; the fields are .*"):
+        DrafterConfig.from_target_config(target, [1, 5, 9], mask_token_id=299, foo=3)
+    with pytest.raises(DflashError, match="intermediate_size='big' is not an integer"):
+        DrafterConfig.from_target_config(target, [1, 5, 9], mask_token_id=299, intermediate_size="big")
+    with pytest.raises(DflashError, match="rope_theta=True is not a number"):
+        DrafterConfig.from_target_config(target, [1, 5, 9], mask_token_id=299, rope_theta=True)
+    cfg = DrafterConfig.from_target_config(
+        target, [1, 5, 9], 299, intermediate_size=96, rope_theta=5, feature_width=None
+    )
+    assert (cfg.intermediate_size, cfg.rope_theta) == (96, 5)

@@ -10,7 +10,8 @@ import torch
 import zarr
 
 from dflash import features, store
-from dflash.harvest import HarvestConfig, run_harvest
+from dflash.config import HarvestConfig
+from dflash.harvest import run_harvest
 from dflash.tiny import CORPUS
 
 BUDGET = 256

@@ -26,8 +26,9 @@ from click.testing import CliRunner
 
 from cli.main import main
 from dflash import store
+from dflash.config import HarvestConfig
 from dflash.data import DataConfig, load_documents, load_tokenizer
-from dflash.harvest import HarvestConfig, run_harvest
+from dflash.harvest import run_harvest
 from dflash.store import Store
 from dflash.tiny import CORPUS
 
@@ -406,3 +407,188 @@ def test_a_slow_writer_shows_up_as_forward_thread_waiting(tiny_target, data_file
     assert s.buffer_wait_s >= 0.5 * SLOW * (groups - harvest.HOST_BUFFERS - 1) > 0
     assert SLOW <= s.drain_s
     assert s.gpu_wait_s < SLOW  # on the CPU the forward and the host copy are synchronous: nothing to wait for
+
+
+# ------------------------------------------------------------------------------------ self-check (reforward)
+
+
+def test_harvest_records_a_passed_check_against_the_target(harvested):
+    check = Store.open(harvested("qwen3")).self_check
+    assert check is not None and check.passed, check
+    assert check.documents == HarvestConfig.self_check and not check.failures
+    assert check.worst_relative_error <= check.tolerance and check.bit_equal >= 0.99
+
+
+def test_inspect_reforward_passes_a_good_store_and_names_a_shifted_layer(harvested, tmp_path):
+    path = tmp_path / "store"
+    shutil.copytree(harvested("qwen3"), path)
+    result = run_cli(["inspect", str(path), "--reforward", "3", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "reforward  passed: 3 documents re-run alone" in result.output
+    assert "self-check passed" in result.output  # the harvest's own check, from the manifest
+    # An off-by-one between the recorded layer ids and what was captured: the store says layer 6, holds layer 5.
+    manifest_path = path / store.MANIFEST_FILE
+    raw = json.loads(manifest_path.read_text())
+    assert raw["layer_ids"] == [1, 2, 3, 4, 5]
+    raw["layer_ids"][-1] = raw["fingerprint"]["layers"][-1] = 6
+    manifest_path.write_text(json.dumps(raw))
+    result = run_cli(["inspect", str(path), "--reforward", "2", "--device", "cpu"])
+    assert result.exit_code == 1, result.output
+    assert "reforward  FAILED on 2 slice(s)" in result.output
+    assert re.search(
+        r"document \d+ .*\(row \d+\): layer 6 off by .*; it matches layer 5 of the fresh forward", result.output
+    )
+
+
+def test_a_failed_check_is_recorded_and_stops_the_harvest(tiny_target, data_file, tmp_path, monkeypatch):
+    from dflash import harvest
+
+    fill_rows = harvest._fill_rows
+
+    def padded_wrong(rows, *args):  # a capture bug: every stored feature is off by 5 %
+        fill_rows(rows, *args)
+        rows.mul_(1.05)
+
+    monkeypatch.setattr(harvest, "_fill_rows", padded_wrong)
+    out = tmp_path / "store"
+    result = run_cli(cli_args(tiny_target("qwen3"), data_file, out, self_check=2))
+    assert result.exit_code == 2 and "self-check against the target FAILED" in result.output, result.output
+    check = Store.open(out).self_check
+    assert not check.passed and check.documents == 2 and check.failures
+    assert json.loads((out / store.MANIFEST_FILE).read_text())["self_check"]["passed"] is False
+
+
+# ------------------------------------------------------------------------------------------ concurrency, output
+
+
+def test_a_second_harvest_of_a_locked_part_is_refused_naming_the_holder(harvested, tiny_target, data_file, tmp_path):
+    out = tmp_path / "store"
+    shutil.copytree(harvested("qwen3"), out)  # a harvest in progress: two rows left, a chunk being written
+    (out / store.MANIFEST_FILE).unlink()
+    progress_file = out / "parts" / "rank00000" / store.PROGRESS_FILE
+    progress = json.loads(progress_file.read_text())
+    progress_file.write_text(json.dumps({**progress, "rows_committed": progress["rows"] - 2}))
+    in_flight = out / "parts" / "rank00000" / "hidden" / "c" / "0" / "0" / "0.123.partial"
+    in_flight.write_bytes(b"the other run's chunk")
+    args = cli_args(tiny_target("qwen3"), data_file, out, self_check=0)
+    with store.part_lock(out, 0):  # the other run holds the part (flock conflicts across open files)
+        result = run_cli(args)
+        assert result.exit_code == 2, result.output
+        assert f"is being harvested right now by process {os.getpid()}" in result.output
+        assert in_flight.exists() and not (out / store.MANIFEST_FILE).exists()  # nothing of it was touched
+    result = run_cli(args)  # the lock goes with its holder: the same command now resumes
+    assert result.exit_code == 0, result.output
+    assert not in_flight.exists()
+    assert_same_content(out, harvested("qwen3"))
+
+
+def test_a_harvest_stopped_before_harvest_json_leaves_only_a_lock_and_resumes(tiny_target, data_file, tmp_path):
+    out = tmp_path / "store"
+    with store.part_lock(out, 0):
+        pass
+    assert store.check_folder(out, {}) == "new"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_an_unwritable_out_is_refused_before_the_model_loads(tiny_target, data_file, tmp_path, monkeypatch):
+    from dflash import harvest
+
+    parent = tmp_path / "readonly"
+    parent.mkdir()
+    parent.chmod(0o555)
+    monkeypatch.setattr(harvest, "TappedTarget", None)  # loading the target would fail differently
+    try:
+        result = run_cli(cli_args(tiny_target("qwen3"), data_file, parent / "store"))
+    finally:
+        parent.chmod(0o755)
+    assert result.exit_code == 2 and "is not writable" in result.output, result.output
+
+
+def test_an_unwritable_out_is_refused_before_the_model_loads_as_root_too(tiny_target, data_file, tmp_path, monkeypatch):
+    from dflash import harvest
+
+    opened = Path.open
+
+    def read_only(self, mode="r", *args, **kwargs):  # every write fails, as on a read-only mount
+        if any(flag in mode for flag in "wax+"):
+            raise OSError(errno.EROFS, "Read-only file system")
+        return opened(self, mode, *args, **kwargs)
+
+    model = tiny_target("qwen3")  # built before Path.open fails
+    monkeypatch.setattr(harvest, "TappedTarget", None)
+    monkeypatch.setattr(Path, "open", read_only)
+    result = run_cli(cli_args(model, data_file, tmp_path / "store"))
+    assert result.exit_code == 2 and "is on a read-only file system" in result.output, result.output
+
+
+# ------------------------------------------------------------------------------------------------------ repair
+
+
+def store_files(path: Path) -> dict[str, bytes]:
+    return {
+        str(f.relative_to(path)): f.read_bytes() for f in path.rglob("*") if f.is_file() and f.name != store.LOCK_FILE
+    }
+
+
+def test_repair_rewrites_exactly_the_damaged_rows_bit_for_bit(harvested, tiny_target, data_file, tmp_path):
+    reference = harvested("qwen3")
+    out = tmp_path / "store"
+    shutil.copytree(reference, out)
+    part = out / "parts" / "rank00000"
+    chunk = part / "hidden" / "c" / "5" / "0" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[100:104] = bytes(b ^ 0x5A for b in data[100:104])
+    chunk.write_bytes(bytes(data))
+    (part / "input_ids" / "c" / "2" / "0").unlink()
+    (part / "documents" / "c" / "0" / "0").write_bytes(b"torn")
+    result = run_cli(["inspect", str(out), "--verify"])
+    assert result.exit_code == 1 and "rerun the harvest command with --repair for rank(s) 0" in result.output
+    args = cli_args(tiny_target("qwen3"), data_file, out)
+    result = run_cli(args)  # without --repair: complete, and it says what to do
+    assert result.exit_code == 0 and (out / store.MANIFEST_FILE).exists()
+    result = run_cli([*args, "--repair"])
+    assert result.exit_code == 0, result.output
+    assert store_files(out) == store_files(reference)  # every chunk file, the JSON files too, bit for bit
+    result = run_cli(["inspect", str(out), "--verify"])
+    assert result.exit_code == 0, result.output
+
+
+def test_repair_of_an_unfinished_part_is_refused(harvested, tiny_target, data_file, tmp_path):
+    out = tmp_path / "store"
+    shutil.copytree(harvested("qwen3"), out)
+    (out / store.MANIFEST_FILE).unlink()
+    progress_file = out / "parts" / "rank00000" / store.PROGRESS_FILE
+    progress = json.loads(progress_file.read_text())
+    progress_file.write_text(json.dumps({**progress, "rows_committed": 1}))
+    result = run_cli([*cli_args(tiny_target("qwen3"), data_file, out), "--repair"])
+    assert result.exit_code == 2 and "rerun the same command without --repair" in result.output, result.output
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_and_sigint_say_that_the_rerun_resumes(sig, tiny_target, data_file, tmp_path):
+    out = tmp_path / "store"
+    command = [sys.executable, "-m", "cli", *cli_args(tiny_target("qwen3"), data_file, out, forward_tokens=BUDGET)]
+    process = subprocess.Popen(command, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    progress = out / "parts" / "rank00000" / "progress.json"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and process.poll() is None:
+        if progress.exists() and json.loads(progress.read_text())["rows_committed"] >= 1:
+            process.send_signal(sig)
+            break
+        time.sleep(0.005)
+    stdout, stderr = process.communicate(timeout=120)
+    output = stdout.decode() + stderr.decode()
+    assert process.returncode == 2, output[-2000:]
+    assert f"harvest interrupted ({sig.name}); the rows committed so far are kept: rerun the same command" in output
+    assert "Aborted!" not in output
+    assert 1 <= json.loads(progress.read_text())["rows_committed"]
+
+
+def test_reforward_names_a_target_that_moved(harvested, tmp_path):
+    path = tmp_path / "store"
+    shutil.copytree(harvested("qwen3"), path)
+    raw = json.loads((path / store.MANIFEST_FILE).read_text())
+    raw["fingerprint"]["model"] = str(tmp_path / "gone")
+    (path / store.MANIFEST_FILE).write_text(json.dumps(raw))
+    result = run_cli(["inspect", str(path), "--reforward", "1", "--device", "cpu"])
+    assert result.exit_code == 2 and "is not a model folder any more; pass the target's folder" in result.output

@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import quality  # noqa: E402
+
 from dflash.config import EvalConfig  # noqa: E402
 from dflash.evaluate import evaluate  # noqa: E402
 
@@ -55,7 +56,9 @@ def test_cli_names_the_other_run_and_exits_2(tmp_path, capsys):
     quality.Run(tmp_path / "q.json", quality.TINY, tmp_path / "work", seed=0)
     finish_stage(tmp_path / "work", "target", "target")
     with pytest.raises(SystemExit) as exit_info:
-        quality.main(["--tiny", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "q2.json"), "--set", "layers=4"])
+        quality.main(
+            ["--tiny", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "q2.json"), "--set", "layers=4"]
+        )
     assert exit_info.value.code == 2
     assert "layers: the run in --work 8, this call 4" in capsys.readouterr().err
     assert (tmp_path / "work" / "target").is_dir() and not (tmp_path / "q2.json").exists()
@@ -99,8 +102,11 @@ def test_merged_worker_reports_equal_one_process_evaluating_every_prompt(tiny_ta
     for name, method in whole.methods.items():
         got = merged.methods[name]
         assert (got.tau, got.rounds, got.new_tokens, got.mismatches) == (
-            method.tau, method.rounds, method.new_tokens, method.mismatches
-        )  # fmt: skip
+            method.tau,
+            method.rounds,
+            method.new_tokens,
+            method.mismatches,
+        )
         assert got.accepted_histogram == method.accepted_histogram
         assert [r["runs"][name].accepted for r in merged.prompts] == [r["runs"][name].accepted for r in whole.prompts]
 

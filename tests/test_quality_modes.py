@@ -23,9 +23,13 @@ A, B = ([3, 0, 15], [0, 0, 1, 0]), ([0, 1], [2, 2])
 def test_mode_names():
     modes = quality.parse_modes("fp8, sub1/2,sub1/4,sub1/8,sub1/4+fp8,sub96,,")
     assert [(m.name, m.precision, m.subspace) for m in modes] == [
-        ("fp8", "fp8", "none"), ("sub1/2", "bf16", "1/2"), ("sub1/4", "bf16", "1/4"), ("sub1/8", "bf16", "1/8"),
-        ("sub1/4+fp8", "fp8", "1/4"), ("sub96", "bf16", "96"),
-    ]  # fmt: skip
+        ("fp8", "fp8", "none"),
+        ("sub1/2", "bf16", "1/2"),
+        ("sub1/4", "bf16", "1/4"),
+        ("sub1/8", "bf16", "1/8"),
+        ("sub1/4+fp8", "fp8", "1/4"),
+        ("sub96", "bf16", "96"),
+    ]
     assert [m.folder for m in modes[3:5]] == ["sub1_8", "sub1_4+fp8"]
     assert modes[0].method == "dflash[fp8]" and BF16.method == "dflash"  # bf16's keeps the name the bar reads
     assert quality.parse_modes("") == []
@@ -55,15 +59,22 @@ def test_the_difference_is_paired_on_the_same_prompts():
 
 
 def test_data_wait_share_weights_each_record_by_its_time():
-    records = [{"kind": "train", "step": 10, "step_ms": 100.0, "data_wait": 0.5},
-               {"kind": "val", "step": 10, "loss": 1.0},
-               {"kind": "train", "step": 20, "step_ms": 300.0, "data_wait": 0.1}]  # fmt: skip
+    records = [
+        {"kind": "train", "step": 10, "step_ms": 100.0, "data_wait": 0.5},
+        {"kind": "val", "step": 10, "loss": 1.0},
+        {"kind": "train", "step": 20, "step_ms": 300.0, "data_wait": 0.1},
+    ]
     assert quality.data_wait_share(records) == pytest.approx((0.5 * 1000 + 0.1 * 3000) / 4000)
     assert quality.data_wait_share([]) is None
 
 
 def fake_mode(mode: StoreMode, ratio: float, captured=None) -> dict:
-    store = {"bytes_per_token": 1280 * ratio, "raw_bf16_ratio": ratio, "feature_ratio": ratio * 0.9, "captured": captured}
+    store = {
+        "bytes_per_token": 1280 * ratio,
+        "raw_bf16_ratio": ratio,
+        "feature_ratio": ratio * 0.9,
+        "captured": captured,
+    }
     records = [{"kind": "train", "step": 10, "step_ms": 20.0, "data_wait": 0.25}]
     drafter = {"train_loss": 1.0, "val_loss": 1.5, "val_tau": 2.0, "step_ms": 20.0, "records": records}
     return {"mode": asdict(mode), "store": store, "drafter": drafter}
@@ -71,8 +82,10 @@ def fake_mode(mode: StoreMode, ratio: float, captured=None) -> dict:
 
 def test_the_mode_table_of_two_prompts():
     fp8, sub = StoreMode("fp8", "fp8"), StoreMode("sub1/4+fp8", "fp8", "1/4")
-    runs = [{BF16.method: A[1], fp8.method: A[0], sub.method: A[1], "prompt-lookup": [0]},
-            {BF16.method: B[1], fp8.method: B[0], sub.method: B[1], "prompt-lookup": [0]}]  # fmt: skip
+    runs = [
+        {BF16.method: A[1], fp8.method: A[0], sub.method: A[1], "prompt-lookup": [0]},
+        {BF16.method: B[1], fp8.method: B[0], sub.method: B[1], "prompt-lookup": [0]},
+    ]
     methods = {  # taus over both prompts' rounds: bf16 1 + 5/6, fp8 1 + 19/5
         BF16.method: SimpleNamespace(tau=1 + 5 / 6, mismatches=0),
         fp8.method: SimpleNamespace(tau=1 + 19 / 5, mismatches=0),
@@ -97,7 +110,9 @@ def test_the_mode_table_of_two_prompts():
     assert quality.mode_verdict(quality.mode_rows(report, False, modes)[1]).endswith("so far (PARTIAL)")
 
     table = quality.modes_markdown(rows, report, True, steps=300)
-    assert "| fp8 | 512.0 | 0.400 | 0.360 | - | 4.800 (1.50 to 7.00) | +2.967 (-1.500 to +5.750) | +161.8 % | 0 |" in table
+    assert (
+        "| fp8 | 512.0 | 0.400 | 0.360 | - | 4.800 (1.50 to 7.00) | +2.967 (-1.500 to +5.750) | +161.8 % | 0 |" in table
+    )
     assert "| sub1/4+fp8 | 140.8 | 0.110 | 0.099 | 96.0 % |" in table and "| bf16 | 1024.0 | 0.800 |" in table
     assert "sub1/4+fp8 0.110 (met)" in table
     # the issue-4 bar reads bf16's drafter only: a mode's mismatch is the modes table's
@@ -124,8 +139,10 @@ def test_several_trained_drafters_in_one_run(tiny_target, tmp_path):
 
     target_path = tiny_target("qwen3_5")
     target, tokenizer = load_target(target_path, "cpu", "float32")
-    folders = [str(export_drafter(*evaluation.untrained_drafter(target, tokenizer, 4, seed=s), tmp_path / f"d{s}"))
-               for s in (1, 2)]  # fmt: skip
+    folders = [
+        str(export_drafter(*evaluation.untrained_drafter(target, tokenizer, 4, seed=s), tmp_path / f"d{s}"))
+        for s in (1, 2)
+    ]
     prompts = [{"prompt": "def add(a, b):\n    return"}, {"prompt": "for i in range(10):\n"}]
     settings = dict(model=target_path, device="cpu", seed=0, max_new_tokens=8, min_prompts=1)
     drafters = {"dflash": folders[0], "dflash[fp8]": folders[1]}
@@ -133,8 +150,11 @@ def test_several_trained_drafters_in_one_run(tiny_target, tmp_path):
     merged = quality.merge_shares("eval_m", drafters, prompts, 4, 1, tmp_path, settings)
     assert set(merged.methods) == {"dflash", "dflash[fp8]", "prompt-lookup"}
     assert evaluation._methods.__module__ == "dflash.evaluate"  # the naming is undone
-    alone = evaluation.evaluate(EvalConfig(target_path, prompts, drafter=folders[1], max_new_tokens=8, device="cpu",
-                                           prompt_lookup=0))  # fmt: skip
-    assert [r["runs"]["dflash[fp8]"].accepted for r in merged.prompts] == [r["runs"]["dflash"].accepted for r in alone.prompts]
+    alone = evaluation.evaluate(
+        EvalConfig(target_path, prompts, drafter=folders[1], max_new_tokens=8, device="cpu", prompt_lookup=0)
+    )
+    assert [r["runs"]["dflash[fp8]"].accepted for r in merged.prompts] == [
+        r["runs"]["dflash"].accepted for r in alone.prompts
+    ]
     assert merged.methods["dflash[fp8]"].tau == alone.methods["dflash"].tau
     assert merged.methods["dflash[fp8]"].mismatches == 0

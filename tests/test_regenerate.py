@@ -179,3 +179,36 @@ def test_bad_prompts_name_the_line(tmp_path, line, message):
     path.write_text(json.dumps(PROMPTS[0]) + "\n" + line + "\n")
     with pytest.raises(DflashError, match=message):
         load_prompts(path)
+
+
+def test_resume_with_other_generation_settings_is_refused_naming_them(tiny_target, prompts_file, tmp_path):
+    from dflash.regenerate import settings_path
+
+    target_path = tiny_target("qwen3_5")
+    out = tmp_path / "responses.jsonl"
+    cfg = RegenerateConfig(target_path, prompts_file, out, max_new_tokens=4, batch_size=5, device="cpu")
+    lines = [json.dumps({"messages": [*PROMPTS[0]["messages"], {"role": "assistant", "content": "x"}]}) + "\n"]
+    out.write_text(lines[0])  # one answer of an earlier run, which recorded its settings
+    from dflash.regenerate import generation_settings
+
+    settings_path(out).write_text(json.dumps(generation_settings(cfg)))
+    for change, field in (
+        ({"max_new_tokens": 5}, "max_new_tokens: the output has 4, this run 5"),
+        ({"temperature": 0.7}, "temperature: the output has 0.0, this run 0.7"),
+        ({"top_p": 0.9}, "top_p"),
+        ({"seed": 3}, "seed"),
+        ({"model": str(tiny_target("qwen3"))}, "model"),
+    ):
+        with pytest.raises(DflashError, match=f"other generation settings \\(.*{field}"):
+            regenerate(dataclasses.replace(cfg, **change), progress=False)
+    assert out.read_text() == lines[0]  # nothing was appended
+
+
+def test_an_unwritable_out_is_refused_before_generating(tiny_target, prompts_file, tmp_path, monkeypatch):
+    import dflash.target
+
+    monkeypatch.setattr(dflash.target, "load_target", None)  # the model must not even load
+    (tmp_path / "file").write_text("")
+    cfg = RegenerateConfig(tiny_target("qwen3_5"), prompts_file, tmp_path / "file" / "out.jsonl", device="cpu")
+    with pytest.raises(DflashError, match="cannot be written"):
+        regenerate(cfg, progress=False)

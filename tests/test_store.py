@@ -353,3 +353,76 @@ def test_chunk_writer_writes_the_bytes_zarr_would(tmp_path, monkeypatch, precisi
     for relative in files:
         assert (part.hidden.folder / relative).read_bytes() == (tmp_path / "reference" / relative).read_bytes()
     np.testing.assert_array_equal(ours[:], hidden)
+
+
+# ------------------------------------------------------------------------------------ damaged or edited files
+
+
+def test_damaged_or_edited_progress_json_is_named(tmp_path):
+    write_store(tmp_path / "s")
+    progress = tmp_path / "s" / "parts" / "rank00001" / store.PROGRESS_FILE
+    good = json.loads(progress.read_text())
+    for damaged in ("", "{", "[]", json.dumps({**good, "rows_committed": good["rows"] + 1}), json.dumps({"rows": 2})):
+        progress.write_text(damaged)
+        with pytest.raises(DflashError, match=r"progress.json is damaged"):
+            store.part_progress(tmp_path / "s", 2)
+
+
+def test_a_manifest_claiming_more_rows_than_the_arrays_is_refused(tmp_path):
+    write_store(tmp_path / "s")
+    path = tmp_path / "s" / store.MANIFEST_FILE
+    raw = json.loads(path.read_text())
+    raw["parts"][0]["rows"] += 1
+    raw["parts"][0]["padding_tokens"] += raw["token_budget"]
+    raw["counts"]["rows"] += 1
+    raw["counts"]["padding_tokens"] += raw["token_budget"]
+    path.write_text(json.dumps(raw))
+    with pytest.raises(DflashError, match=r"does not match part rank00000's arrays \(hidden has 3 rows"):
+        store.Store.open(tmp_path / "s")
+
+
+def test_a_missing_part_folder_is_a_one_line_error(tmp_path):
+    import shutil
+
+    write_store(tmp_path / "s")
+    shutil.rmtree(tmp_path / "s" / "parts" / "rank00001")
+    with pytest.raises(DflashError, match="cannot be opened"):
+        store.Store.open(tmp_path / "s")
+
+
+def test_harvest_json_that_is_not_an_object_is_named(tmp_path):
+    write_store(tmp_path / "s")
+    (tmp_path / "s" / store.HARVEST_FILE).write_text("[1, 2]")
+    with pytest.raises(DflashError, match="harvest.json is damaged"):
+        store.check_folder(tmp_path / "s", {})
+
+
+def test_self_check_round_trips_and_is_validated(tmp_path):
+    from dflash.manifest import CheckFailure, SelfCheck
+
+    write_store(tmp_path / "s")
+    assert store.Store.open(tmp_path / "s").self_check is None
+    check = SelfCheck(False, 3, 0, 2.0**-7, 0.4, 0.5, (CheckFailure(7, 0, 1, 4, 0.4, 3),))
+    store.record_self_check(tmp_path / "s", check)
+    opened = store.Store.open(tmp_path / "s")
+    assert opened.self_check == check and not opened.self_check.passed
+    path = tmp_path / "s" / store.MANIFEST_FILE
+    raw = json.loads(path.read_text())
+    raw["self_check"]["passed"] = "yes"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(DflashError, match=r"field self_check.passed is 'yes', expected bool"):
+        store.Store.open(tmp_path / "s")
+
+
+def test_a_relative_target_path_resolves_against_the_store_parent(tmp_path):
+    write_store(tmp_path / "s")
+    manifest = store.Store.open(tmp_path / "s").manifest
+    (tmp_path / "models" / "t").mkdir(parents=True)
+    (tmp_path / "models" / "t" / "config.json").write_text("{}")
+    relative = dataclasses.replace(manifest, fingerprint={**manifest.fingerprint, "model": "models/t"})
+    assert store.target_path(tmp_path / "s", relative) == str((tmp_path / "models" / "t").resolve())
+    missing = dataclasses.replace(manifest, fingerprint={**manifest.fingerprint, "model": "./gone/t"})
+    with pytest.raises(DflashError, match="relative path './gone/t'"):
+        store.target_path(tmp_path / "s", missing)
+    hub = dataclasses.replace(manifest, fingerprint={**manifest.fingerprint, "model": "Qwen/Qwen3-8B"})
+    assert store.target_path(tmp_path / "s", hub) == "Qwen/Qwen3-8B"

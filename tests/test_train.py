@@ -5,6 +5,7 @@ target; the alignment tests rewrite its arrays with features that make the label
 """
 
 import json
+import math
 import os
 import shutil
 import socket
@@ -23,10 +24,10 @@ from torch.nn.attention.flex_attention import create_block_mask
 from cli.main import main
 from dflash import blocks, graph, reader
 from dflash.checkpoint import Checkpointer, fingerprint
-from dflash.config import TrainConfig
+from dflash.config import HarvestConfig, TrainConfig
 from dflash.drafter import load_drafter
 from dflash.errors import DflashError
-from dflash.harvest import HarvestConfig, run_harvest
+from dflash.harvest import run_harvest
 from dflash.metrics import visible_pairs
 from dflash.store import Store
 from dflash.target_files import load_embedding_and_head
@@ -576,8 +577,9 @@ def test_bad_input_is_a_clear_error(case, store, target, tiny_target, tmp_path):
         other = _copy_store(store, tmp_path / "other")
         manifest = json.loads((other / "manifest.json").read_text())
         fingerprint = {**manifest["fingerprint"], "dtype": "float64"}
-        _manifest_edit(other, layer_ids=manifest["layer_ids"][::-1], token_budget=128, fingerprint=fingerprint)
-        expected = "differs from the training store in layer_ids, token_budget, the dtype the target ran in"
+        # (not token_budget: a store now checks its manifest's row shape against its arrays on open)
+        _manifest_edit(other, layer_ids=manifest["layer_ids"][::-1], fingerprint=fingerprint)
+        expected = "differs from the training store in layer_ids, the dtype the target ran in"
         extra = ["--val-shards", str(other)]
     elif case == "val_store_is_the_store":
         extra, expected = ["--val-shards", str(store)], "is the training store itself"
@@ -628,11 +630,368 @@ def test_a_version_1_store_still_trains(store, tmp_path):
     (old / "manifest.json").write_text(json.dumps(manifest))
     assert Store.open(old).manifest.format_version == 1
     for name, path in (("v1", old), ("v2", store)):
-        run_training(config(path, tmp_path / name, max_steps=2))
+        run_training(config(path, tmp_path / f"run-{name}", max_steps=2))  # (not into the store: refused)
     states = [
-        json.loads(next((tmp_path / name / "checkpoints").glob("step_*/state.json")).read_text())
+        json.loads(next((tmp_path / f"run-{name}" / "checkpoints").glob("step_*/state.json")).read_text())
         for name in ("v1", "v2")
     ]
     assert states[0]["drafter"] == states[1]["drafter"]
-    models = [torch.load(next((tmp_path / name / "checkpoints").glob("step_*/model.pt"))) for name in ("v1", "v2")]
+    runs = [tmp_path / f"run-{name}" / "checkpoints" for name in ("v1", "v2")]
+    models = [torch.load(next(run.glob("step_*/model.pt"))) for run in runs]
     assert all(torch.equal(models[0][k], models[1][k]) for k in models[0])
+
+
+# ---------------------------------------------------------------------------------------------- faults (issue 17)
+
+
+def _records(out, kind="train") -> list[dict]:
+    return [r for r in map(json.loads, (Path(out) / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+
+
+def _curve(records) -> list[tuple]:
+    """What a resumed run must reproduce exactly (timings aside)."""
+    return [(r["step"], r["loss"], r["accept_len"], r["acc"], r["blocks"], r["grad_norm"]) for r in records]
+
+
+def _corrupt_row(path, row: int, array: str = "hidden"):
+    chunk = path / "parts" / "rank00000" / array / "c" / str(row) / "0"
+    chunk = chunk / "0" if chunk.is_dir() else chunk
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 16] = bytes(16)
+    chunk.write_bytes(bytes(data))
+
+
+def _row_of_step(path, step: int, rows_per_step: int = 2) -> int:
+    """The first row that (0-based) step `step` of a one-process run with the default split reads."""
+    train, _ = reader.split_rows(Store.open(path).num_rows, 0.05)
+    return int(reader.epoch_order(train, 0, 0, 0, 1)[step * rows_per_step])
+
+
+def test_a_second_run_into_a_locked_out_is_refused_naming_the_pid(store, tmp_path):
+    from dflash.checkpoint import RunLock
+
+    (tmp_path / "run").mkdir()
+    held = RunLock(tmp_path / "run").acquire()  # as another live run would hold it
+    try:
+        with pytest.raises(DflashError, match=rf"in use by another dflash train \(pid {os.getpid()}\)"):
+            run_training(config(store, tmp_path / "run", max_steps=2))
+        assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    finally:
+        held.release()
+    run_training(config(store, tmp_path / "run", max_steps=2))  # released: the folder is free again
+
+
+def test_resume_skips_a_checkpoint_mixing_two_saves_or_cut_short(store, tmp_path, caplog):
+    full = _curve(run_training(config(store, tmp_path / "full", max_steps=6, ckpt_every=2))["records"])
+    run_training(config(store, tmp_path / "other", max_steps=6, ckpt_every=2, seed=1))
+    run = tmp_path / "run"
+    run_training(config(store, run, max_steps=6, ckpt_every=2))
+    ckpts = run / "checkpoints"
+    shutil.copy(tmp_path / "other" / "checkpoints" / "step_6" / "model.pt", ckpts / "step_6" / "model.pt")
+    optimizer = ckpts / "step_4" / "optimizer.pt"
+    optimizer.write_bytes(optimizer.read_bytes()[: optimizer.stat().st_size // 2])  # a power loss's leftovers
+    with caplog.at_level("WARNING", logger="dflash"):
+        resumed = run_training(config(store, run, max_steps=6, ckpt_every=2, resume=True))["records"]
+    assert "skipping checkpoint" in caplog.text and "step_6" in caplog.text and "step_4" in caplog.text
+    assert _curve(resumed) == full[2:]  # from step_2, the newest checkpoint that loads
+    # The rng file of another save (another run's) is caught by the save id alone.
+    shutil.copy(tmp_path / "other" / "checkpoints" / "step_6" / "rng_rank0.pt", ckpts / "step_6" / "rng_rank0.pt")
+    assert "another save" in Checkpointer(run).problem(ckpts / "step_6")
+    for name in ("model.pt", "optimizer.pt", "state.json", "rng_rank0.pt"):
+        (ckpts / "step_2" / name).write_bytes(b"")
+    (ckpts / "step_4" / "state.json").write_bytes(b"")
+    with pytest.raises(DflashError, match="has no complete checkpoint that loads"):
+        run_training(config(store, run, max_steps=6, ckpt_every=2, resume=True))
+
+
+def test_checkpoint_files_and_folder_are_flushed_before_the_rename(store, tmp_path, monkeypatch):
+    from dflash import checkpoint
+
+    synced, real_fsync, real_replace = [], os.fsync, os.replace
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        synced.append(("rename", str(src)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "fsync", fsync)
+    monkeypatch.setattr(checkpoint.os, "replace", replace)
+    run_training(config(store, tmp_path / "run", max_steps=2, ckpt_every=2))
+    rename = next(i for i, s in enumerate(synced) if isinstance(s, tuple))
+    tmp = synced[rename][1]
+    before = set(synced[:rename])
+    assert {f"{tmp}/{n}" for n in ("model.pt", "optimizer.pt", "state.json", "rng_rank0.pt")} | {tmp} <= before
+    assert str(tmp_path / "run" / "checkpoints") in synced[rename + 1 :]
+
+
+@pytest.mark.parametrize("error", ["ENOSPC", "EFBIG"])
+def test_a_full_disk_while_saving_is_one_line_and_keeps_the_previous_checkpoint(error, store, tmp_path, monkeypatch):
+    import errno
+
+    from dflash import checkpoint
+
+    real = checkpoint._write
+
+    def write(path, obj):
+        if path.name == "optimizer.pt" and "step_4" in str(path.parent):
+            raise OSError(getattr(errno, error), os.strerror(getattr(errno, error)), str(path))
+        return real(path, obj)
+
+    monkeypatch.setattr(checkpoint, "_write", write)
+    result = _train_cli(store, tmp_path / "run", "--max-steps", "4", "--ckpt-every", "2")
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in result.output and len(errors) == 1, result.output
+    assert os.strerror(getattr(errno, error)) in errors[0] and "step_2 is intact" in errors[0]
+    assert str(tmp_path / "run" / "checkpoints") in errors[0]  # the disk, named by the folder
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_2"]
+    assert Checkpointer(tmp_path / "run").problem(tmp_path / "run" / "checkpoints" / "step_2") is None
+
+
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_a_signal_saves_a_checkpoint_and_the_resume_continues_the_curve(signame, store, tmp_path, monkeypatch):
+    import signal
+
+    full = _curve(run_training(config(store, tmp_path / "full", max_steps=6, log_every=2))["records"])
+    commits, real = [0], reader.DeviceFeed.commit
+
+    def commit(self):
+        commits[0] += 1
+        if commits[0] == 3:  # during step 3
+            os.kill(os.getpid(), getattr(signal, signame))
+        return real(self)
+
+    monkeypatch.setattr(reader.DeviceFeed, "commit", commit)
+    before = signal.getsignal(signal.SIGINT)
+    result = _train_cli(
+        store,
+        tmp_path / "run",
+        "--max-steps",
+        "6",
+        "--log-every",
+        "2",
+        "--val-fraction",
+        "0.05",
+        "--rows-per-step",
+        "2",
+    )
+    assert signal.getsignal(signal.SIGINT) is before  # the handlers are put back
+    assert result.exit_code == 2, result.output
+    assert f"stopped by {signame} after step 3 of 6" in result.output and "--resume" in result.output
+    assert Checkpointer(tmp_path / "run").latest().name == "step_3"
+    monkeypatch.setattr(reader.DeviceFeed, "commit", real)
+    run_training(config(store, tmp_path / "run", max_steps=6, log_every=2, resume=True))
+    assert _curve(_records(tmp_path / "run")) == full
+
+
+def test_resume_refuses_another_store_naming_both(store, other_store, tmp_path):
+    run_training(config(store, tmp_path / "run", max_steps=2))
+    with pytest.raises(DflashError, match=rf"store {store} \(identity \w+\), but --shards {other_store} is another"):
+        run_training(config(other_store, tmp_path / "run", max_steps=2, resume=True))
+
+
+def test_a_rerun_without_resume_does_not_append_to_an_earlier_runs_metrics(store, tmp_path):
+    run_training(config(store, tmp_path / "run", max_steps=2))
+    shutil.rmtree(tmp_path / "run" / "checkpoints")  # killed before its first checkpoint
+    with pytest.raises(DflashError, match="metrics of an earlier run.*--resume.*start fresh"):
+        run_training(config(store, tmp_path / "run", max_steps=2))
+    with pytest.raises(DflashError, match="no complete checkpoint; remove .*metrics.jsonl and start without --resume"):
+        run_training(config(store, tmp_path / "run", max_steps=2, resume=True))
+    assert [r["step"] for r in _records(tmp_path / "run")] == [1, 2]
+
+
+def test_resuming_a_finished_run_writes_no_second_final_validation(store, tmp_path):
+    first = run_training(config(store, tmp_path / "run", max_steps=2))
+    again = run_training(config(store, tmp_path / "run", max_steps=2, resume=True))
+    assert [r["step"] for r in _records(tmp_path / "run", "val")] == [2]
+    assert again["val"] == first["val"]
+
+
+def test_a_torn_last_metrics_line_is_dropped_on_resume(store, tmp_path):
+    full = _curve(run_training(config(store, tmp_path / "full", max_steps=4, ckpt_every=2))["records"])
+    run_training(config(store, tmp_path / "run", max_steps=4, ckpt_every=2))
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_4")
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()[:3]) + '{"kind": "tra')
+    run_training(config(store, tmp_path / "run", max_steps=4, ckpt_every=2, resume=True))
+    assert _curve(_records(tmp_path / "run")) == full
+
+
+def test_resume_gives_the_same_records_when_checkpoints_fall_between_log_steps(store, tmp_path):
+    full = _curve(run_training(config(store, tmp_path / "full", max_steps=8, log_every=3, ckpt_every=4))["records"])
+    run = tmp_path / "run"
+    run_training(config(store, run, max_steps=8, log_every=3, ckpt_every=4))
+    shutil.rmtree(run / "checkpoints" / "step_8")  # interrupted after step 4's checkpoint
+    run_training(config(store, run, max_steps=8, log_every=3, ckpt_every=4, resume=True))
+    assert [r[0] for r in full] == [3, 6, 8]
+    assert _curve(_records(run)) == full
+
+
+def test_a_damaged_row_stops_with_a_checkpoint_and_can_be_skipped(store, tmp_path):
+    shards = _copy_store(store, tmp_path / "store")
+    row = _row_of_step(shards, 2)  # read by step 3
+    _corrupt_row(shards, row)
+    with pytest.raises(DflashError, match=rf"row {row} .*stopped after step 2 with checkpoint .*step_2.*--resume"):
+        run_training(config(shards, tmp_path / "run", max_steps=6))
+    assert Checkpointer(tmp_path / "run").latest().name == "step_2"
+    result = run_training(config(shards, tmp_path / "run", max_steps=6, resume=True, max_damaged_rows=1))
+    assert result["damaged_rows"] == [row]
+    records = _records(tmp_path / "run")
+    assert [r["damaged_rows"] for r in records] == [0, 0, 1, 0, 0, 0]
+    assert all(math.isfinite(r["loss"]) for r in records)
+
+
+def test_a_skipped_row_gets_zero_loss_weight(store, tmp_path):
+    """Skipping a row is training on its step's other row alone: same blocks, same loss as that row's."""
+    shards = _copy_store(store, tmp_path / "store")
+    row = _row_of_step(shards, 0)
+    _corrupt_row(shards, row)
+    trainer = Trainer(config(shards, tmp_path / "run", max_damaged_rows=1), init_distributed("cpu"))
+    rows = trainer._reader(trainer.store, trainer.plan.steps(0, 1), trainer.shape)
+    try:
+        batch = rows.next()
+        assert not batch.tensors["loss_mask"][0, 0].any() and (batch.tensors["doc_ids"][0, 0] == -1).all()
+        assert batch.tensors["loss_mask"][0, 1].any()
+        batch.release()
+    finally:
+        rows.close()
+    assert trainer.damaged.rows == [row]
+    with pytest.raises(DflashError, match="the 1 damaged rows allowed are used up"):
+        trainer.damaged.met(row + 1, DflashError("corrupt data"))
+
+
+def test_a_damaged_held_out_row_does_not_cost_the_export(store, tmp_path):
+    shards = _copy_store(store, tmp_path / "store")
+    _, val_rows = reader.split_rows(Store.open(shards).num_rows, 0.05)
+    _corrupt_row(shards, int(val_rows[0]))
+    with pytest.raises(DflashError, match=f"row {int(val_rows[0])} "):
+        run_training(config(shards, tmp_path / "run", max_steps=2, export=True))
+    assert (tmp_path / "run" / "drafter" / "model.safetensors").exists()
+    assert Checkpointer(tmp_path / "run").latest().name == "step_2"
+    result = run_training(config(shards, tmp_path / "skip", max_steps=2, max_damaged_rows=1))
+    assert result["damaged_rows"] == [int(val_rows[0])] and result["val"]["damaged_rows"] == 1
+
+
+@pytest.mark.parametrize("case", ["file", "inside_store", "unwritable"])
+def test_a_bad_out_is_one_line_before_any_work(case, store, tmp_path):
+    if case == "file":
+        out = tmp_path / "run"
+        out.write_text("not a folder")
+        expected = f"--out {out} is a file"
+    elif case == "inside_store":
+        shards = _copy_store(store, tmp_path / "store")
+        out, expected = shards / "run", "is inside the store"
+        before = sorted(p.name for p in shards.iterdir())
+    else:
+        (tmp_path / "file").write_text("")
+        out, expected = tmp_path / "file" / "run", "cannot write to --out"
+    result = _train_cli(shards if case == "inside_store" else store, out)
+    assert result.exit_code == 2, result.output
+    assert expected in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    if case == "inside_store":
+        assert sorted(p.name for p in shards.iterdir()) == before
+
+
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(store, tmp_path):
+    """The ranks agree on a stop at log steps: a SIGTERM to rank 1 alone ends both with one checkpoint."""
+    import signal
+
+    args = ["-m", "cli", "train", "--shards", str(store), "--out", str(tmp_path / "ranks"), "--draft-layers", "1"]
+    args += ["--block-size", str(B), "--max-steps", "400", "--log-every", "5", "--rows-per-step", "1"]
+    args += ["--no-tensorboard", "--no-export", "--device", "cpu", "--reader-workers", "1"]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *args],
+            env={**env, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    metrics, deadline = tmp_path / "ranks" / "metrics.jsonl", time.time() + 180
+    while not (metrics.exists() and metrics.read_text().strip()) and time.time() < deadline:
+        time.sleep(0.2)
+    procs[1].send_signal(signal.SIGTERM)
+    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], outputs
+    assert "stopped by a signal to another rank after step" in outputs[0], outputs[0]
+    assert "stopped by SIGTERM after step" in outputs[1] and "--resume" in outputs[1], outputs[1]
+    checkpoint = Checkpointer(tmp_path / "ranks", 0, 2).latest()
+    assert int(checkpoint.name.removeprefix("step_")) % 5 == 0 and not checkpoint.name.endswith("_400")
+    assert Checkpointer(tmp_path / "ranks", 0, 2).problem(checkpoint) is None
+
+
+def test_a_damaged_held_out_row_in_a_mid_run_validation_stops_with_a_checkpoint(store, tmp_path):
+    shards = _copy_store(store, tmp_path / "store")
+    _, val_rows = reader.split_rows(Store.open(shards).num_rows, 0.05)
+    _corrupt_row(shards, int(val_rows[0]))
+    with pytest.raises(DflashError, match=r"stopped after step 2 with checkpoint .*step_2.*--resume"):
+        run_training(config(shards, tmp_path / "run", max_steps=4, val_every=2))
+    assert Checkpointer(tmp_path / "run").latest().name == "step_2"
+
+
+def test_a_damaged_row_on_one_of_two_ranks_stops_both_with_a_checkpoint(store, tmp_path):
+    shards = _copy_store(store, tmp_path / "store")
+    train, _ = reader.split_rows(Store.open(shards).num_rows, 0.05)
+    row = int(reader.epoch_order(train, 0, 0, 1, 2)[2])  # rank 1's third step
+    _corrupt_row(shards, row)
+    args = ["-m", "cli", "train", "--shards", str(shards), "--out", str(tmp_path / "ranks"), "--draft-layers", "1"]
+    args += ["--block-size", str(B), "--max-steps", "8", "--log-every", "2", "--rows-per-step", "1"]
+    args += ["--no-tensorboard", "--no-export", "--device", "cpu", "--reader-workers", "1", "--val-fraction", "0.05"]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *args],
+            env={**env, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], outputs
+    assert "another rank met a damaged row" in outputs[0], outputs[0]
+    assert f"row {row} " in outputs[1] and "--max-damaged-rows" in outputs[1], outputs[1]
+    checkpoint = Checkpointer(tmp_path / "ranks", 0, 2).latest()
+    assert (
+        checkpoint.name in ("step_2", "step_4") and Checkpointer(tmp_path / "ranks", 0, 2).problem(checkpoint) is None
+    )
+
+
+def test_an_interrupt_before_the_first_step_is_one_line(store, tmp_path, monkeypatch):
+    import dflash.train
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dflash.train, "run_training", interrupted)
+    result = _train_cli(store, tmp_path / "run")
+    assert result.exit_code == 130 and "Traceback" not in result.output, result.output
+    assert "interrupted without a new checkpoint" in result.output and "--resume" in result.output
+
+
+def test_a_store_that_failed_its_self_check_is_refused_unless_allowed(store, tmp_path):
+    failed = _copy_store(store, tmp_path / "failed")
+    manifest = json.loads((failed / "manifest.json").read_text())
+    assert manifest["self_check"]["passed"], "the harvest's own check passed on this store"
+    manifest["self_check"]["passed"] = False
+    (failed / "manifest.json").write_text(json.dumps(manifest))
+    result = _train_cli(failed, tmp_path / "run")
+    assert result.exit_code == 2 and "failed its check against the target" in result.output, result.output
+    assert "--allow-failed-self-check" in result.output
+    run_training(config(failed, tmp_path / "allowed", max_steps=1, allow_failed_self_check=True))
+
+
+def test_a_val_fraction_that_leaves_no_step_is_named(store, tmp_path):
+    rows = Store.open(store).num_rows
+    assert rows >= 4  # a step of half the store fits without held-out rows
+    with pytest.raises(DflashError, match=rf"--val-fraction 0.9 holds out \d+ of its {rows} rows"):
+        run_training(config(store, tmp_path / "run", val_fraction=0.9, rows_per_step=rows // 2))

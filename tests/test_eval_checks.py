@@ -1,0 +1,112 @@
+"""`dflash eval` refuses, in one line naming what differs, a drafter made for another target and a --model folder
+that is not a complete target checkpoint, before anything is loaded at random or fails deep inside transformers."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from cli.main import main
+from dflash.config import EvalConfig
+from dflash.drafter import DFlashDrafter, DrafterConfig, export_drafter
+from dflash.errors import DflashError
+from dflash.evaluate import evaluate
+from dflash.target_files import read_config_json
+
+PROMPTS = [{"text": "def add(a, b):"}]
+
+
+def _drafter_for(target_path, folder, **overrides):
+    """A drafter shaped like the target at `target_path`, with `overrides` of its config fields."""
+    config = DrafterConfig.from_target_config(read_config_json(str(target_path)), [1, 3, 5], 3, num_layers=1)
+    fields = {**config.__dict__, **overrides}
+    config = DrafterConfig(**fields)
+    torch.manual_seed(0)
+    return export_drafter(DFlashDrafter(config), config, folder)
+
+
+def _eval(target, drafter):
+    cfg = EvalConfig(str(target), PROMPTS, max_new_tokens=4, device="cpu", block_size=4, prompt_lookup=0)
+    return evaluate(cfg, drafters=[str(drafter)])
+
+
+def test_a_drafter_of_another_target_is_refused_naming_the_fields(tiny_target, tmp_path):
+    target = tiny_target("qwen3")  # 8 layers, width 64
+    wide = _drafter_for(target, tmp_path / "wide", hidden_size=32, head_dim=8, vocab_size=7)
+    with pytest.raises(DflashError, match="hidden_size: drafter 32, target 64; vocab_size: drafter 7, target"):
+        _eval(target, wide)
+    deeper = _drafter_for(target, tmp_path / "deeper", num_target_layers=12, target_layer_ids=[1, 5, 9])
+    with pytest.raises(
+        DflashError, match=r"num_target_layers: drafter 12, target 8; target_layer_ids: drafter \[1, 5, 9\]"
+    ):
+        _eval(target, deeper)
+    vocabulary = read_config_json(str(target))["vocab_size"]
+    masked = _drafter_for(target, tmp_path / "mask", mask_token_id=vocabulary + 5)
+    with pytest.raises(DflashError, match=f"mask_token_id: drafter {vocabulary + 5}, target vocabulary"):
+        _eval(target, masked)
+    other_mask = _drafter_for(target, tmp_path / "other-mask", mask_token_id=5)  # the tokenizer's <|MASK|> is 3
+    with pytest.raises(DflashError, match=r"mask_token_id: drafter 5, target tokenizer's <\|MASK\|> 3"):
+        _eval(target, other_mask)
+    assert _eval(target, _drafter_for(target, tmp_path / "fits")).methods["dflash"].mismatches == 0
+
+
+def test_eval_model_folder_problems_are_one_line_errors(tiny_target, tmp_path):
+    source = tiny_target("qwen3")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps(PROMPTS[0]) + "\n")
+
+    def run(model):
+        args = ["eval", "--model", str(model), "--data", str(data), "--prompt-lookup", "2", "--device", "cpu"]
+        return CliRunner().invoke(main, args)
+
+    def broken(name, damage):
+        folder = shutil.copytree(source, tmp_path / name)
+        damage(folder)
+        return folder
+
+    weights = "model.safetensors"
+    cases = {
+        tmp_path / "absent": "does not exist",
+        broken("noconfig", lambda f: (f / "config.json").unlink()): "has no config.json",
+        broken("nojson", lambda f: (f / "config.json").write_text("{")): "is not readable JSON",
+        broken("notype", lambda f: (f / "config.json").write_text("{}")): "names no model_type",
+        broken("noweights", lambda f: (f / weights).unlink()): "holds no model.safetensors",
+        broken("cut", lambda f: (f / weights).write_bytes((f / weights).read_bytes()[:-100])): "cut short",
+        _drafter_for(source, tmp_path / "drafter"): "is a DFlash drafter, not a target",
+    }
+    for model, message in cases.items():
+        result = run(model)
+        assert result.exit_code == 2 and message in result.output, (model, result.output)
+        assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+def test_untrained_on_a_shallow_target_names_evals_own_options(tiny_target):
+    target = tiny_target("qwen3", num_layers=3)
+    cfg = EvalConfig(str(target), PROMPTS, untrained=True, max_new_tokens=4, device="cpu", block_size=4)
+    with pytest.raises(DflashError, match="too few for an untrained drafter") as error:
+        evaluate(cfg)
+    assert "--layers" not in str(error.value) and "--drafter" in str(error.value)
+
+
+def test_eval_report_path_and_drafter_path_are_checked_first(tiny_target, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps(PROMPTS[0]) + "\n")
+    args = ["eval", "--model", str(tiny_target("qwen3")), "--data", str(data), "--device", "cpu"]
+    result = CliRunner().invoke(main, [*args, "--json", str(tmp_path / "missing" / "r.json")])
+    assert result.exit_code == 2 and "does not exist; create it first" in result.output, result.output
+    result = CliRunner().invoke(main, [*args, "--drafter", str(data)])
+    assert result.exit_code == 2 and "is a file, not a folder" in result.output, result.output
+
+
+def test_eval_target_whose_weights_do_not_fit_its_config_is_one_line(tiny_target, tmp_path):
+    folder = shutil.copytree(tiny_target("qwen3"), tmp_path / "t")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "hidden_size": 32, "head_dim": 8}))
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps(PROMPTS[0]) + "\n")
+    args = ["eval", "--model", str(folder), "--data", str(data), "--device", "cpu", "--prompt-lookup", "2"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert result.output.strip().splitlines()[-1].startswith("error: cannot load the target"), result.output
