@@ -21,6 +21,7 @@ runs are printed; they include starting Python, tokenising, loading the target a
 """
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -183,8 +184,11 @@ def compare_stores(one_path: Path, many_path: Path) -> dict:
     return {
         "missing": sorted(one_spans.keys() - many_spans.keys()),
         "extra": sorted(many_spans.keys() - one_spans.keys()),
-        "counts_equal": all(one.manifest["counts"][c] == many.manifest["counts"][c] for c in counts),
-        "layout": {name: {"parts": len(s.part_names), **s.manifest["counts"]} for name, s in zip(LABELS, stores)},
+        "counts_equal": all(getattr(one.manifest.counts, c) == getattr(many.manifest.counts, c) for c in counts),
+        "layout": {
+            name: {"parts": len(s.part_names), **dataclasses.asdict(s.manifest.counts)}
+            for name, s in zip(LABELS, stores)
+        },
         "documents": documents,
     }
 

@@ -35,27 +35,27 @@ from bench.train import synthetic_store, versions  # noqa: E402  (after the path
 from dflash import store  # noqa: E402
 
 
-def destinations(shards: store.Store) -> dict[str, np.ndarray]:
-    T, F = shards.token_budget, shards.feature_dim
+def destinations(opened: store.Store) -> dict[str, np.ndarray]:
+    T, F = opened.token_budget, opened.feature_dim
     return {"hidden": np.empty((T, F), np.int16), **{n: np.empty(T, d) for n, d in store.TOKEN_ARRAYS.items()}}
 
 
-def zarr_read_into(shards: store.Store, i: int, out: dict[str, np.ndarray]) -> None:
-    part, row = shards.locate(i)
+def zarr_read_into(opened: store.Store, i: int, out: dict[str, np.ndarray]) -> None:
+    part, row = opened.locate(i)
     for name, target in out.items():
-        value = shards.parts[part][name][row]
+        value = opened.parts[part][name][row]
         np.copyto(target, value.view(target.dtype) if name == "hidden" else value, casting="unsafe")
 
 
-def rows_per_second(read, shards: store.Store, threads: int, passes: int) -> float:
+def rows_per_second(read, opened: store.Store, threads: int, passes: int) -> float:
     local = threading.local()
 
     def one(i: int):
         if not hasattr(local, "out"):
-            local.out = destinations(shards)
-        read(shards, i, local.out)
+            local.out = destinations(opened)
+        read(opened, i, local.out)
 
-    rows = list(range(shards.num_rows))
+    rows = list(range(opened.num_rows))
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(one, rows))  # warm: page cache, zarr's metadata, each thread's buffers
         start = time.perf_counter()
@@ -74,24 +74,35 @@ def main():
     parser.add_argument("--work", default="/tmp/dflash-bench-reader", help="where the synthetic store goes")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
-    shape = dict(hidden=args.hidden, target_layers=8, vocab=8192, doc_len=args.token_budget // 4, docs_per_row=4)
+    # The store's rows only; the drafter fields are recorded in the manifest, never used here.
+    shape = dict(
+        hidden=args.hidden,
+        target_layers=8,
+        vocab=8192,
+        doc_len=args.token_budget // 4,
+        docs_per_row=4,
+        heads=8,
+        kv_heads=2,
+        head_dim=args.hidden // 8,
+        ffn=3 * args.hidden,
+    )
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     start = time.perf_counter()
-    synthetic_store(work / "store", work / "no-target", shape, args.rows, torch.device("cpu"))
+    synthetic_store(work / "store", work / "no-target", shape, args.rows, torch.device("cpu"), "bf16")
     write_s = time.perf_counter() - start
-    shards = store.Store.open(work / "store")
-    row_gb = shards.token_budget * shards.feature_dim * 2 / 1e9
+    opened = store.Store.open(work / "store")
+    row_gb = opened.token_budget * opened.feature_dim * 2 / 1e9
     hidden_on_disk = sum(store.disk_bytes(p) for p in (work / "store" / "parts").glob("*/hidden"))
     info = {
         **versions(torch.device("cpu")),
         "machine": platform.node(),
         "cpus": len(os.sched_getaffinity(0)),
         "python": platform.python_version(),
-        "rows": shards.num_rows,
-        "row": f"{shards.token_budget} x {shards.feature_dim}",
+        "rows": opened.num_rows,
+        "row": f"{opened.token_budget} x {opened.feature_dim}",
         "row_MB": round(row_gb * 1e3, 1),
-        "hidden_ratio": round(shards.num_rows * row_gb * 1e9 / hidden_on_disk, 3),
+        "hidden_ratio": round(opened.num_rows * row_gb * 1e9 / hidden_on_disk, 3),
         "store_write_s": round(write_s, 1),
     }
     print(", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
@@ -99,7 +110,7 @@ def main():
     results = []
     for threads in [int(t) for t in args.threads.split(",")]:
         for method, read in [("zarr", zarr_read_into), ("direct", store.Store.read_row_into)]:
-            rate = rows_per_second(read, shards, threads, args.passes)
+            rate = rows_per_second(read, opened, threads, args.passes)
             results.append({"method": method, "threads": threads, "rows_s": rate, "GB_s": rate * row_gb})
             print(f"{method:<8} {threads:>7} {rate:>8.1f} {rate * row_gb:>6.2f}", flush=True)
     if args.json:

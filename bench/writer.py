@@ -24,6 +24,7 @@ import torch
 import zarr
 
 from dflash import store
+from dflash.manifest import TargetSpec, TokenizerSpec
 
 
 def op_rate(seconds: float, until=None) -> float:
@@ -37,9 +38,16 @@ def op_rate(seconds: float, until=None) -> float:
 
 
 def part_writer(out: Path, rows: int, T: int, F: int) -> store.PartWriter:
-    store.create_store(out, {"bench": "writer"})
+    header = store.new_manifest(
+        target=TargetSpec("bench", "bench", "bench", num_layers=1, hidden_size=F, vocab_size=1),
+        layer_ids=[0],
+        token_budget=T,
+        tokenizer=TokenizerSpec("bench", 1, {}),
+        fingerprint={"model": "bench", "world_size": 1},
+    )
+    store.create_store(out, header)
     counts = {"documents": 0, "tokens": 0, "loss_tokens": 0, "padding_tokens": 0}
-    return store.PartWriter(out, store.PartSpec(0, rows, T, F, np.zeros((0, 5), np.int64), counts))
+    return store.PartWriter(out, store.PartSpec(0, rows, T, header.features, np.zeros((0, 5), np.int64), counts))
 
 
 def measure(write, hidden: np.ndarray) -> tuple[float, float]:
@@ -72,7 +80,8 @@ def main():
     hidden = torch.from_numpy(activations * 0.1).bfloat16().view(torch.int16).numpy().view(np.uint16)
     work = Path(tempfile.mkdtemp(prefix="dflash-bench-writer-"))
     part = part_writer(work / "store", args.rows, args.token_budget, args.feature_dim)
-    chunk_writer = store.HiddenChunkWriter(part.arrays["hidden"], part.hidden.folder, threads=args.threads)
+    features = store.FeatureSpec("bf16", args.feature_dim, 0, None)
+    chunk_writer = store.HiddenChunkWriter(part.arrays["hidden"], part.hidden.folder, features, threads=args.threads)
     writers = {
         "zarr write path": lambda h: part.arrays["hidden"].__setitem__(slice(0, len(h)), h),
         "store.HiddenChunkWriter": lambda h: chunk_writer.write_rows(0, h),

@@ -32,8 +32,8 @@ def check_tolerance(spec: manifest.FeatureSpec, *dtypes: torch.dtype) -> float:
 
 def run_reforward(path: Path, documents: int, seed: int = 0, device: str | None = None, model: str | None = None):
     """`dflash inspect --reforward`: load the store's target (its layers and their neighbours) and check."""
-    shards = store.Store.open(path)
-    m = shards.manifest
+    opened = store.Store.open(path)
+    m = opened.manifest
     model = model or store.target_path(path, m)
     if Path(model).is_absolute() and not (Path(model) / "config.json").is_file():
         raise DflashError(
@@ -63,8 +63,8 @@ def reforward_check(path: Path, target: TappedTarget, documents: int, seed: int 
 
     `target` must tap at least the store's layers; a failing slice is matched against every layer it taps.
     """
-    shards = store.Store.open(path)
-    m = shards.manifest
+    opened = store.Store.open(path)
+    m = opened.manifest
     if target.info.config_hash != m.target.config_hash:
         raise DflashError(
             f"the target loaded for the check ({target.info.name}) is not the one {path} was harvested from (its "
@@ -75,16 +75,16 @@ def reforward_check(path: Path, target: TappedTarget, documents: int, seed: int 
         raise DflashError(f"the check's target does not tap the store's layers {missing}")
     spec, H = m.features, m.target.hidden_size
     slot = {layer: i for i, layer in enumerate(target.layer_ids)}
-    projection = None if shards.projection is None else torch.from_numpy(shards.projection)
+    projection = None if opened.projection is None else torch.from_numpy(opened.projection)
     harvest_dtype = DTYPES.get(m.fingerprint.get("dtype"), torch.bfloat16)
     tolerance = check_tolerance(spec, harvest_dtype, target.dtype)
-    table = shards.documents()
+    table = opened.documents()
     rng = np.random.default_rng(seed)
     picked = np.sort(rng.choice(len(table), size=min(documents, len(table)), replace=False))
     worst, equal, total, failures = 0.0, 0, 0, []
     for k in picked.tolist():
         doc_id, piece, row, start, length = table[k].tolist()
-        stored = shards.read_row(row)
+        stored = opened.read_row(row)
         span = slice(start, start + length)
         ids = torch.from_numpy(stored["input_ids"][span].astype(np.int64))[None]
         out = target.features(ids)[0].to(torch.bfloat16).cpu()  # what the harvest rounds to before encoding

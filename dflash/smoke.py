@@ -38,7 +38,7 @@ def run_smoke(cfg: SmokeConfig) -> dict:
     from dflash.train import run_training
 
     work = Path(cfg.work)
-    for stale in ("shards", "run"):  # every stage but the target reruns from scratch
+    for stale in ("store", "run"):  # every stage but the target reruns from scratch
         shutil.rmtree(work / stale, ignore_errors=True)
     (work / "responses.jsonl").unlink(missing_ok=True)
     seconds = {}
@@ -69,14 +69,14 @@ def run_smoke(cfg: SmokeConfig) -> dict:
     )
     data = work / "train.jsonl"
     data.write_text(responses.read_text() + CORPUS.read_text())
-    shards = work / "shards"
+    store_path = work / "store"
     stage(
         "harvest",
         lambda: run_harvest(
             HarvestConfig(
                 model=target,
                 data=str(data),
-                out=str(shards),
+                out=str(store_path),
                 token_budget=cfg.token_budget,
                 workers=1,
                 device="cpu",
@@ -84,12 +84,12 @@ def run_smoke(cfg: SmokeConfig) -> dict:
             )
         ),
     )
-    store = Store.open(shards)
+    store = Store.open(store_path)
     result = stage(
         "train",
         lambda: run_training(
             TrainConfig(
-                store=str(shards),
+                store=str(store_path),
                 out=str(work / "run"),
                 max_steps=cfg.train_steps,
                 log_every=10,
@@ -116,9 +116,9 @@ def run_smoke(cfg: SmokeConfig) -> dict:
     tokens = store.manifest.counts.tokens
     last = result["records"][-1]
     summary = {
-        "store_bytes": disk_bytes(shards),
+        "store_bytes": disk_bytes(store_path),
         "stored_tokens": tokens,
-        "bytes_per_token": disk_bytes(shards) / tokens,
+        "bytes_per_token": disk_bytes(store_path) / tokens,
         "train_context_tok_s": last["context_tok_s"],
         "train_loss": last["loss"],
         "tau": report.methods["dflash"].tau,
