@@ -159,17 +159,7 @@ def open_part(plan: harvest.PartPlan, header: Manifest, cfg: harvest.HarvestConf
         shutil.rmtree(out, ignore_errors=True)
         store.create_store(out, header)
     barrier()
-    return store.PartWriter(
-        out,
-        store.PartSpec(
-            cfg.rank,
-            len(plan.rows),
-            cfg.token_budget,
-            header.features,
-            plan.documents_table(),
-            plan.counts(),
-        ),
-    )
+    return store.PartWriter(out, plan.part_spec(cfg.rank, header.features))
 
 
 def random_projection(header: Manifest, device: torch.device) -> torch.Tensor | None:

@@ -6,13 +6,12 @@ flushed to disk), and renamed by rank 0 once all files are in it, so a folder na
 construction. Every checkpoint is self-consistent: its state.json holds a random save id and the sha256 of every
 file rank 0 wrote, and each rank's rng file the same save id; a resume takes the newest checkpoint that passes
 these checks (naming the ones it skips). Loading copies into the trainer's live tensors in place, so that the
-captured step keeps reading the same storage. One run at a time owns a run folder (`RunLock`). Contents and resume
+captured step keeps reading the same storage. One run at a time owns a run folder (`run_lock`). Contents and resume
 semantics are in docs/training.md.
 """
 
 import dataclasses
 import errno
-import fcntl
 import hashlib
 import json
 import logging
@@ -27,11 +26,11 @@ import torch.distributed as dist
 from dflash.config import TrainConfig
 from dflash.drafter import DFlashDrafter, DrafterConfig, check_export_target, export_drafter
 from dflash.errors import DflashError, describe_differences
+from dflash.locks import LOCK_FILE, FileLock
 
 logger = logging.getLogger("dflash")
 
 PREFIX = "step_"
-LOCK_FILE = ".lock"
 METRICS_FILE = "metrics.jsonl"  # (dflash.metrics writes it; named here to tell an earlier run's folder)
 # Errors of a full disk or a file-size limit: reported in one line, the previous checkpoint left intact.
 DISK_ERRORS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
@@ -127,38 +126,16 @@ def disk_error(exc: OSError, what: str, where: Path) -> DflashError:
     )
 
 
-class RunLock:
-    """An exclusive OS lock (flock) on RUN/.lock for the lifetime of a run: the kernel drops it when the process
-    dies, however it dies, so a stale lock never blocks; a second run into the same folder is refused."""
-
-    def __init__(self, run):
-        self.run = Path(run)
-        self.fd = None
-
-    def acquire(self):
-        path = self.run / LOCK_FILE
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise DflashError(f"cannot lock the run folder {self.run}: {exc.strerror}") from None
-            raise DflashError(
-                f"{self.run} is in use by another dflash train (pid {holder}); wait for it to finish or stop it, "
-                "or choose another --out"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self.fd = fd
-        return self
-
-    def release(self):
-        if self.fd is not None:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
-            self.fd = None
+def run_lock(run) -> FileLock:
+    """The run folder's lock, held by rank 0 for the lifetime of a run: a second run into it is refused."""
+    run = Path(run)
+    return FileLock(
+        run / LOCK_FILE,
+        lambda holder: (
+            f"{run} is in use by another dflash train ({holder}); wait for it to finish or stop it, or "
+            "choose another --out"
+        ),
+    )
 
 
 class _Hashing:

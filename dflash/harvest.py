@@ -120,6 +120,10 @@ class PartPlan:
                 arrays["loss_mask"][r - first, span] = doc.loss_mask
         return arrays
 
+    def part_spec(self, rank: int, features: manifest.FeatureSpec) -> store.PartSpec:
+        """What the store's part of this plan holds, fixed before any forward."""
+        return store.PartSpec(rank, len(self.rows), self.token_budget, features, self.documents_table(), self.counts())
+
     def row_tokens(self, first: int, last: int) -> int:
         return sum(len(self.docs[d].input_ids) for row in self.rows[first:last] for d in row)
 
@@ -400,17 +404,7 @@ def _harvest_part(cfg: HarvestConfig, out: Path, fingerprint: dict, state: str, 
         projection, header = _calibrated(out, cfg, header, documents, target)
 
     store.create_store(out, header)  # harvest.json: the first write of this run but the calibration
-    part = store.PartWriter(
-        out,
-        store.PartSpec(
-            cfg.rank,
-            len(plan.rows),
-            cfg.token_budget,
-            header.features,
-            plan.documents_table(),
-            plan.counts(),
-        ),
-    )
+    part = store.PartWriter(out, plan.part_spec(cfg.rank, header.features))
     counts = plan.counts()
     logger.info(
         "rank %d/%d: %d documents, %d tokens in %d rows of %d (%.1f%% padding)%s",

@@ -15,15 +15,12 @@ The exact format, and how to read it with plain zarr, is in docs/shard-format.md
 import bisect
 import dataclasses
 import errno
-import fcntl
 import json
 import math
 import os
 import shutil
-import socket
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +31,7 @@ import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
 from dflash.errors import DflashError, describe_differences
+from dflash.locks import LOCK_FILE, FileLock
 from dflash.manifest import (
     FORMAT_VERSION,
     FeatureSpec,
@@ -49,7 +47,6 @@ HARVEST_FILE = "harvest.json"
 MANIFEST_FILE = "manifest.json"
 PROGRESS_FILE = "progress.json"
 PROJECTION = "projection"
-LOCK_FILE = ".lock"  # in each part folder: held (flock) by the harvest process writing that part
 TMP_PREFIX = ".dflash-tmp-"
 CHUNK_BYTES = 32 << 20  # uncompressed size of one hidden chunk: a row is read in a few large, parallel reads
 DOC_CHUNK = 65536
@@ -217,28 +214,17 @@ def check_writable(out: Path, option: str = "--out") -> None:
         ) from None
 
 
-@contextmanager
-def part_lock(out: Path, rank: int):
-    """Hold an exclusive OS lock (flock) on the part's lock file for the block: a second harvest of the same
-    rank into the same store is refused, naming the process that holds it, instead of deleting its files."""
-    folder = out / "parts" / part_name(rank)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "an unknown process"
-            raise DflashError(
-                f"part {part_name(rank)} of {out} is being harvested right now by {holder} (it holds {path}); "
-                "let that run finish, or stop it and rerun this command, which resumes the part"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
+def part_lock(out: Path, rank: int) -> FileLock:
+    """The part's lock, held by the process harvesting it (`with`): a second harvest of the same rank into the same
+    store is refused, naming the process that holds it, instead of deleting its files."""
+    path = out / "parts" / part_name(rank) / LOCK_FILE
+    return FileLock(
+        path,
+        lambda holder: (
+            f"part {part_name(rank)} of {out} is being harvested right now by {holder} (it holds "
+            f"{path}); let that run finish, or stop it and rerun this command, which resumes the part"
+        ),
+    )
 
 
 def create_store(out: Path, header: Manifest) -> None:

@@ -33,12 +33,12 @@ from dflash import blocks, features, graph, loss, reader
 from dflash.checkpoint import (
     DISK_ERRORS,
     Checkpointer,
-    RunLock,
     any_rank,
     disk_error,
     max_over_ranks,
     on_rank0,
     read_state,
+    run_lock,
 )
 from dflash.config import TrainConfig
 from dflash.device import local_device
@@ -665,7 +665,7 @@ def run_training(cfg: TrainConfig) -> dict:
 
     Rank 0 holds the run folder's lock for the whole run: a second run into the same --out is refused."""
     env = init_distributed(cfg.device)
-    lock = RunLock(cfg.out)
+    lock = run_lock(cfg.out)
     try:
         out = check_out(cfg)
         on_rank0(env.rank, env.world_size, lambda: lock.acquire() and None)

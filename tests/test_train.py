@@ -339,6 +339,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _start_two_ranks(args: list[str]) -> list[subprocess.Popen]:
+    """`python ARGS` as ranks 0 and 1 of a two-process gloo run on this machine (output captured, text)."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
+    return [
+        subprocess.Popen(
+            [sys.executable, *args],
+            env={**env, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+
+
 def test_two_gloo_ranks_match_one_process(store, tmp_path):
     """2 ranks x 1 row per step == 1 process x 2 micro-steps of 1 row: same global batches (strided epoch
     order), same anchors (keyed by row), same normalisation (global weight sum), so the same weights and the same
@@ -668,12 +684,12 @@ def _row_of_step(path, step: int, rows_per_step: int = 2) -> int:
 
 
 def test_a_second_run_into_a_locked_out_is_refused_naming_the_pid(store, tmp_path):
-    from dflash.checkpoint import RunLock
+    from dflash.checkpoint import run_lock
 
     (tmp_path / "run").mkdir()
-    held = RunLock(tmp_path / "run").acquire()  # as another live run would hold it
+    held = run_lock(tmp_path / "run").acquire()  # as another live run would hold it
     try:
-        with pytest.raises(DflashError, match=rf"in use by another dflash train \(pid {os.getpid()}\)"):
+        with pytest.raises(DflashError, match=rf"in use by another dflash train \(process {os.getpid()} on "):
             run_training(config(store, tmp_path / "run", max_steps=2))
         assert not (tmp_path / "run" / "metrics.jsonl").exists()
     finally:
@@ -902,18 +918,7 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(store, tmp_pa
     args = ["-m", "cli", "train", "--shards", str(store), "--out", str(tmp_path / "ranks"), "--draft-layers", "1"]
     args += ["--block-size", str(B), "--max-steps", "400", "--log-every", "5", "--rows-per-step", "1"]
     args += ["--no-tensorboard", "--no-export", "--device", "cpu", "--reader-workers", "1"]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, *args],
-            env={**env, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
+    procs = _start_two_ranks(args)
     metrics, deadline = tmp_path / "ranks" / "metrics.jsonl", time.time() + 180
     while not (metrics.exists() and metrics.read_text().strip()) and time.time() < deadline:
         time.sleep(0.2)
@@ -944,18 +949,7 @@ def test_a_damaged_row_on_one_of_two_ranks_stops_both_with_a_checkpoint(store, t
     args = ["-m", "cli", "train", "--shards", str(shards), "--out", str(tmp_path / "ranks"), "--draft-layers", "1"]
     args += ["--block-size", str(B), "--max-steps", "8", "--log-every", "2", "--rows-per-step", "1"]
     args += ["--no-tensorboard", "--no-export", "--device", "cpu", "--reader-workers", "1", "--val-fraction", "0.05"]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, *args],
-            env={**env, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
+    procs = _start_two_ranks(args)
     outputs = [p.communicate(timeout=240)[0] for p in procs]
     assert [p.returncode for p in procs] == [2, 2], outputs
     assert "another rank met a damaged row" in outputs[0], outputs[0]

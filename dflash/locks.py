@@ -1,0 +1,48 @@
+"""Exclusive OS locks (flock on a lock file) that one process holds while it writes a folder: a run folder of
+`dflash train`, a part of a store being harvested. The kernel drops the lock when the process dies, however it
+dies, so a stale lock never blocks a rerun; a second live process is refused with a message naming the holder."""
+
+import errno
+import fcntl
+import os
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+from dflash.errors import DflashError
+
+LOCK_FILE = ".lock"
+
+
+class FileLock:
+    """`acquire()` or `with`: the lock on `path`, or DflashError(busy(holder)) when another process holds it."""
+
+    def __init__(self, path: Path, busy: Callable[[str], str]):
+        self.path, self.busy, self.fd = Path(path), busy, None
+
+    def acquire(self) -> "FileLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "an unknown process"
+            os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise DflashError(f"cannot lock {self.path}: {exc.strerror}; check the folder's permissions") from None
+            raise DflashError(self.busy(holder)) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the last descriptor releases the flock
+            self.fd = None
+
+    def __enter__(self) -> "FileLock":
+        return self.acquire()
+
+    def __exit__(self, *_exc) -> None:
+        self.release()
