@@ -40,6 +40,8 @@ def harvest(**options):
         "projection_from",
         "self_check",
         "repair",
+        "scale_groups",
+        "forward_tokens",
     ),
 )
 @click.option(

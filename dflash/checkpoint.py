@@ -317,9 +317,7 @@ class Checkpointer:
                     "files": files,
                 }
                 _write(tmp / "state.json", (json.dumps(state, indent=2) + "\n").encode())
-        except OSError as exc:
-            if exc.errno not in DISK_ERRORS:
-                raise
+        except OSError as exc:  # every rank must learn of it, or the others wait in the next collective
             failure = exc
         failed = any_rank(failure is not None, self.world_size, trainer.device)
         if failed:
@@ -329,7 +327,9 @@ class Checkpointer:
             kept = f"; the previous checkpoint {previous.name} is intact" if previous else ""
             what = f"writing checkpoint {final.name} failed" + ("" if failure else " on another rank")
             if failure is None:
-                raise DflashError(f"{what} (a full disk or a file-size limit){kept}")
+                raise DflashError(f"{what} (see that rank's output){kept}")
+            if failure.errno not in DISK_ERRORS:
+                raise DflashError(f"{what}: {failure.strerror or failure} in {self.folder}{kept}") from None
             raise DflashError(str(disk_error(failure, what, self.folder)) + kept) from None
         if main:
             fsync_folder(tmp)
@@ -382,7 +382,13 @@ class Checkpointer:
 
         `out` must be new, empty, or (with `force`) an earlier export; nothing else in it is ever overwritten."""
         check_export_target(out, replace_export=force)  # before reading the checkpoint: refuse early
-        path = self.latest() if step is None else self.path(step)
+        if step is None:  # the newest checkpoint that is whole, as a resume would take
+            path = next((p for p in self.complete() if self.problem(p) is None), None)
+        else:
+            path = self.path(step)
+            problem = self.problem(path) if (path / "state.json").exists() else None
+            if problem:
+                raise DflashError(f"checkpoint {path} is damaged ({problem}); export another one with --step")
         if path is None or not (path / "state.json").exists():
             which = "complete checkpoint" if step is None else f"checkpoint step {step}"
             raise DflashError(

@@ -460,11 +460,12 @@ def export_drafter(
         if old.exists() and not folder.exists():
             old.rename(folder)
         shutil.rmtree(tmp, ignore_errors=True)
-        if not isinstance(exc, OSError):
+        if not isinstance(exc, Exception) or isinstance(exc, DflashError):  # Ctrl-C, or already worded
             raise
+        # OSError, or safetensors' SafetensorError wrapping one
+        reason = getattr(exc, "strerror", None) or str(exc)
         raise DflashError(
-            f"cannot write the drafter to {folder} ({exc.strerror or exc}); give --out a writable folder "
-            "with free space"
+            f"cannot write the drafter to {folder} ({reason}); give --out a writable folder with free space"
         ) from None
     shutil.rmtree(old, ignore_errors=True)
     return folder

@@ -13,6 +13,7 @@ slower than the bare forward either shows the wait there or loses its time elsew
 import contextlib
 import errno
 import hashlib
+import json
 import logging
 import os
 import queue
@@ -242,7 +243,7 @@ def _fingerprint(cfg: HarvestConfig) -> dict:
         "calibration_tokens": cfg.calibration_tokens
         if encoding.subspace is not None and not cfg.projection_from
         else None,
-        "projection_sha256": _borrowed_projection(cfg, encoding, len(layers) * text.hidden_size)[1],
+        "projection_sha256": _borrowed_projection(cfg, encoding, len(layers) * text.hidden_size)[2],
         "model": model,
         "layers": layers,
         **_file_identity(cfg.data),
@@ -504,9 +505,15 @@ def _calibrated(
     """The store's projection (calibrating it first if no rank has yet) and the header that records it."""
     out.mkdir(parents=True, exist_ok=True)
     stored = store.read_projection(out)
+    made_for = hashlib.sha256(json.dumps(header.fingerprint, sort_keys=True).encode()).hexdigest()
+    if stored is not None and stored[1].get("fingerprint_sha256") != made_for:
+        raise DflashError(
+            f"{out} holds the projection of a harvest with other settings (its harvest stopped before harvest.json); "
+            f"delete {out / store.PROJECTION} or choose a new --out"
+        )
     if stored is None and cfg.projection_from is not None:
         projection, record, _ = _borrowed_projection(cfg, header.features, header.feature_dim)
-        stored = store.write_projection(out, projection, record)
+        stored = store.write_projection(out, projection, {**record, "fingerprint_sha256": made_for})
     if stored is None:
         width = header.features.subspace.width
         moment, sample = _second_moment(documents, target, cfg.calibration_tokens, cfg.forward_tokens)
@@ -519,7 +526,12 @@ def _calibrated(
             header.feature_dim,
             100 * captured,
         )
-        record = {"captured": captured, "calibration_tokens": moment.tokens, "calibration_documents": sample}
+        record = {
+            "captured": captured,
+            "calibration_tokens": moment.tokens,
+            "calibration_documents": sample,
+            "fingerprint_sha256": made_for,
+        }
         stored = store.write_projection(out, projection.numpy(), record)
     projection, record = stored
     subspace = manifest.SubspaceSpec(

@@ -480,8 +480,14 @@ def read_projection(out: Path) -> tuple[np.ndarray, dict] | None:
     """(P, calibration record) of a subspace store, None when it has none (yet)."""
     if not (out / PROJECTION / "zarr.json").exists():
         return None
-    array = zarr.open_array(out / PROJECTION, mode="r")
-    return np.asarray(array[:]), dict(array.attrs)
+    try:
+        array = zarr.open_array(out / PROJECTION, mode="r")
+        return np.asarray(array[:]), dict(array.attrs)
+    except Exception as exc:  # a checksum mismatch, a missing chunk, damaged metadata
+        raise DflashError(
+            f"the projection of {out} ({out / PROJECTION}) is damaged ({exc}); a subspace store cannot be read or "
+            "resumed without it: harvest again"
+        ) from None
 
 
 def new_manifest(

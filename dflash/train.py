@@ -42,7 +42,7 @@ from dflash.checkpoint import (
 )
 from dflash.config import TrainConfig
 from dflash.device import local_device
-from dflash.drafter import DFlashDrafter, DrafterConfig, export_drafter
+from dflash.drafter import DFlashDrafter, DrafterConfig, check_export_target, export_drafter
 from dflash.errors import DflashError
 from dflash.manifest import Manifest
 from dflash.metrics import Meter, MetricsLog, SumsLayout, drop_records_after, read_records, visible_pairs
@@ -106,10 +106,28 @@ def _target_path(cfg: TrainConfig, store: Store) -> str:
     return path
 
 
+# Drafter fields that follow from the store (or from --block-size): an override would train one drafter and
+# export the config of another.
+STORE_FIXED_FIELDS = {
+    "target_layer_ids",
+    "num_target_layers",
+    "hidden_size",
+    "vocab_size",
+    "feature_width",
+    "block_size",
+}
+
+
 def drafter_config(cfg: TrainConfig, store: Store, target_path: str) -> DrafterConfig:
     """The drafter shaped like the target recorded in the store; --draft-layers and overrides on top. A
     version-1 store records no text config: it is read from the target's config.json."""
     manifest = store.manifest
+    fixed = sorted(set(cfg.drafter_overrides) & STORE_FIXED_FIELDS)
+    if fixed:
+        raise DflashError(
+            f"--drafter-option cannot set {', '.join(fixed)}: the store fixes them (its target's width, vocabulary, "
+            "tapped layers and stored feature width); --block-size sets the block size"
+        )
     overrides = {"block_size": cfg.block_size, **cfg.drafter_overrides}
     mask = overrides.pop("mask_token_id", manifest.tokenizer.mask_id)
     if mask is None:
@@ -640,6 +658,18 @@ def final_validation(out: Path, step: int) -> dict | None:
     return final[-1] if final else None
 
 
+def export_final(trainer: "Trainer", out: Path) -> Path:
+    """The drafter of the finished run into RUN/drafter (the final checkpoint is saved: a failure here loses
+    nothing, a resume or `dflash export` exports it)."""
+    dtype = getattr(torch, trainer.cfg.export_dtype)
+    try:
+        return export_drafter(trainer.model, trainer.dcfg, out / "drafter", dtype=dtype, projection=trainer.projection)
+    except OSError as exc:
+        if exc.errno not in DISK_ERRORS:
+            raise
+        raise disk_error(exc, "exporting the drafter failed", out) from None
+
+
 def check_out(cfg: TrainConfig) -> Path:
     """The run folder must be a folder (made here), outside the stores, and writable: checked before any work."""
     out = Path(cfg.out)
@@ -650,6 +680,8 @@ def check_out(cfg: TrainConfig) -> Path:
             raise DflashError(f"--out {out} is inside the store {store} ({flag}); give --out a folder outside it")
     if cfg.max_damaged_rows < 0:
         raise DflashError(f"--max-damaged-rows {cfg.max_damaged_rows} (must be at least 0)")
+    if cfg.export:  # refused now, not after the last step
+        check_export_target(out / "drafter", replace_export=True)
     probe = out / f".write-test-{os.getpid()}"
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -693,17 +725,8 @@ def run_training(cfg: TrainConfig) -> dict:
         try:
             result = trainer.fit(start, log)
             # The export comes before the final validation: a validation that fails must not cost the drafter.
-            if cfg.export and env.main:
-                dtype = getattr(torch, cfg.export_dtype)
-                try:
-                    drafter = export_drafter(
-                        trainer.model, trainer.dcfg, out / "drafter", dtype=dtype, projection=trainer.projection
-                    )
-                except OSError as exc:  # the final checkpoint is saved: a resume (or `dflash export`) exports it
-                    if exc.errno not in DISK_ERRORS:
-                        raise
-                    raise disk_error(exc, "exporting the drafter failed", out) from None
-                result["export"] = str(drafter)
+            if cfg.export:  # rank 0 writes; its error reaches every rank (none waits in a collective for it)
+                result["export"] = on_rank0(env.rank, env.world_size, lambda: str(export_final(trainer, out)))
             # A resumed run that had already finished has its final validation record: it is not written twice.
             val = None
             if start >= trainer.total_steps:

@@ -3,6 +3,7 @@ decoder written from the format's definition; the subspace against a float64 eig
 each mode read back with plain zarr + numpy by following docs/shard-format.md alone."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -302,3 +303,26 @@ def test_a_harvest_that_cannot_fit_is_refused_before_the_target_loads(tiny_targe
             )
         )
     assert not (tmp_path / "s").exists()
+
+
+def test_a_leftover_projection_of_other_settings_is_refused(harvest, tiny_target, data_file, tmp_path):
+    """A subspace harvest stopped after its calibration, rerun into the same folder with other settings, must not
+    project with the old matrix."""
+    from dflash.errors import DflashError
+
+    out = tmp_path / "s"
+    out.mkdir()
+    shutil.copytree(harvest(subspace="1/4") / store.PROJECTION, out / store.PROJECTION)
+    with pytest.raises(DflashError, match="holds the projection of a harvest with other settings"):
+        run_harvest(
+            HarvestConfig(
+                model=str(tiny_target("qwen3")),
+                data=str(data_file),
+                out=str(out),
+                token_budget=BUDGET,
+                workers=1,
+                device="cpu",
+                subspace="1/4",
+                calibration_tokens=999,
+            )
+        )

@@ -989,3 +989,17 @@ def test_a_val_fraction_that_leaves_no_step_is_named(store, tmp_path):
     assert rows >= 4  # a step of half the store fits without held-out rows
     with pytest.raises(DflashError, match=rf"--val-fraction 0.9 holds out \d+ of its {rows} rows"):
         run_training(config(store, tmp_path / "run", val_fraction=0.9, rows_per_step=rows // 2))
+
+
+def test_drafter_options_cannot_override_what_the_store_fixes(store, tmp_path):
+    for key, value in (("target_layer_ids", [2, 3, 4, 5, 6]), ("block_size", 8), ("hidden_size", 128)):
+        with pytest.raises(DflashError, match=rf"--drafter-option cannot set {key}: the store fixes them"):
+            run_training(config(store, tmp_path / key, drafter_overrides={key: value}))
+
+
+def test_a_run_whose_export_folder_holds_other_files_is_refused_before_training(store, tmp_path):
+    (tmp_path / "run" / "drafter").mkdir(parents=True)
+    (tmp_path / "run" / "drafter" / "notes.txt").write_text("mine")
+    with pytest.raises(DflashError, match="notes.txt"):
+        run_training(config(store, tmp_path / "run", export=True))
+    assert not (tmp_path / "run" / "checkpoints").exists()
