@@ -388,7 +388,9 @@ class Checkpointer:
             path = self.path(step)
             problem = self.problem(path) if (path / "state.json").exists() else None
             if problem:
-                raise DflashError(f"checkpoint {path} is damaged ({problem}); export another one with --step")
+                raise DflashError(
+                    f"checkpoint {path} is damaged or incomplete ({problem}); export another one with --step"
+                )
         if path is None or not (path / "state.json").exists():
             which = "complete checkpoint" if step is None else f"checkpoint step {step}"
             raise DflashError(
