@@ -451,23 +451,17 @@ def _repair(cfg, out: Path, plan: PartPlan, target, part, header, projection, da
 BEST_CODEC_RATIO = 1.45
 
 
-def row_bytes(token_budget: int, width: int, precision: str, scale_groups: int) -> int:
+def row_bytes(token_budget: int, features: manifest.FeatureSpec) -> int:
     """Uncompressed bytes of one stored row: the features (and fp8 scales) plus the token arrays."""
-    value_bytes = 1 if precision == "fp8" else 2
     token_bytes = sum(np.dtype(d).itemsize for d in store.TOKEN_ARRAYS.values())
-    return token_budget * (width * value_bytes + scale_groups + token_bytes)
+    return token_budget * (features.width * features.bytes_per_value + features.scale_groups + token_bytes)
 
 
 def check_free_space(out: Path, cfg: HarvestConfig, fingerprint: dict, rows_left: int) -> None:
     """Refuse, before the target loads, a harvest that cannot fit on the disk of --out (every rank's rows are
     counted as this rank's: they usually share the disk); warn when it fits only if the codec compresses."""
-    need = (
-        rows_left
-        * cfg.world_size
-        * row_bytes(
-            cfg.token_budget, fingerprint["stored_width"], fingerprint["precision"], fingerprint["scale_groups"]
-        )
-    )
+    stored = manifest.FeatureSpec(fingerprint["precision"], fingerprint["stored_width"], fingerprint["scale_groups"])
+    need = rows_left * cfg.world_size * row_bytes(cfg.token_budget, stored)
     existing = next(p for p in (out, *out.parents) if p.exists())
     free = shutil.disk_usage(existing).free
     sizes = f"the rows left need {need / 1e9:.1f} GB before compression, {existing} has {free / 1e9:.1f} GB free"
@@ -742,9 +736,7 @@ def _run_rows(
     free: queue.Queue = queue.Queue()
     for _ in range(HOST_BUFFERS):
         free.put(encoder.buffers(pin=cuda))
-    stored_bytes = T * (spec.width * spec.bytes_per_value + spec.scale_groups)
-    row_bytes = stored_bytes + T * sum(np.dtype(d).itemsize for d in store.TOKEN_ARRAYS.values())
-    progress = Progress(plan, part.rows_committed if groups is None else 0, row_bytes, cfg.rank)
+    progress = Progress(plan, part.rows_committed if groups is None else 0, row_bytes(T, spec), cfg.rank)
     writer = RowWriter(part, free, progress.commit, commit=groups is None)
     if groups is None:
         starts = range(part.rows_committed, len(plan.rows), rows_per_group)

@@ -10,7 +10,7 @@ and the free space at --out.
 import math
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +19,8 @@ from dflash.config import HarvestConfig
 from dflash.data import DataConfig, load_documents
 from dflash.drafter import DrafterConfig
 from dflash.errors import DflashError
-from dflash.harvest import BEST_CODEC_RATIO, PartPlan, feature_encoding, row_bytes, subspace_width
+from dflash.harvest import BEST_CODEC_RATIO, PartPlan, feature_encoding, row_bytes
+from dflash.manifest import FeatureSpec
 from dflash.metrics import step_flops
 from dflash.target import default_layer_ids
 from dflash.target_files import checkpoint_file, load_config, tensor_files
@@ -32,7 +33,16 @@ TRAIN_MFU = 0.562
 # Store size over the raw stored bytes, as bench/codecs.py and bench/harvest.py measured it (random-weight targets:
 # real activations compress differently, mostly better for bf16).
 CODEC_FRACTION = {"bf16": 0.76, "fp8": 0.82}
-MODES = ("bf16", "fp8", "sub1/2", "sub1/4", "sub1/8", "sub1/4+fp8", "sub1/8+fp8")
+# The table's store modes: name -> (--precision, --subspace).
+MODES = {
+    "bf16": ("bf16", "none"),
+    "fp8": ("fp8", "none"),
+    "sub1/2": ("bf16", "1/2"),
+    "sub1/4": ("bf16", "1/4"),
+    "sub1/8": ("bf16", "1/8"),
+    "sub1/4+fp8": ("fp8", "1/4"),
+    "sub1/8+fp8": ("fp8", "1/8"),
+}
 
 
 @dataclass
@@ -108,14 +118,9 @@ def params_through(model: str, last_layer: int) -> int:
     return total
 
 
-def mode_bytes(mode: str, feature_dim: int, layers: int, token_budget: int) -> tuple[int, float]:
-    """(raw bytes per row, expected fraction on disk) of a store mode."""
-    precision = "fp8" if mode.endswith("fp8") else "bf16"
-    width = subspace_width(mode[3:].split("+")[0], feature_dim) if mode.startswith("sub") else feature_dim
-    groups = 0
-    if precision == "fp8":
-        groups = 1 if mode.startswith("sub") else math.gcd(width, layers)
-    return row_bytes(token_budget, width, precision, groups), CODEC_FRACTION[precision]
+def mode_bytes(features: FeatureSpec, token_budget: int) -> tuple[int, float]:
+    """(raw bytes per row, expected fraction on disk) of a store encoding."""
+    return row_bytes(token_budget, features), CODEC_FRACTION[features.precision]
 
 
 def plan_report(cfg: HarvestConfig, sample: int | None, epochs: int, draft_layers: int, block_size: int) -> str:
@@ -123,7 +128,7 @@ def plan_report(cfg: HarvestConfig, sample: int | None, epochs: int, draft_layer
     text = config.get_text_config()
     layers = cfg.layers or default_layer_ids(text.num_hidden_layers)
     feature_dim = len(layers) * text.hidden_size
-    feature_encoding(cfg, len(layers), feature_dim)  # the options are valid
+    chosen_encoding = feature_encoding(cfg, len(layers), feature_dim)  # refuses invalid options
     data = estimate_data(cfg, sample)
     lines = []
     sampled = (
@@ -143,16 +148,22 @@ def plan_report(cfg: HarvestConfig, sample: int | None, epochs: int, draft_layer
         "| store mode | bytes per row slot (raw) | of a bf16 row | store, raw | store, expected on disk |",
         "|---|---|---|---|---|",
     ]
-    bf16_row = mode_bytes("bf16", feature_dim, len(layers), cfg.token_budget)[0]
-    for mode in MODES:
-        raw, fraction = mode_bytes(mode, feature_dim, len(layers), cfg.token_budget)
+    encodings = {
+        name: feature_encoding(
+            replace(cfg, precision=precision, subspace=subspace, scale_groups=None), len(layers), feature_dim
+        )
+        for name, (precision, subspace) in MODES.items()
+    }
+    bf16_row = mode_bytes(encodings["bf16"], cfg.token_budget)[0]
+    for mode, encoding in encodings.items():
+        raw, fraction = mode_bytes(encoding, cfg.token_budget)
         size = raw * data.rows
         lines.append(
             f"| {mode} | {raw / cfg.token_budget:,.0f} | {raw / bf16_row:.3f} | {_size(size)} | "
             f"~{_size(size * fraction)} |"
         )
-    chosen = f"{cfg.precision}" + (f", subspace {cfg.subspace}" if subspace_width(cfg.subspace, feature_dim) else "")
-    raw, fraction = mode_bytes(_mode_name(cfg, feature_dim), feature_dim, len(layers), cfg.token_budget)
+    chosen = cfg.precision + (f", subspace {cfg.subspace}" if chosen_encoding.subspace is not None else "")
+    raw, fraction = mode_bytes(chosen_encoding, cfg.token_budget)
     need = raw * data.rows
     existing = next(p for p in (Path(cfg.out), *Path(cfg.out).parents) if p.exists())
     free = shutil.disk_usage(existing).free
@@ -197,16 +208,6 @@ def _size(n: float) -> str:
             return f"{n:,.1f} {unit}"
         n /= 1000
     return f"{n:,.1f} TB"
-
-
-def _mode_name(cfg: HarvestConfig, feature_dim: int) -> str:
-    width = subspace_width(cfg.subspace, feature_dim)
-    if width is None:
-        return cfg.precision
-    name = f"sub{cfg.subspace}" if "/" in str(cfg.subspace) else None
-    if name is None:  # an explicit K: express it as a fraction for mode_bytes
-        name = f"sub{width}/{feature_dim}"
-    return name + ("+fp8" if cfg.precision == "fp8" else "")
 
 
 def check_plan_options(sample: int | None) -> None:

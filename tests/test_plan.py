@@ -33,7 +33,7 @@ def test_full_count_equals_the_harvest(model, tmp_path):
         counts.rows,
     )
     # The raw row size of the mode is what the store's arrays hold per row, before the codec.
-    raw, _ = mode_bytes("bf16", harvested.feature_dim, len(harvested.manifest.layer_ids), BUDGET)
+    raw, _ = mode_bytes(harvested.features, BUDGET)
     per_row = sum(a.nbytes for name, a in harvested.parts[0].items() if name != "documents") / counts.rows
     assert raw == per_row
 
