@@ -107,9 +107,11 @@ class Scale:
     drafter_max_steps: int = 8000
     harvest_workers: int = 4
     drafter_seconds: float = 240.0  # only printed: compile + capture + steps (no hard stop inside the trainer)
-    # store modes (--modes): this many modes harvested and trained at a time, one worker process each, sharing
-    # the GPUs (mode i on GPU i % GPUs)
+    # store modes (--modes): this many modes harvested at a time, one worker process each, sharing the GPUs (mode
+    # i on GPU i % GPUs); then this many drafters trained at a time (one alone: its step time and data wait are
+    # its own, not those of a GPU and CPU shared with other drafters)
     mode_workers: int = 3
+    mode_train_workers: int = 1
     # eval
     eval_prompts: int = 64
     # The drafter's held-out curve: answers to windows of the eval's files (unseen by target and drafter).
@@ -198,6 +200,7 @@ class Run:
             "regen_workers_per_gpu",
             "eval_workers_per_gpu",
             "mode_workers",
+            "mode_train_workers",
         }
     )
 
@@ -230,8 +233,8 @@ class Run:
             if not (self.stages / f"{name}.json").exists():
                 for path in (path for pattern in outputs for path in work.glob(pattern)):
                     shutil.rmtree(path) if path.is_dir() else path.unlink()
-        for path in (work / MODES).glob("*"):  # a store mode (--modes) is kept once its result is saved
-            if not mode_done(self.stages, path.name).exists():
+        for path in (work / MODES).glob("*"):  # a store mode (--modes) is kept once its stores are saved
+            if not mode_harvested(self.stages, path.name).exists():
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
 
     def elapsed(self) -> float:
@@ -751,6 +754,11 @@ def mode_done(stages: Path, folder: str) -> Path:
     return stages / f"mode_{folder}.json"
 
 
+def mode_harvested(stages: Path, folder: str) -> Path:
+    """The saved stores of a store mode, written once both are harvested: its drafter may still be untrained."""
+    return stages / f"mode_{folder}.stores.json"
+
+
 def store_stats(path) -> dict:
     """Bytes on disk of a store (all of it, and its features alone: hidden, scales, projection), per token and
     against raw bf16 features (tokens x feature_dim x 2 bytes); its encoding and the calibration's captured share."""
@@ -790,20 +798,11 @@ def data_wait_share(records: list[dict]) -> float | None:
     return sum(r["data_wait"] * w for r, w in zip(train, weights)) / total if total else None
 
 
-def mode_job(
-    mode: StoreMode,
-    scale: Scale,
-    target: str,
-    data: str,
-    val_data: str,
-    folder: str,
-    steps: int,
-    device: str,
-    seed: int,
-    done: str,
+def harvest_mode(
+    mode: StoreMode, scale: Scale, target: str, data: str, val_data: str, folder: str, device: str, done: str
 ):
-    """One store mode, in a worker: the drafter's responses and the held-out ones harvested in the mode (the
-    held-out store with the training store's projection), a drafter trained as the bf16 one, the result saved."""
+    """A store mode's harvests, in a worker: the drafter's responses and the held-out ones in the mode (the held-out
+    store with the training store's projection); their sizes saved."""
     from dflash.store import write_json_atomic
 
     folder = Path(folder)
@@ -812,19 +811,28 @@ def mode_job(
     shards = harvest_store(scale, target, data, folder / "shards", device, mode)
     projection = shards if mode.subspace != "none" else None
     val_shards = harvest_store(scale, target, val_data, folder / "shards_val", device, mode, projection_from=projection)
-    harvest_s = time.perf_counter() - t0
-    store, val_store = store_stats(shards), store_stats(val_shards)
-    logger.info("mode %s: store %s", mode.name, store)
-    t0 = time.perf_counter()
-    drafter = train_drafter(scale, shards, val_shards, folder / "run", steps, device, seed)
     result = {
         "mode": asdict(mode),
-        "store": store,
-        "val_store": val_store,
-        "drafter": drafter,
-        "harvest_s": round(harvest_s, 1),
-        "drafter_s": round(time.perf_counter() - t0, 1),
+        "store": store_stats(shards),
+        "val_store": store_stats(val_shards),
+        "harvest_s": round(time.perf_counter() - t0, 1),
     }
+    logger.info("mode %s: store %s", mode.name, result["store"])
+    write_json_atomic(Path(done), result)
+
+
+def train_mode(scale: Scale, folder: str, steps: int, device: str, seed: int, harvested: str, done: str):
+    """A store mode's drafter, in a worker, trained as the bf16 one on the mode's stores; the mode's result saved."""
+    from dflash.store import write_json_atomic
+
+    result = json.loads(Path(harvested).read_text())
+    folder = Path(folder)
+    shutil.rmtree(folder / "run", ignore_errors=True)
+    t0 = time.perf_counter()
+    result["drafter"] = train_drafter(
+        scale, result["store"]["path"], result["val_store"]["path"], folder / "run", steps, device, seed
+    )
+    result["drafter_s"] = round(time.perf_counter() - t0, 1)
     write_json_atomic(Path(done), result)
 
 
@@ -839,42 +847,55 @@ def run_modes(
     seed: int,
     log: Path,
 ) -> dict:
-    """Every store mode not finished by an earlier call, `scale.mode_workers` at a time in worker processes (mode
-    i on GPU i % GPUs), with the bf16 harvest's responses and its drafter's steps; then the saved results of all,
-    bf16's (the harvest and drafter stages) first."""
+    """Every store mode not finished by an earlier call (mode i on GPU i % GPUs), with the bf16 harvest's responses
+    and its drafter's steps: first the harvests, `scale.mode_workers` at a time in worker processes, then the
+    drafters, `scale.mode_train_workers` at a time (one alone measures its step and data wait undisturbed); then
+    the saved results of all, bf16's (the harvest and drafter stages) first."""
     steps = drafter_steps(scale, results["harvest"]["rows"])
     todo = [m for m in modes if not mode_done(stages, m.folder).exists()]
+    unharvested = [m for m in todo if not mode_harvested(stages, m.folder).exists()]
     if todo:
         logger.info(
-            "modes: %s to harvest and train (%s done by an earlier call), %d at a time, %d steps each",
+            "modes: %s to train, of which %s to harvest (%s done by an earlier call); harvests %d at a time, "
+            "drafters %d at a time, %d steps each",
             ", ".join(m.name for m in todo),
+            ", ".join(m.name for m in unharvested) or "none",
             ", ".join(m.name for m in modes if m not in todo) or "none",
             scale.mode_workers,
+            scale.mode_train_workers,
             steps,
         )
-        jobs = [
+    gpus, common = gpu_count(device), dict(scale=scale, device=device.type)
+    paths = {
+        m: dict(folder=str(work / MODES / m.folder), harvested=str(mode_harvested(stages, m.folder))) for m in modes
+    }
+    in_workers(
+        harvest_mode,
+        [
             dict(
                 mode=m,
-                scale=scale,
                 target=str(target),
                 data=results["regenerate"]["file"],
                 val_data=results["regenerate"]["val_file"],
-                folder=str(work / MODES / m.folder),
-                steps=steps,
-                device=device.type,
-                seed=seed,
-                done=str(mode_done(stages, m.folder)),
+                folder=paths[m]["folder"],
+                done=paths[m]["harvested"],
+                **common,
             )
-            for m in todo
-        ]
-        in_workers(
-            mode_job,
-            jobs,
-            gpu_count(device),
-            log,
-            at_once=max(scale.mode_workers, 1),
-            names=[f"mode {m.name}" for m in todo],
-        )
+            for m in unharvested
+        ],
+        gpus,
+        log,
+        at_once=max(scale.mode_workers, 1),
+        names=[f"mode {m.name} harvest" for m in unharvested],
+    )
+    in_workers(
+        train_mode,
+        [dict(steps=steps, seed=seed, done=str(mode_done(stages, m.folder)), **paths[m], **common) for m in todo],
+        gpus,
+        log,
+        at_once=max(scale.mode_train_workers, 1),
+        names=[f"mode {m.name} drafter" for m in todo],
+    )
     out = {
         BF16.name: {
             "mode": asdict(BF16),
@@ -1622,9 +1643,10 @@ def main(argv=None) -> int:
     # 6. store modes (issue 16)
     mode_drafters = None
     if modes:
-        left = sum(not mode_done(run.stages, m.folder).exists() for m in modes)
-        per_mode = scale.drafter_seconds + (60 if device.type == "cuda" else 40)  # + two harvests
-        budget = math.ceil(left / max(scale.mode_workers, 1)) * per_mode
+        untrained = sum(not mode_done(run.stages, m.folder).exists() for m in modes)
+        unharvested = sum(not mode_harvested(run.stages, m.folder).exists() for m in modes)
+        harvests = math.ceil(unharvested / max(scale.mode_workers, 1)) * (60 if device.type == "cuda" else 40)
+        budget = harvests + math.ceil(untrained / max(scale.mode_train_workers, 1)) * scale.drafter_seconds
         run.results["modes"] = run.stage(
             "modes",
             budget,

@@ -401,7 +401,7 @@ class Checkpointer:
             with torch.device("meta"):
                 model = DFlashDrafter(dcfg)
             model.load_state_dict(torch.load(path / "model.pt", map_location="cpu"), assign=True)
-            projection = torch.load(path / "projection.pt") if dcfg.feature_width is not None else None
+            projection = torch.load(path / "projection.pt") if (path / "projection.pt").exists() else None
         except DflashError:
             raise
         except Exception as exc:  # a checkpoint cut short or edited: torch / pickle / JSON errors of many kinds

@@ -11,7 +11,7 @@ The drafter has no embedding and no LM head: both are the target's, frozen, and 
 """
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
 
@@ -41,19 +41,11 @@ class DrafterConfig:
     mask_token_id: int
     target_layer_ids: list[int] = field(default_factory=list)
     num_target_layers: int | None = None
-    # fc's input width in training when the store holds projected features P h (k of them); None: feature_dim.
-    # Never exported: the export folds P into fc, which then takes the full features.
-    feature_width: int | None = None
 
     @property
     def feature_dim(self) -> int:
-        """Width of the concatenated target features that the exported `fc` fuses."""
+        """Width of the concatenated target features that `fc` fuses."""
         return len(self.target_layer_ids) * self.hidden_size
-
-    @property
-    def input_width(self) -> int:
-        """Width of the features this drafter's `fc` takes: the stored width when trained on a subspace."""
-        return self.feature_width or self.feature_dim
 
     @classmethod
     def from_target_config(cls, hf_config, target_layer_ids, mask_token_id, num_layers=5, **overrides):
@@ -293,7 +285,7 @@ class DFlashDrafter(nn.Module):
     def __init__(self, config: DrafterConfig):
         super().__init__()
         self.config = config
-        self.fc = nn.Linear(config.input_width, config.hidden_size, bias=False)
+        self.fc = nn.Linear(config.feature_dim, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -349,17 +341,17 @@ def checkpoint_keys(config: DrafterConfig) -> list[str]:
     return sorted(["fc.weight", "hidden_norm.weight", "norm.weight", *layers])
 
 
-def fold_projection(state: dict, config: DrafterConfig, projection: Tensor) -> tuple[dict, DrafterConfig]:
-    """A drafter trained on projected features P h as a standard one: fc = fc' P (float64 product), so that
-    fc h = fc' (P h) for full features h."""
-    if tuple(projection.shape) != (config.input_width, config.feature_dim):
+def fold_projection(state: dict, config: DrafterConfig, projection: Tensor) -> dict:
+    """The weights of a drafter trained on a subspace store for full features: it saw the lifted features
+    P^T (P h) in training, so fc <- fc P^T P (a float64 product) gives it the same input from h."""
+    if projection.ndim != 2 or projection.shape[1] != config.feature_dim:
         raise DflashError(
-            f"the projection is {tuple(projection.shape)} but the drafter takes {config.input_width} of "
-            f"{config.feature_dim} features; export with the store the drafter was trained on"
+            f"the projection is {tuple(projection.shape)} but the drafter fuses {config.feature_dim} features; "
+            "export with the store the drafter was trained on"
         )
-    fc = state["fc.weight"]
-    folded = (fc.double() @ projection.to(fc.device, torch.float64)).to(fc.dtype)
-    return {**state, "fc.weight": folded}, replace(config, feature_width=None)
+    fc, p = state["fc.weight"], projection.to(state["fc.weight"].device, torch.float64)
+    folded = ((fc.double() @ p.T) @ p).to(fc.dtype)
+    return {**state, "fc.weight": folded}
 
 
 EXPORT_MODELING = "modeling_dflash.py"  # dflash/export_modeling.py, copied: AutoModel(trust_remote_code) loads it
@@ -417,7 +409,7 @@ def export_drafter(
 
     model: the drafter (compiled or not) or a full state dict (e.g. gathered from FSDP).
     dtype: the saved dtype; None keeps the parameters' dtype, which makes a reload reproduce outputs exactly.
-    projection: P [k, n*H] of a subspace store, folded into fc (`fold_projection`).
+    projection: P [k, n*H] of the subspace store it was trained on, folded into fc (`fold_projection`).
     replace_export: whether an earlier dflash export in `folder` may be replaced. A folder holding anything else is
     always refused. The files are written into a temporary sibling folder that is renamed into place, so that an
     interruption leaves either the earlier folder or the whole new export, never half of one.
@@ -430,7 +422,7 @@ def export_drafter(
     folder = check_export_target(folder, replace_export)
     state = model if isinstance(model, dict) else getattr(model, "_orig_mod", model).state_dict()
     if projection is not None:
-        state, config = fold_projection(state, config, projection)
+        state = fold_projection(state, config, projection)
     expected = checkpoint_keys(config)
     if sorted(state) != expected:
         extra, missing = sorted(set(state) - set(expected)), sorted(set(expected) - set(state))

@@ -9,8 +9,9 @@ multiplies by 2**e, which is exact, so the only error is e4m3's rounding: at mos
 bits, round to nearest even) for scaled values of at least 2**-6, and 2**-10 * 2**e below that (subnormals).
 
 Subspace: P [k, n*H] holds the top-k eigenvectors of the uncentered second moment E[h h^T] of the target's own
-features; the store holds P h, the drafter learns fc' on it and exports fc = fc' P, so at inference it computes
-fc' (P h) from full features exactly as in training. What is lost is the energy of h outside the subspace.
+features; the store holds P h, the trainer lifts it back to P^T P h for a full-width fc, and the export folds
+fc <- fc P^T P, so at inference the drafter computes from full features exactly what it saw in training. What is
+lost is the energy of h outside the subspace.
 """
 
 import math

@@ -91,23 +91,28 @@ def visible_pairs(anchors, valid, doc_ids, block_size) -> torch.Tensor:
 #
 #   trainable forward = n * [D * 2 * (H*h*d + h*d*H + 3*H*F + 2*H*g*d)    q, o, gate / up / down, k / v of blocks
 #                            + C * 2 * (2*H*g*d)]                         k / v of the context (KV injection)
-#                       + C * 2 * W*H                                     fc fusion (W = f*H, or the subspace width)
+#                       + C * 2 * W*H                                     fc fusion (W = f*H)
 #   LM head forward   = L * 2 * V * H
+#   lift forward      = C * 2 * k * W                                     a subspace store's P h back to P^T P h
 #   attention forward = n * 4 * P * h * d                                 QK^T and PV
-#   FLOPs = 3 * trainable forward + 2 * LM head forward + 3.5 * attention forward
+#   FLOPs = 3 * trainable forward + 2 * LM head forward + lift forward + 3.5 * attention forward
 #
 # Trainable matmuls count 3x (forward, input gradient, weight gradient); the frozen LM head 2x (its weight gradient
-# is never computed); attention 3.5x its forward (backward 2.5 with the recomputation of the scores).
-def step_flops(dcfg: DrafterConfig, context_tokens: float, drafted: float, labelled: float, pairs: float) -> float:
+# is never computed); the frozen lift 1x (nothing before it needs a gradient); attention 3.5x its forward (backward
+# 2.5 with the recomputation of the scores). k (`lifted_width`) is 0 without a subspace.
+def step_flops(
+    dcfg: DrafterConfig, context_tokens: float, drafted: float, labelled: float, pairs: float, lifted_width: int = 0
+) -> float:
     H, F_, hd = dcfg.hidden_size, dcfg.intermediate_size, dcfg.head_dim
     q_width, kv_width = dcfg.num_attention_heads * hd, dcfg.num_key_value_heads * hd
     per_layer_block = 2 * (H * q_width + q_width * H + 3 * H * F_ + 2 * H * kv_width)  # per block token
     per_layer_context = 2 * (2 * H * kv_width)  # k / v projections of the context
     trainable = dcfg.num_layers * (per_layer_block * drafted + per_layer_context * context_tokens)
-    trainable += 2 * dcfg.input_width * H * context_tokens  # fc
+    trainable += 2 * dcfg.feature_dim * H * context_tokens  # fc
     head = 2 * dcfg.vocab_size * H * labelled
+    lift = 2 * lifted_width * dcfg.feature_dim * context_tokens
     attention = dcfg.num_layers * 4 * pairs * dcfg.num_attention_heads * hd
-    return 3 * trainable + 2 * head + 3.5 * attention
+    return 3 * trainable + 2 * head + lift + 3.5 * attention
 
 
 # ---------------------------------------------------------------------------------------------- meter
@@ -155,7 +160,10 @@ class Meter:
         record = layout.record(sums, "train", step)
         labelled = sum(sums[layout.counted])
         drafted = sums[layout["blocks"]] * B
-        flops = step_flops(trainer.dcfg, sums[layout["context_tokens"]], drafted, labelled, sums[layout["pairs"]])
+        lifted = trainer.encoding.width if trainer.lift is not None else 0
+        flops = step_flops(
+            trainer.dcfg, sums[layout["context_tokens"]], drafted, labelled, sums[layout["pairs"]], lifted
+        )
         peak = world_size * trainer.cfg.peak_tflops * 1e12
         record.update(
             total_steps=trainer.total_steps,

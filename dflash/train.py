@@ -113,7 +113,6 @@ STORE_FIXED_FIELDS = {
     "num_target_layers",
     "hidden_size",
     "vocab_size",
-    "feature_width",
     "block_size",
 }
 
@@ -126,7 +125,7 @@ def drafter_config(cfg: TrainConfig, store: Store, target_path: str) -> DrafterC
     if fixed:
         raise DflashError(
             f"--drafter-option cannot set {', '.join(fixed)}: the store fixes them (its target's width, vocabulary, "
-            "tapped layers and stored feature width); --block-size sets the block size"
+            "and tapped layers); --block-size sets the block size"
         )
     overrides = {"block_size": cfg.block_size, **cfg.drafter_overrides}
     mask = overrides.pop("mask_token_id", manifest.tokenizer.mask_id)
@@ -136,8 +135,6 @@ def drafter_config(cfg: TrainConfig, store: Store, target_path: str) -> DrafterC
             "pass --drafter-option mask_token_id=ID (a token id of the target's vocabulary)"
         )
     text = manifest.target.text_config() if manifest.target.has_text_config else load_config(target_path, "--target")
-    if manifest.features.subspace is not None:
-        overrides["feature_width"] = manifest.features.width
     return DrafterConfig.from_target_config(
         text, list(manifest.layer_ids), mask, num_layers=cfg.draft_layers, **overrides
     )
@@ -156,7 +153,7 @@ def load_frozen(path: str, manifest: Manifest) -> tuple[torch.Tensor, torch.Tens
     return embed, head
 
 
-def check_shapes(cfg: TrainConfig, token_budget: int, anchors: int, stored_width: int, dcfg: DrafterConfig):
+def check_shapes(cfg: TrainConfig, token_budget: int, anchors: int, feature_dim: int, dcfg: DrafterConfig):
     B = cfg.block_size
     if B < 2 or token_budget < B:
         raise DflashError(
@@ -168,9 +165,9 @@ def check_shapes(cfg: TrainConfig, token_budget: int, anchors: int, stored_width
             f"{anchors} anchors per row cannot fit a {token_budget}-token row with blocks of {B} "
             f"(at most {token_budget - B + 1}); lower --anchors"
         )
-    if stored_width != dcfg.input_width:
+    if feature_dim != dcfg.feature_dim:
         raise DflashError(
-            f"the store's features are {stored_width} wide but the drafter takes {dcfg.input_width} "
+            f"the store's features are {feature_dim} wide but the drafter fuses {dcfg.feature_dim} "
             f"({len(dcfg.target_layer_ids)} layers x {dcfg.hidden_size}); the store's manifest and target do not match"
         )
 
@@ -265,16 +262,20 @@ class Trainer:
         embed, head = load_frozen(self.target_path, manifest)
         self.dcfg = drafter_config(cfg, self.store, self.target_path)
         self.encoding = manifest.features
-        # P [k, n*H] of a subspace store: folded into the exported fc, kept with every checkpoint.
+        # P [k, n*H] of a subspace store, kept with every checkpoint. The step lifts the stored P h back to P^T P h,
+        # so that fc is trained at full width in the target's own basis, as on a full store (same parameters, same
+        # initialisation, same optimiser geometry: Adam is not invariant to rotating fc's input); the export folds
+        # P^T P into fc.
         self.projection = None if self.store.projection is None else torch.from_numpy(self.store.projection)
         T = self.store.token_budget
         self.num_anchors = cfg.anchors or max(1, round(T * ANCHORS_PER_3072 / 3072))
-        check_shapes(cfg, T, self.num_anchors, self.encoding.width, self.dcfg)
+        check_shapes(cfg, T, self.num_anchors, manifest.feature_dim, self.dcfg)
         self.gamma = blocks.default_gamma(cfg.block_size) if cfg.gamma is None else cfg.gamma
 
         self.mm_dtype = torch.bfloat16 if self.cuda else torch.float32
         # Frozen and only ever read by matmuls under autocast: stored in the matmul dtype, no per-step cast.
         self.embed, self.head = embed.to(self.device, self.mm_dtype), head.to(self.device, self.mm_dtype)
+        self.lift = None if self.projection is None else self.projection.to(self.device, self.mm_dtype)
         torch.manual_seed(cfg.seed)
         with torch.device(self.device):
             self.model = DFlashDrafter(self.dcfg)
@@ -410,11 +411,14 @@ class Trainer:
             return self.loss_fn(hidden.flatten(0, 1), self.head, labels, weights, self.cfg.loss_chunk)
 
     def _features(self, m: int) -> torch.Tensor:
-        """Micro-batch m's stored features in the matmul dtype: fp8 is decoded here, on the device, in the step."""
+        """Micro-batch m's features in the matmul dtype, decoded here, on the device, in the step: fp8 values
+        scaled, projected ones lifted back to the full width."""
         s = self.static
         if self.encoding.precision == "fp8":
-            return features.dequantize_fp8(s["hidden"][m], s["scales"][m], self.mm_dtype)
-        return s["hidden"][m].to(self.mm_dtype)
+            stored = features.dequantize_fp8(s["hidden"][m], s["scales"][m], self.mm_dtype)
+        else:
+            stored = s["hidden"][m].to(self.mm_dtype)
+        return stored if self.lift is None else stored @ self.lift
 
     def _count(self, sums: torch.Tensor, m: int, x: dict, mean_loss: torch.Tensor, correct: torch.Tensor):
         """Add this micro-batch's metrics to `sums` (device ops only)."""

@@ -236,7 +236,5 @@ def test_drafter_options_name_unknown_fields_and_wrong_types():
         DrafterConfig.from_target_config(target, [1, 5, 9], mask_token_id=299, intermediate_size="big")
     with pytest.raises(DflashError, match="rope_theta=True is not a number"):
         DrafterConfig.from_target_config(target, [1, 5, 9], mask_token_id=299, rope_theta=True)
-    cfg = DrafterConfig.from_target_config(
-        target, [1, 5, 9], 299, intermediate_size=96, rope_theta=5, feature_width=None
-    )
+    cfg = DrafterConfig.from_target_config(target, [1, 5, 9], 299, intermediate_size=96, rope_theta=5)
     assert (cfg.intermediate_size, cfg.rope_theta) == (96, 5)

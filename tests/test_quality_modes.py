@@ -122,11 +122,14 @@ def test_the_mode_table_of_two_prompts():
 def test_a_later_call_keeps_the_finished_modes_only(tmp_path):
     out = tmp_path / "q.json"
     quality.Run(out, quality.TINY, tmp_path, seed=0)
-    for folder in ("fp8", "sub1_4+fp8"):
+    for folder in ("fp8", "sub1_4", "sub1_4+fp8"):
         (tmp_path / quality.MODES / folder / "shards").mkdir(parents=True)
+    for folder in ("fp8", "sub1_4"):
+        quality.mode_harvested(tmp_path / "stages", folder).write_text(json.dumps({}))
     quality.mode_done(tmp_path / "stages", "fp8").write_text(json.dumps({}))
     quality.Run(out, quality.TINY, tmp_path, seed=0)
     assert (tmp_path / quality.MODES / "fp8" / "shards").is_dir()
+    assert (tmp_path / quality.MODES / "sub1_4" / "shards").is_dir()  # harvested: only its drafter is trained again
     assert not (tmp_path / quality.MODES / "sub1_4+fp8").exists()  # unfinished: harvested and trained again
 
 
