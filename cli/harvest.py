@@ -18,8 +18,9 @@ from dflash.config import HarvestConfig, given
 def harvest(**options):
     """Harvest target hidden states into a store.
 
-    Runs the frozen target once over the JSONL data and writes the tapped layers' outputs, packed into rows of
-    --token-budget tokens, to a Zarr v3 store at --out. Rerunning the same command resumes a stopped harvest.
+    Runs the frozen target once over the data (docs/data.md: files, folders, mixtures) and writes the tapped
+    layers' outputs, packed into rows of --token-budget tokens, to a Zarr v3 store at --out. Rerunning the same
+    command resumes a stopped harvest.
     """
     from dflash.harvest import run_harvest
 
@@ -47,7 +48,7 @@ def harvest(**options):
 @click.option(
     "--sample",
     type=int,
-    help="Tokenize only this many lines (a seeded random sample) and scale up, with the sampling error.  [default: every line]",
+    help="Tokenize only this many records (a seeded random sample) and scale up, with the sampling error.  [default: every record]",
 )
 @click.option(
     "--epochs", type=int, default=6, show_default=True, help="Training epochs to estimate (dflash train --epochs)."

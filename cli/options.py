@@ -87,6 +87,12 @@ def _checked(param: click.Parameter, value, where: str):
         return isinstance(v, (int, float)) and not isinstance(v, bool)
 
     kind = param.type
+    if getattr(param, "multiple", False) and param.callback is None:
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+            return value
+        raise wrong('a string or a list of strings, e.g. ["a.jsonl", "b.parquet:0.25"]')
     if param.callback is _key_values:
         if not isinstance(value, dict):
             raise wrong("a table, e.g. {intermediate_size = 9216}")
@@ -196,7 +202,7 @@ def _option_for(f: dataclasses.Field, annotation):
     """The click.option decorator of one config field."""
     meta = f.metadata
     name = meta.get("flag", "--" + f.name.replace("_", "-"))
-    required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    required = meta.get("required") or (f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
     default = None if required else (f.default if f.default is not dataclasses.MISSING else f.default_factory())
     shown = meta.get("default_doc", default)
     help_text = meta["help"] + ("" if required or shown in (None, {}) else f"  [default: {shown}]")
@@ -208,6 +214,8 @@ def _option_for(f: dataclasses.Field, annotation):
         decls = [name]
         if "choices" in meta:
             kwargs["type"] = click.Choice(meta["choices"])
+        elif meta.get("multiple"):
+            kwargs.update(multiple=True, type=str)
         elif typing.get_origin(kind) is list:
             kwargs["callback"] = _int_list
         elif typing.get_origin(kind) is tuple:

@@ -9,6 +9,7 @@ filled in by the dataclass, never by a second copy of the default.
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 MISSING = dataclasses.MISSING
@@ -23,6 +24,8 @@ def option(default: Any = MISSING, help: str = "", *, factory=None, **cli) -> An
       default_doc: how to describe a default of None (what the code resolves it to)
       path: True for a filesystem path (click.Path)
       hidden: True to keep the field out of the command line
+      multiple: True for a repeatable option whose values make a list of strings
+      required: True when the command line must give the option although the field has a default
     """
     metadata = {"help": help, **cli}
     if factory is not None:
@@ -39,11 +42,16 @@ def given(cls, values: dict) -> Any:
 @dataclass
 class HarvestConfig:
     model: str = option(help="Target checkpoint: a local transformers folder (or a hub name).")
-    data: str = option(
-        help='JSONL file: one {"messages": [...]}, {"prompt": ..., "completion": ...} or {"text": ...} per line.',
-        path=True,
+    data: list[str] = option(
+        help="Data source, repeatable: a JSONL (.gz, .zst) or Parquet file or a folder of them, as PATH or PATH:WEIGHT "
+        '(take round(WEIGHT x its records)); records {"messages": [...]}, {"conversations": [...]} (ShareGPT), '
+        '{"prompt": ..., "completion": ...} or {"text": ...} (docs/data.md).',
+        multiple=True,
     )
     out: str = option(help="Store folder to create, or to resume when it holds this harvest.", path=True)
+    dedup: bool = option(True, "Keep one copy of identical records, within and across the sources.")
+    limit: int | None = option(None, "Keep only the first N records of the mixture (to try a recipe on a slice).")
+    data_seed: int = option(0, "Seed of the mixture's weighted sampling and order.")
     layers: list[int] | None = option(
         None, "Comma-separated target layers to tap.", default_doc="the DFlash rule, 5 layers from 1 to L-3"
     )
@@ -92,6 +100,10 @@ class HarvestConfig:
     repair: bool = option(
         False, "Re-harvest the rows of this rank's part whose chunks are damaged (what `inspect --verify` lists)."
     )
+
+    def __post_init__(self):
+        # One source may be given as a plain string (Python callers, older scripts).
+        self.data = [str(self.data)] if isinstance(self.data, (str, Path)) else [str(spec) for spec in self.data]
 
 
 EXPORT_DTYPES = ["bfloat16", "float32"]
@@ -231,9 +243,10 @@ def _check_generation(cfg, at_least: dict[str, float]) -> None:
 
 @dataclass
 class RegenerateConfig:
-    model: str = option(help="Target model folder.", path=True)
-    data: str = option(help="Prompts JSONL: chat 'messages', 'text' or 'prompt'.", path=True)
-    out: str = option(help="Responses JSONL; an existing one is resumed.", path=True)
+    # Not needed with --server; data and out are required all the same (`required` makes click say so).
+    model: str | None = option(None, "Target model folder (generate locally).", path=True)
+    data: str = option(None, "Prompts JSONL: chat 'messages', 'text' or 'prompt'.", path=True, required=True)
+    out: str = option(None, "Responses JSONL; an existing one is resumed.", path=True, required=True)
     batch_size: int = option(8, "Prompts per generate call (left-padded).")
     max_new_tokens: int = option(512, "Longest response, in tokens.")
     temperature: float = option(0.0, "0 = greedy; > 0 samples.")
@@ -242,13 +255,29 @@ class RegenerateConfig:
     seed: int = option(0, "Sampling seed.")
     device: str = option("auto", DEVICE_HELP)
     dtype: str = option("auto", DTYPE_HELP)
+    server: str | None = option(None, "OpenAI-compatible server to generate through, e.g. http://localhost:8000.")
+    server_model: str | None = option(None, "Model name to request from --server.", default_doc="the one it serves")
+    concurrency: int = option(16, "Requests in flight to --server.")
+    request_timeout: float = option(600.0, "Seconds to wait for one answer from --server.")
+    retries: int = option(5, "Retries of a --server request (5xx, timeout, no connection), with backoff.")
 
     def __post_init__(self):
         from dflash.errors import DflashError
 
-        _check_generation(self, {"batch_size": 1, "max_new_tokens": 1, "temperature": 0, "top_k": 0})
+        at_least = {"batch_size": 1, "max_new_tokens": 1, "temperature": 0, "top_k": 0, "concurrency": 1, "retries": 0}
+        _check_generation(self, at_least)
         if not 0 < self.top_p <= 1:
             raise DflashError(f"--top-p must be in (0, 1], got {self.top_p}; give e.g. --top-p 0.95 (1 = off)")
+        if self.data is None or self.out is None:
+            raise DflashError("give the prompts (--data) and where to write the responses (--out)")
+        if self.model is None and self.server is None:
+            raise DflashError("give --model (a target folder, to generate locally) or --server URL (a serving engine)")
+        if self.model is not None and self.server is not None:
+            raise DflashError("give either --model (generate locally) or --server (generate through it), not both")
+        if self.server is not None and not self.server.startswith(("http://", "https://")):
+            raise DflashError(f"--server {self.server} is not an http(s) URL; give e.g. http://localhost:8000")
+        if self.request_timeout <= 0:
+            raise DflashError(f"--request-timeout must be positive, got {self.request_timeout}; give e.g. 600")
 
 
 @dataclass

@@ -1,11 +1,13 @@
-"""JSONL documents -> token ids and loss masks, validated in full before anything is written.
+"""Documents -> token ids and loss masks, validated in full before anything is written.
 
-Each non-blank line of the data file is one document:
+dflash/sources.py reads the records (JSONL, compressed JSONL, Parquet, folders, weighted mixtures) and turns
+ShareGPT `conversations` into `messages`; each record is one document:
 - `{"messages": [{"role": ..., "content": ...}, ...]}` is rendered with the tokenizer's chat template; the loss
   mask is on for the tokens of each assistant turn as the model generates it: from the first character after
   the generation prompt (`<|im_start|>assistant\\n`) to the end of the turn, including its end-of-turn token
   (`<|im_end|>`) so that the drafter learns to stop, excluding the whitespace a template writes after that token
-  (the model never generates it). Everything else (system, user, tool turns, role headers) is off.
+  (the model never generates it). Everything else (system, user, tool turns, role headers) is off. A tool turn
+  (sources.TOOL_ROLES) the chat template does not render is refused, never dropped silently.
 - `{"text": "..."}` is tokenised as the tokenizer does by default (its BOS if it defines one; no EOS added) and
   the loss mask is on for every token.
 - `{"prompt": "...", "completion": "..."}` (what `dflash regenerate` writes for text prompts) is tokenised as the
@@ -13,31 +15,31 @@ Each non-blank line of the data file is one document:
   drafter drafts what the target writes, not the prompt it was given. A completion that ends up without a loss
   token (an empty response) is dropped and counted, like a split-off prompt.
 
-Blank lines are skipped; `doc_id` is the 0-based index of the source line, error messages give 1-based line
-numbers. Documents longer than `max_length` are truncated or split into standalone pieces; pieces left with no
-loss token (for example a split-off prompt) are dropped, since they could hold no training block, and counted.
+Blank lines are skipped; `doc_id` is the 0-based index of the record in the mixture (the file's order for one
+source), error messages name the file and its 1-based line (or Parquet row). Documents longer than `max_length`
+are truncated or split into standalone pieces; pieces left with no loss token (for example a split-off prompt) are
+dropped, since they could hold no training block, and counted. The documents' tokens are spilled to a temporary
+file and mapped back (`_Spill`), so that they do not sit in the Python heap.
 """
 
-import json
 import logging
 import multiprocessing
 import re
+import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
 
+from dflash import sources
 from dflash.errors import DflashError
+from dflash.sources import LINE_EXAMPLE
 
 logger = logging.getLogger("dflash")
 
 OVERFLOW_MODES = ("truncate", "split")
 TRUNCATION_WARNING = 0.5  # a truncation dropping more than this share of a document's tokens is warned about
-LINE_EXAMPLE = (
-    '{"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]}, {"text": ...} '
-    'or {"prompt": ..., "completion": ...}'
-)
 KINDS = {"messages": "chat", "text": "text", "prompt": "completion"}  # the key that names a line's kind
 
 
@@ -51,17 +53,23 @@ class Document:
 
 @dataclass
 class DataConfig:
-    path: str | Path
+    path: str | Path | list  # one source or several: PATH or PATH:WEIGHT, each a file or a folder (dflash/sources.py)
     max_length: int = 3072
     overflow: str = "truncate"  # "truncate" | "split"
     workers: int = 1
-    sample: int | None = None  # tokenize only this many lines, a seeded random choice (dflash plan)
+    sample: int | None = None  # tokenize only this many records, a seeded random choice (dflash plan)
+    seed: int = 0  # of the mixture's weighted sampling and order
+    dedup: bool = True  # keep one of identical records
+    limit: int | None = None  # keep the first N records of the mixture
+    spill_dir: str | Path | None = None  # where the documents' tokens are spilled to (None: the system's temp dir)
 
 
 @dataclass
 class DataStats:
-    lines: int = 0  # non-blank lines of the file
-    lines_used: int = 0  # lines tokenized (fewer than `lines` for a sample)
+    lines: int = 0  # records in the mixture (after dedup, weights and limit)
+    lines_used: int = 0  # records tokenized (fewer than `lines` for a sample)
+    records_read: int = 0  # records of every source
+    deduplicated: int = 0  # records dropped as copies of earlier ones
     chat: int = 0  # lines tokenized of each kind
     text: int = 0
     completion: int = 0
@@ -75,54 +83,109 @@ class DataStats:
     loss_tokens: int = 0
     truncated_most: int = 0  # truncated documents that lost more than TRUNCATION_WARNING of their tokens ...
     largest_cut: int = 0  # ... the most tokens one truncation dropped ...
-    largest_cut_line: int = -1  # ... and that document's line (0-based; -1: none)
+    largest_cut_line: int = -1  # ... and that document's index (0-based; -1: none)
+    sources: list[dict] = field(default_factory=list)  # per source: sources.SourceStats
 
     def summary(self) -> str:
-        return ", ".join(f"{field.name} {getattr(self, field.name)}" for field in fields(self))
+        return ", ".join(f"{f.name} {getattr(self, f.name)}" for f in fields(self) if f.name != "sources")
 
 
 def load_documents(cfg: DataConfig, tokenizer_path: str) -> tuple[list[Document], DataStats]:
-    """Read, validate and tokenise every line of `cfg.path`; raise DflashError on the first bad line."""
+    """Read, validate, mix and tokenise the records of `cfg.path`; raise DflashError on the first bad record."""
     _check_config(cfg)
-    records = _read_records(Path(cfg.path))
-    lines = len(records)
-    if cfg.sample is not None and cfg.sample < lines:
-        chosen = np.sort(np.random.default_rng(0).choice(lines, cfg.sample, replace=False))
-        records = [records[i] for i in chosen]
+    mixture = sources.mix(cfg.path, _parse_document, cfg.seed, cfg.dedup, cfg.limit)
+    items = mixture.items
+    chosen = range(len(items))
+    if cfg.sample is not None and cfg.sample < len(items):
+        chosen = np.sort(np.random.default_rng(0).choice(len(items), cfg.sample, replace=False)).tolist()
     tokenizer = load_tokenizer(tokenizer_path)
-    if tokenizer.chat_template is None and any(kind == "chat" for _, kind, _ in records):
+    if tokenizer.chat_template is None and any(items[i].kind == "chat" for i in chosen):
         raise DflashError(
-            f"the tokenizer at {tokenizer_path} has no chat template, but {cfg.path} holds chat lines; "
-            'use a tokenizer with a chat template or give those documents as {"text": ...} lines'
+            f"the tokenizer at {tokenizer_path} has no chat template, but {_names(cfg.path)} holds chat records; "
+            'use a tokenizer with a chat template or give those documents as {"text": ...} records'
         )
-    items = [(str(cfg.path), index, kind, payload) for index, kind, payload in records]
-    encoded = _encode_all(items, tokenizer, tokenizer_path, cfg.workers)
-    stats = DataStats(lines, len(records), **{kind: sum(k == kind for _, k, _ in records) for kind in KINDS.values()})
-    documents = []
-    for (index, _, _), (ids, mask) in zip(records, encoded):
-        documents.extend(_fit(index, ids, mask, cfg, stats))
-    if not documents:
+    encoded = _encode_all(
+        [(items[i].where, items[i].kind, items[i].payload) for i in chosen], tokenizer, tokenizer_path, cfg.workers
+    )
+    stats = DataStats(
+        len(items), len(chosen), **{kind: sum(items[i].kind == kind for i in chosen) for kind in KINDS.values()}
+    )
+    spill = _Spill(cfg.spill_dir)
+    for index, (ids, mask) in zip(chosen, encoded):
+        counts = mixture.sources[items[index].source]
+        for document in _fit(index, ids, mask, cfg, stats):
+            spill.add(document)
+            counts.documents += 1
+            counts.tokens += len(document.input_ids)
+            counts.loss_tokens += int(document.loss_mask.sum())
+    if not spill.spans:
         raise DflashError(
-            f"no document of {cfg.path} holds a token to train on ({stats.dropped_no_loss} dropped without one, "
+            f"no document of {_names(cfg.path)} holds a token to train on ({stats.dropped_no_loss} dropped without one, "
             "e.g. empty completions); give the responses some content"
         )
+    documents = spill.documents()
     stats.documents = len(documents)
-    stats.tokens = sum(len(doc.input_ids) for doc in documents)
-    stats.loss_tokens = sum(int(doc.loss_mask.sum()) for doc in documents)
+    stats.tokens = sum(counts.tokens for counts in mixture.sources)
+    stats.loss_tokens = sum(counts.loss_tokens for counts in mixture.sources)
+    stats.records_read = sum(counts.records for counts in mixture.sources)
+    stats.deduplicated = sum(counts.deduplicated for counts in mixture.sources)
+    stats.sources = [asdict(counts) for counts in mixture.sources]
+    _log(cfg, stats)
+    return documents, stats
+
+
+class _Spill:
+    """Every document's token ids and loss mask appended to two unlinked temporary files, mapped back at the end:
+    the documents are views of those maps, so the data's tokens sit in the page cache, not the Python heap. The
+    files have no name from the start: the disk space returns when the last document is dropped."""
+
+    def __init__(self, folder: str | Path | None):
+        self.files = [tempfile.TemporaryFile(prefix="dflash-tokens-", dir=folder) for _ in range(2)]
+        self.spans: list[tuple[int, int, int, int]] = []  # doc_id, piece, offset, length
+        self.size = 0
+
+    def add(self, document: Document) -> None:
+        self.files[0].write(document.input_ids.tobytes())
+        self.files[1].write(document.loss_mask.tobytes())
+        self.spans.append((document.doc_id, document.piece, self.size, len(document.input_ids)))
+        self.size += len(document.input_ids)
+
+    def documents(self) -> list[Document]:
+        # Copy-on-write maps: writable views (torch.from_numpy takes them), and nothing written goes to the files.
+        ids, masks = (
+            np.memmap(file, dtype, "c", shape=(self.size,)) for file, dtype in zip(self.files, (np.int32, np.uint8))
+        )
+        for file in self.files:
+            file.close()  # the maps keep the data
+        return [Document(d, p, ids[o : o + n], masks[o : o + n]) for d, p, o, n in self.spans]
+
+
+def _names(path) -> str:
+    return ", ".join(map(str, [path] if isinstance(path, (str, Path)) else path))
+
+
+def _log(cfg: DataConfig, stats: DataStats) -> None:
+    for counts in stats.sources:
+        logger.info(
+            "source %s: %d records read, %d duplicates dropped, %d used, %d documents, %d tokens (%d with loss)",
+            *(
+                counts[key]
+                for key in ("source", "records", "deduplicated", "used", "documents", "tokens", "loss_tokens")
+            ),
+        )
     if stats.truncated_most:
         logger.warning(
             "WARNING: --overflow truncate cut %d document(s) of %s to less than %d%% of their length, dropping %d "
             "tokens in all (document %d alone lost %d of its tokens, keeping %d); those tokens are never trained on. "
             "Pass --overflow split to keep them as standalone pieces, or raise --max-length",
             stats.truncated_most,
-            cfg.path,
+            _names(cfg.path),
             round(100 * (1 - TRUNCATION_WARNING)),
             stats.truncated_tokens,
             stats.largest_cut_line,
             stats.largest_cut,
             cfg.max_length,
         )
-    return documents, stats
 
 
 def load_tokenizer(tokenizer_path: str):
@@ -152,22 +215,6 @@ def _check_config(cfg: DataConfig) -> None:
         raise DflashError(f"workers must be a positive integer, got {cfg.workers!r}")
 
 
-def _read_records(path: Path) -> list[tuple[int, str, object]]:
-    """(line index, kind, payload) for every non-blank line, each validated (kinds: see parse_line)."""
-    if not path.is_file():
-        raise DflashError(
-            f"data file {path} does not exist or is not a file; pass a JSONL file with one {LINE_EXAMPLE} per line"
-        )
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise DflashError(f"cannot read data file {path}: {exc.strerror}; check that it is readable") from exc
-    records = [(number - 1, *_parse_document(line, f"{path} line {number}")) for number, line in jsonl_lines(raw)]
-    if not records:
-        raise DflashError(f"data file {path} holds no documents; write one {LINE_EXAMPLE} per line")
-    return records
-
-
 def jsonl_lines(raw: bytes) -> Iterator[tuple[int, bytes]]:
     """(1-based line number, line) for every non-blank line of a JSONL file's bytes.
 
@@ -179,9 +226,9 @@ def jsonl_lines(raw: bytes) -> Iterator[tuple[int, bytes]]:
             yield number, line
 
 
-def _parse_document(line: bytes, where: str) -> tuple[str, object]:
-    """parse_line, plus what training needs: a conversation with an assistant turn to learn from."""
-    kind, payload = parse_line(line, where)
+def _parse_document(record, where: str) -> tuple[str, object]:
+    """check_record, plus what training needs: a conversation with an assistant turn to learn from."""
+    kind, payload = check_record(record, where)
     if kind == "chat" and not any(message["role"] == "assistant" for message in payload):
         raise DflashError(
             f"{where}: the conversation has no assistant turn, so nothing to train on; add one or remove the line"
@@ -196,30 +243,21 @@ def _parse_document(line: bytes, where: str) -> tuple[str, object]:
 def parse_line(line: bytes, where: str) -> tuple[str, object]:
     """One JSONL line as ("chat", messages), ("text", text) or ("completion", (prompt, completion)), checked for
     shape; errors name `where`."""
-    return check_record(_decode(line, where), where)
-
-
-def _decode(line: bytes, where: str):
-    try:
-        record = json.loads(line.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise DflashError(
-            f"{where}: not valid UTF-8 ({exc.reason} at byte {exc.start}); re-encode the file as UTF-8"
-        ) from exc
-    except json.JSONDecodeError as exc:
-        raise DflashError(
-            f"{where}: malformed JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object, {LINE_EXAMPLE}"
-        ) from exc
-    return record
+    return check_record(sources.decode_json_line(line, where), where)
 
 
 def check_record(record, where: str) -> tuple[str, object]:
-    """parse_line for a record already decoded (a prompt given in memory, say)."""
+    """parse_line for a record already decoded (a prompt given in memory, say); ShareGPT records are accepted."""
+    record = sources.normalise(record, where)
     if not isinstance(record, dict):
         raise DflashError(f"{where}: expected a JSON object, got {type(record).__name__}; write {LINE_EXAMPLE}")
     keys = [key for key in KINDS if key in record]
     if len(keys) != 1:
-        problem = f"has the keys {', '.join(keys)}" if keys else 'has none of the keys "messages", "text", "prompt"'
+        problem = (
+            f"has the keys {', '.join(keys)}"
+            if keys
+            else 'has none of the keys "messages", "text", "prompt" (nor ShareGPT "conversations")'
+        )
         raise DflashError(f"{where}: the object {problem}; give exactly one kind of document, {LINE_EXAMPLE}")
     kind = KINDS[keys[0]]
     if kind == "text":
@@ -277,19 +315,19 @@ def _encode_in_worker(item):
     return _encode(_worker_tokenizer, *item)
 
 
-def _encode_all(items, tokenizer, tokenizer_path: str, workers: int):
-    """Encode every item, in order; the first bad item (in line order) raises its DflashError."""
+def _encode_all(items, tokenizer, tokenizer_path: str, workers: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Encode every item, in order, as a stream; the first bad item (in record order) raises its DflashError."""
     if workers == 1:
-        return [_encode(tokenizer, *item) for item in items]
+        yield from (_encode(tokenizer, *item) for item in items)
+        return
     # spawn, not fork: the caller may hold CUDA or writer threads that a forked child must not inherit.
     context = multiprocessing.get_context("spawn")
     chunksize = max(1, min(256, len(items) // (8 * workers)))
     with context.Pool(workers, initializer=_init_worker, initargs=(tokenizer_path,)) as pool:
-        return list(pool.imap(_encode_in_worker, items, chunksize=chunksize))
+        yield from pool.imap(_encode_in_worker, items, chunksize=chunksize)
 
 
-def _encode(tokenizer, path: str, index: int, kind: str, payload) -> tuple[np.ndarray, np.ndarray]:
-    where = f"{path} line {index + 1}"
+def _encode(tokenizer, where: str, kind: str, payload) -> tuple[np.ndarray, np.ndarray]:
     if kind == "text":
         ids = tokenizer(payload, add_special_tokens=True, verbose=False)["input_ids"]
         mask = np.ones(len(ids), np.uint8)
@@ -313,6 +351,7 @@ def _encode_completion(tokenizer, prompt: str, completion: str) -> tuple[list[in
 
 def _encode_chat(tokenizer, messages: list[dict], where: str) -> tuple[list[int], np.ndarray]:
     full = _render(tokenizer, messages, where)
+    _check_tool_turns(messages, full, where)
     spans = _assistant_spans(tokenizer, messages, full, where)
     encoding = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     offsets = np.asarray(encoding["offset_mapping"], np.int64).reshape(-1, 2)
@@ -326,9 +365,26 @@ def _render(tokenizer, messages: list[dict], where: str, generation_prompt: bool
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     except Exception as exc:  # jinja raises anything, including the template's own raise_exception
+        if any(message["role"] in sources.TOOL_ROLES for message in messages):
+            raise DflashError(f"{where}: the chat template cannot render its tool turns ({exc}); {TOOL_FIX}") from exc
         raise DflashError(
             f"{where}: the chat template cannot render this conversation ({exc}); fix the conversation"
         ) from exc
+
+
+TOOL_FIX = (
+    "use a tokenizer whose chat template renders tool turns, or remove or rewrite those turns in the data "
+    "(dflash never drops a turn silently)"
+)
+
+
+def _check_tool_turns(messages: list[dict], full: str, where: str) -> None:
+    """A template may skip roles it does not know: every tool turn's content must be in the rendering."""
+    for number, message in enumerate(messages):
+        if message["role"] in sources.TOOL_ROLES and message["content"].strip() not in full:
+            raise DflashError(
+                f"{where}: the chat template does not render message {number} (role {message['role']!r}); {TOOL_FIX}"
+            )
 
 
 # ---- assistant spans ----------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ slower than the bare forward either shows the wait there or loses its time elsew
 import contextlib
 import errno
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from dflash import __version__, features, manifest, selfcheck, store
+from dflash import __version__, features, manifest, selfcheck, sources, store
 from dflash.config import HarvestConfig
 from dflash.data import DataConfig, Document, load_documents, load_tokenizer
 from dflash.device import DTYPES, local_device
@@ -50,27 +51,54 @@ HOST_BUFFERS = 3  # pinned row-group buffers: one being filled, up to two queued
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     """Rows of item indices: items longest first (ties by index), each into the first row with room.
 
-    A max-tree over the free space of rows finds the first row with room in O(log n); all rows start empty,
-    so the first empty row found is always the next new one.
+    A max-tree over the free space of rows finds the first row with room in O(log n). Items of one length come
+    one after another, so a row found takes as many of them as fit at once; and all rows past the used ones are
+    empty, so once a run of one length reaches them, the rest of the run fills new rows in bulk.
     """
+    longest = max(lengths, default=0)
+    if longest > capacity:
+        raise ValueError(f"an item of {longest} does not fit a row of {capacity}")
     size = 1
     while size < len(lengths):
         size *= 2
     free = [capacity] * (2 * size)  # node i holds the largest free space below it; leaves are rows
     rows: list[list[int]] = []
-    for item in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        node = 1
-        while node < size:
-            node = 2 * node if free[2 * node] >= lengths[item] else 2 * node + 1
-        row = node - size
-        if row == len(rows):
-            rows.append([])
-        rows[row].append(item)
-        free[node] -= lengths[item]
-        while node > 1:
-            node //= 2
-            free[node] = max(free[2 * node], free[2 * node + 1])
+    order = np.argsort(-np.asarray(lengths, np.int64), kind="stable").tolist()
+    for length, group in itertools.groupby(order, key=lengths.__getitem__):
+        run, placed = list(group), 0
+        per_row = capacity // length if length else len(run)  # items of this length an empty row takes
+        while placed < len(run):
+            node = 1
+            while node < size:
+                node = 2 * node if free[2 * node] >= length else 2 * node + 1
+            row = node - size
+            if row == len(rows):  # the first unused row
+                new = [run[i : i + per_row] for i in range(placed, len(run), per_row)]
+                rows.extend(new)
+                _set_free(free, size, row, [capacity - length * len(items) for items in new])
+                break
+            take = min(len(run) - placed, free[node] // length if length else len(run))
+            rows[row].extend(run[placed : placed + take])
+            placed += take
+            _set_free(free, size, row, [free[node] - take * length])
     return rows
+
+
+def _set_free(free: list[int], size: int, first_row: int, values: list[int]) -> None:
+    """Set the free space of rows first_row.. and update their ancestors, one level at a time, up to the level
+    where nothing changes."""
+    lo = size + first_row
+    hi = lo + len(values)
+    free[lo:hi] = values
+    while lo > 1:
+        lo, hi = lo // 2, (hi - 1) // 2 + 1
+        changed = False
+        for node in range(lo, hi):
+            largest = max(free[2 * node], free[2 * node + 1])
+            changed |= largest != free[node]
+            free[node] = largest
+        if not changed:
+            return
 
 
 @dataclass
@@ -83,7 +111,18 @@ class PartPlan:
     starts: list[list[int]] = field(init=False)
 
     def __post_init__(self):
-        self.starts = [np.cumsum([0] + [len(self.docs[d].input_ids) for d in row[:-1]]).tolist() for row in self.rows]
+        # Whole-plan numpy arrays, not Python loops per document: a resume replans a million documents fast.
+        self.lengths = np.fromiter((len(d.input_ids) for d in self.docs), np.int64, len(self.docs))
+        sizes = np.fromiter(map(len, self.rows), np.int64, len(self.rows))
+        firsts = np.cumsum(sizes) - sizes  # each row's first position in the documents in row order, `_flat`
+        self._flat = np.fromiter(itertools.chain.from_iterable(self.rows), np.int64, int(sizes.sum()))
+        self._flat_rows = np.repeat(np.arange(len(self.rows)), sizes)
+        before = np.cumsum(self.lengths[self._flat]) - self.lengths[self._flat]  # tokens before, over all rows
+        used = sizes > 0
+        self._flat_starts = before - np.repeat(before[firsts[used]], sizes[used])
+        starts = self._flat_starts.tolist()
+        self.starts = [starts[first : first + n] for first, n in zip(firsts.tolist(), sizes.tolist())]
+        self._counts: dict | None = None
 
     @classmethod
     def build(cls, documents: list[Document], rank: int, world_size: int, token_budget: int) -> "PartPlan":
@@ -91,21 +130,21 @@ class PartPlan:
         return cls(docs, first_fit_decreasing([len(d.input_ids) for d in docs], token_budget), token_budget)
 
     def documents_table(self) -> np.ndarray:
-        table = [
-            (self.docs[d].doc_id, self.docs[d].piece, r, start, len(self.docs[d].input_ids))
-            for r, (row, starts) in enumerate(zip(self.rows, self.starts))
-            for d, start in zip(row, starts)
-        ]
-        return np.array(table, np.int64).reshape(-1, len(store.DOCUMENT_COLUMNS))
+        doc_ids = np.fromiter((d.doc_id for d in self.docs), np.int64, len(self.docs))
+        pieces = np.fromiter((d.piece for d in self.docs), np.int64, len(self.docs))
+        f = self._flat
+        return np.stack([doc_ids[f], pieces[f], self._flat_rows, self._flat_starts, self.lengths[f]], axis=1)
 
     def counts(self) -> dict:
-        tokens = sum(len(d.input_ids) for d in self.docs)
-        return {
-            "documents": len(self.docs),
-            "tokens": tokens,
-            "loss_tokens": sum(int(d.loss_mask.sum()) for d in self.docs),
-            "padding_tokens": len(self.rows) * self.token_budget - tokens,
-        }
+        if self._counts is None:  # asked for by the part's spec, the log line and the progress bar
+            tokens = int(self.lengths.sum())
+            self._counts = {
+                "documents": len(self.docs),
+                "tokens": tokens,
+                "loss_tokens": int(sum(map(np.count_nonzero, (d.loss_mask for d in self.docs)))),  # masks are 0 / 1
+                "padding_tokens": len(self.rows) * self.token_budget - tokens,
+            }
+        return dict(self._counts)
 
     def token_arrays(self, first: int, last: int) -> dict[str, np.ndarray]:
         """The per-token arrays of rows [first, last); padding has doc id -1 and everything else 0."""
@@ -213,19 +252,20 @@ def feature_encoding(cfg: HarvestConfig, num_layers: int, feature_dim: int) -> m
     return manifest.FeatureSpec(cfg.precision, stored, groups, subspace)
 
 
-def _file_identity(path: str) -> dict:
-    """Size and sha256 of the data file: a resumed harvest must read the very same documents."""
-    digest = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            while chunk := f.read(16 << 20):
-                digest.update(chunk)
-    except OSError as exc:
-        raise DflashError(
-            f"cannot read data file {path}: {exc.strerror}; pass an existing, readable JSONL file"
-        ) from exc
-    return {"data_bytes": size, "data_sha256": digest.hexdigest()}
+def data_config(cfg: HarvestConfig, **overrides) -> DataConfig:
+    """How the harvest (and `dflash plan`) reads cfg.data."""
+    fields = dict(max_length=cfg.max_length, overflow=cfg.overflow, workers=cfg.workers, seed=cfg.data_seed)
+    out = Path(cfg.out)
+    spill_dir = next(p for p in (out, *out.parents) if p.exists())  # the output's disk has room; /tmp may be small
+    return DataConfig(cfg.data, dedup=cfg.dedup, limit=cfg.limit, spill_dir=spill_dir, **{**fields, **overrides})
+
+
+def _data_identity(cfg: HarvestConfig) -> dict:
+    """Size and sha256 of the data (and of the mixing options that are not the defaults): a resumed harvest must
+    read the very same documents."""
+    defaults = {"dedup": True, "limit": None, "data_seed": 0}
+    options = {key: getattr(cfg, key) for key, default in defaults.items() if getattr(cfg, key) != default}
+    return sources.identity(cfg.data, **options)
 
 
 def _fingerprint(cfg: HarvestConfig) -> dict:
@@ -246,7 +286,7 @@ def _fingerprint(cfg: HarvestConfig) -> dict:
         "projection_sha256": _borrowed_projection(cfg, encoding, len(layers) * text.hidden_size)[2],
         "model": model,
         "layers": layers,
-        **_file_identity(cfg.data),
+        **_data_identity(cfg),
         "token_budget": cfg.token_budget,
         "max_length": cfg.max_length,
         "overflow": cfg.overflow,
@@ -377,8 +417,8 @@ def _harvest_part(cfg: HarvestConfig, out: Path, fingerprint: dict, state: str, 
         _finish(out, cfg)
         return out
 
-    documents, stats = load_documents(DataConfig(cfg.data, cfg.max_length, cfg.overflow, cfg.workers), cfg.model)
-    logger.info("data %s: %s", cfg.data, stats.summary())
+    documents, stats = load_documents(data_config(cfg), cfg.model)
+    logger.info("data %s: %s", ", ".join(cfg.data), stats.summary())
     if torch.device(cfg.device).type == "cuda":
         # Triton kernels (fla's) launch on the current device, and pinned buffers bind to it: under torchrun
         # every rank would otherwise start a context on cuda:0.
@@ -476,7 +516,7 @@ def check_free_space(out: Path, cfg: HarvestConfig, fingerprint: dict, rows_left
 
 def _header(cfg: HarvestConfig, fingerprint: dict, target: TappedTarget, stats) -> manifest.Manifest:
     """harvest.json: everything the manifest states that no part's progress decides."""
-    return store.new_manifest(
+    header = store.new_manifest(
         target=target_spec(cfg.model, target),
         layer_ids=target.layer_ids,
         token_budget=cfg.token_budget,
@@ -485,12 +525,13 @@ def _header(cfg: HarvestConfig, fingerprint: dict, target: TappedTarget, stats) 
         features=feature_encoding(cfg, len(target.layer_ids), len(target.layer_ids) * target.info.hidden_size),
         options={k: v for k, v in asdict(cfg).items() if k not in ("rank", "device")},
         data={
-            "file": Path(cfg.data).name,
+            "file": ", ".join(Path(spec).name for spec in cfg.data),
             **{key: fingerprint[key] for key in ("data_bytes", "data_sha256")},
-            "stats": asdict(stats),
+            "stats": {k: v for k, v in asdict(stats).items() if k != "sources"},
         },
         dflash_version=__version__,
     )
+    return replace(header, sources=tuple(stats.sources))
 
 
 def _calibrated(

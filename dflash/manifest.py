@@ -169,6 +169,7 @@ class Manifest:
     parts: tuple[PartEntry, ...] = ()
     self_check: SelfCheck | None = None  # manifest.json only, when the harvest (or inspect) ran the check
     format: str = "dflash-harvest"
+    sources: tuple[dict, ...] = ()  # per data source: records read, deduplicated, used, documents, tokens (optional)
     extra: dict = field(default_factory=dict)  # keys written by a newer dflash, kept on rewrite
 
     @property
@@ -198,6 +199,10 @@ class Manifest:
             del out["counts"], out["parts"]
         if self.self_check is None:
             del out["self_check"]
+        if not self.sources:
+            del out["sources"]
+        else:
+            out["sources"] = list(self.sources)
         return {**extra, **out}
 
     @classmethod
@@ -223,6 +228,11 @@ class Manifest:
             f"rows       {self.token_budget} tokens each; codec {self.codecs['hidden'][0]['name']} "
             f"{self.codecs['hidden'][0].get('configuration', {})} + crc32c",
             f"identity   {self.identity[:16]}",
+            *(
+                f"source     {s['source']}: {s['records']} records read, {s['deduplicated']} duplicates dropped, "
+                f"{s['used']} used -> {s['documents']} documents, {s['tokens']} tokens ({s['loss_tokens']} with loss)"
+                for s in self.sources
+            ),
         ]
 
 
@@ -350,6 +360,7 @@ def _parse_manifest(raw: Any, where: str) -> Manifest:
         codecs=f.get("codecs", dict),
         identity=f.get("identity", str, ""),
         format=f.get("format", str, "dflash-harvest"),
+        sources=tuple(_source(_Fields(s, where, f"sources[{i}].")) for i, s in enumerate(f.get("sources", list, []))),
         extra={k: v for k, v in raw.items() if k not in known and k not in ("storage",)},
     )
     _Fields(manifest.fingerprint, where, "fingerprint.").count("world_size", 1)
@@ -366,6 +377,11 @@ def _parse_manifest(raw: Any, where: str) -> Manifest:
     if recorded != complete.counts:
         raise f._bad("counts", f"the sums over its parts {dataclasses.asdict(complete.counts)}")
     return complete
+
+
+def _source(f: _Fields) -> dict:
+    counts = ("records", "deduplicated", "used", "documents", "tokens", "loss_tokens")
+    return {"source": f.get("source", str), "weight": f.get("weight", float), **{key: f.count(key) for key in counts}}
 
 
 def _part(f: _Fields) -> PartEntry:

@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from dflash.config import HarvestConfig
-from dflash.data import DataConfig, load_documents
+from dflash.data import load_documents
 from dflash.drafter import DrafterConfig
 from dflash.errors import DflashError
-from dflash.harvest import BEST_CODEC_RATIO, PartPlan, feature_encoding, row_bytes
+from dflash.harvest import BEST_CODEC_RATIO, PartPlan, data_config, feature_encoding, row_bytes
 from dflash.manifest import FeatureSpec
 from dflash.metrics import step_flops
 from dflash.target import default_layer_ids
@@ -47,8 +47,8 @@ MODES = {
 
 @dataclass
 class DataEstimate:
-    lines: int  # non-blank lines of the file
-    sampled: int  # lines tokenized
+    lines: int  # records of the data (after dedup, weights and --limit)
+    sampled: int  # records tokenized
     documents: float
     tokens: float
     tokens_error: float  # standard error of the scaled-up token count (0 when every line was read)
@@ -63,7 +63,7 @@ class DataEstimate:
 
 def estimate_data(cfg: HarvestConfig, sample: int | None) -> DataEstimate:
     """Tokenize the data (or `sample` of its lines, seeded) and pack it as the harvest would."""
-    data = DataConfig(cfg.data, cfg.max_length or cfg.token_budget, cfg.overflow, cfg.workers, sample=sample)
+    data = data_config(cfg, max_length=cfg.max_length or cfg.token_budget, sample=sample)
     documents, stats = load_documents(data, cfg.model)
     scale = stats.lines / stats.lines_used
     rows = sum(
@@ -132,13 +132,13 @@ def plan_report(cfg: HarvestConfig, sample: int | None, epochs: int, draft_layer
     data = estimate_data(cfg, sample)
     lines = []
     sampled = (
-        f"a seeded sample of {data.sampled} of {data.lines} lines, scaled up"
+        f"a seeded sample of {data.sampled} of {data.lines} records, scaled up"
         if data.sampled < data.lines
-        else f"all {data.lines} lines"
+        else f"all {data.lines} records"
     )
     error = f" +- {1.96 * data.tokens_error:,.0f} (95 %)" if data.tokens_error else ""
     lines += [
-        f"data       {cfg.data}: {sampled}",
+        f"data       {', '.join(cfg.data)}: {sampled}",
         f"documents  {data.documents:,.0f} ({data.truncated:,.0f} truncated, dropping {data.truncated_tokens:,.0f} "
         f"tokens; {data.split:,.0f} split), mean {data.mean_document:,.0f} tokens",
         f"tokens     {data.tokens:,.0f}{error}, {data.loss_tokens:,.0f} with loss",

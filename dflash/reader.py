@@ -40,8 +40,10 @@ def split_rows(num_rows: int, val_fraction: float) -> tuple[np.ndarray, np.ndarr
     n_val = int(round(num_rows * val_fraction))
     if val_fraction > 0 and n_val == 0 and num_rows > 1:
         n_val = 1
-    perm = np.random.default_rng(_SPLIT_SEED).permutation(num_rows)
-    return np.sort(perm[n_val:]), np.sort(perm[:n_val])
+    val = np.sort(np.random.default_rng(_SPLIT_SEED).permutation(num_rows)[:n_val])
+    train = np.ones(num_rows, bool)
+    train[val] = False
+    return np.flatnonzero(train), val  # the sorted training rows without sorting them: a startup cost per row
 
 
 def epoch_order(rows: np.ndarray, seed: int, epoch: int, rank: int, world_size: int) -> np.ndarray:
@@ -52,9 +54,9 @@ def epoch_order(rows: np.ndarray, seed: int, epoch: int, rank: int, world_size: 
     so the global batches do not depend on the number of ranks. The remainder is dropped so that every rank
     runs the same number of steps.
     """
-    perm = rows[np.random.default_rng([seed, epoch]).permutation(len(rows))]
+    perm = np.random.default_rng([seed, epoch]).permutation(len(rows))
     per_rank = len(rows) // world_size
-    return perm[rank : per_rank * world_size : world_size]
+    return rows[perm[rank : per_rank * world_size : world_size]]  # gathers this rank's rows only
 
 
 def _row_keys(seed: int, epoch: int, rows: np.ndarray) -> np.ndarray:

@@ -11,6 +11,8 @@ Resuming: the output is only ever appended whole batches at a time (one write, f
 trailing partial line left by a killed run is cut off, and a rerun starts after the lines already there, once
 they are checked to answer the same prompts and the settings recorded beside the output (model, length,
 sampling, seed: `OUT.settings.json`) are checked to be this run's.
+
+With `--server`, dflash.remote asks a serving engine (vLLM, SGLang) for the answers instead, to the same output.
 """
 
 import json
@@ -127,12 +129,13 @@ def settings_path(out: Path) -> Path:
     return out.with_name(out.name + ".settings.json")
 
 
-def generation_settings(cfg: RegenerateConfig) -> dict:
+def generation_settings(cfg: RegenerateConfig, model: str | None = None) -> dict:
     """What decides the answers (beside the prompts, which are checked line by line): a resumed output must have
-    been written with the same."""
-    model = Path(cfg.model)
+    been written with the same. `model` is the name a server serves the target under; by default the local one."""
+    if model is None:
+        model = str(Path(cfg.model).resolve()) if Path(cfg.model).exists() else str(cfg.model)
     return {
-        "model": str(model.resolve()) if model.exists() else str(cfg.model),
+        "model": model,
         "max_new_tokens": cfg.max_new_tokens,
         "temperature": cfg.temperature,
         "top_p": cfg.top_p,
@@ -242,17 +245,27 @@ def eos_token_ids(model, tokenizer) -> set[int]:
     return ids
 
 
+def output_path(cfg: RegenerateConfig) -> Path:
+    out = Path(cfg.out)
+    if out.is_dir():
+        raise DflashError(f"--out {out} is a folder; give the path of a JSONL file to write the responses to")
+    return out
+
+
 def regenerate(cfg: RegenerateConfig, progress: bool = True) -> RegenerateStats:
-    """Answer every prompt of `cfg.data` with the target at `cfg.model`, appending to `cfg.out` (resumable)."""
+    """Answer every prompt of `cfg.data` with the target at `cfg.model` (or through `cfg.server`), appending to
+    `cfg.out` (resumable)."""
+    if cfg.server is not None:
+        from dflash.remote import regenerate_remote
+
+        return regenerate_remote(cfg, progress)
     import torch
     from tqdm import tqdm
 
     from dflash.target import load_target
 
     records = load_prompts(cfg.data)
-    out = Path(cfg.out)
-    if out.is_dir():
-        raise DflashError(f"--out {out} is a folder; give the path of a JSONL file to write the responses to")
+    out = output_path(cfg)
     check_output(out, generation_settings(cfg))
     done = completed_count(out, records)
     if done == len(records):

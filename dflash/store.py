@@ -270,7 +270,10 @@ class PartWriter:
                 f"now {spec.rows}); the data or tokenizer changed under the store: harvest into a new folder"
             )
         else:  # resuming: drop the temporary files of writes a killed run left unfinished
-            for leftover in [*self.folder.rglob("*.partial"), *self.folder.glob(f"{TMP_PREFIX}*")]:
+            # Only rows past the committed ones are written again (all of them for a finished part: a repair).
+            committed = self.progress["rows_committed"]
+            first = committed if committed < self.progress["rows"] else 0
+            for leftover in [*_unfinished_writes(self.folder, first), *self.folder.glob(f"{TMP_PREFIX}*")]:
                 leftover.unlink(missing_ok=True)
         group = zarr.open_group(self.folder, mode="r+")
         self.arrays = {name: group[name].with_config(_array_config(read=False)) for name in arrays_of(spec.features)}
@@ -381,6 +384,19 @@ class HiddenChunkWriter:
             f.write(encoded)
             f.write(checksum)
         os.replace(partial, path)
+
+
+def _unfinished_writes(folder: Path, first_row: int) -> list[Path]:
+    """The `.partial` files (zarr's and HiddenChunkWriter's) under the chunk folders `<array>/c/<row>` of rows
+    from `first_row` on: one listing of each array's `c/` instead of a walk over every chunk file of the part."""
+    found = []
+    for array in folder.iterdir():
+        if not (array / "c").is_dir():
+            continue
+        with os.scandir(array / "c") as rows:
+            dirty = [Path(entry.path) for entry in rows if not entry.name.isdigit() or int(entry.name) >= first_row]
+        found += [path for row in dirty for path in ([row] if row.is_file() else row.rglob("*.partial"))]
+    return [path for path in found if path.name.endswith(".partial")]
 
 
 PART_COUNTS = ("documents", "tokens", "loss_tokens", "padding_tokens")

@@ -131,13 +131,14 @@ def test_truncate_and_split(tmp_path, tokenizer_path):
     assert n > 3 * 64
 
     truncated, stats = load_documents(DataConfig(path, max_length=64, overflow="truncate"), tokenizer_path)
-    assert [(d.doc_id, d.piece, len(d.input_ids)) for d in truncated[1:]] == [(2, 0, 64)]
+    # doc_id is the record's index: the blank line is not a record.
+    assert [(d.doc_id, d.piece, len(d.input_ids)) for d in truncated[1:]] == [(1, 0, 64)]
     assert truncated[1].input_ids.tolist() == whole.input_ids[:64].tolist()
     assert (stats.truncated, stats.truncated_tokens, stats.split, stats.documents) == (1, n - 64, 0, 2)
 
     pieces, stats = load_documents(DataConfig(path, max_length=64, overflow="split"), tokenizer_path)
     expected_pieces = -(-n // 64)
-    assert [(d.doc_id, d.piece) for d in pieces[1:]] == [(2, p) for p in range(expected_pieces)]
+    assert [(d.doc_id, d.piece) for d in pieces[1:]] == [(1, p) for p in range(expected_pieces)]
     assert np.concatenate([d.input_ids for d in pieces[1:]]).tolist() == whole.input_ids.tolist()
     assert all(len(d.input_ids) <= 64 for d in pieces)
     assert (stats.split, stats.split_pieces, stats.truncated, stats.documents) == (
@@ -232,7 +233,7 @@ def test_invalid_utf8_is_reported_with_its_line_number(tmp_path, tokenizer_path)
     "make, problem",
     [
         (lambda tmp: tmp / "missing.jsonl", "does not exist"),
-        (lambda tmp: tmp, "does not exist or is not a file"),
+        (lambda tmp: tmp, "holds no data file"),  # a folder is a source of shards
         (lambda tmp: _touch(tmp / "empty.jsonl", "\n\n"), "holds no documents"),
     ],
 )

@@ -468,7 +468,8 @@ def test_a_second_harvest_of_a_locked_part_is_refused_naming_the_holder(harveste
     progress_file = out / "parts" / "rank00000" / store.PROGRESS_FILE
     progress = json.loads(progress_file.read_text())
     progress_file.write_text(json.dumps({**progress, "rows_committed": progress["rows"] - 2}))
-    in_flight = out / "parts" / "rank00000" / "hidden" / "c" / "0" / "0" / "0.123.partial"
+    row = str(progress["rows"] - 2)  # the first uncommitted row
+    in_flight = out / "parts" / "rank00000" / "hidden" / "c" / row / "0" / "0.123.partial"
     in_flight.write_bytes(b"the other run's chunk")
     args = cli_args(tiny_target("qwen3"), data_file, out, self_check=0)
     with store.part_lock(out, 0):  # the other run holds the part (flock conflicts across open files)

@@ -506,8 +506,11 @@ def other_store(target, tmp_path_factory):
     folder = tmp_path_factory.mktemp("val-store")
     lines = CORPUS.read_text().splitlines()[::3]
     data = folder / "other.jsonl"
-    data.write_text(
-        "".join(json.dumps({"text": json.loads(line).get("text", "held out") + " (held out)"}) + "\n" for line in lines)
+    data.write_text(  # each line its own text: identical ones would be deduplicated
+        "".join(
+            json.dumps({"text": json.loads(line).get("text", f"held out {i}") + " (held out)"}) + "\n"
+            for i, line in enumerate(lines)
+        )
     )
     run_harvest(HarvestConfig(model=str(target), data=str(data), out=str(folder / "store"), token_budget=64, workers=1))
     return folder / "store"

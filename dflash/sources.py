@@ -1,0 +1,325 @@
+"""Where documents come from: files of several kinds and record shapes, folders of shards, weighted mixtures.
+
+A source is a path with an optional weight, `PATH` or `PATH:WEIGHT` (a path that exists as given wins, so a
+name holding ':' still works). The path is one file or a folder, read recursively in sorted order, of:
+- JSONL: `.jsonl` / `.json` (one object per line), plain or compressed (`.gz`, `.zst`), decompressed as a
+  stream, line by line;
+- Parquet: `.parquet`, read in record batches; each row is one record (a null column is an absent key).
+
+Every record is normalised to one of the kinds dflash/data.py tokenises (`messages`, `text`, `prompt` /
+`completion`): a ShareGPT `{"conversations": [{"from": ..., "value": ...}]}` becomes `messages`, its roles
+mapped (human -> user, gpt -> assistant, ...); tool turns keep their role for the chat template to render.
+
+Mixing (`mix`): identical records (same kind and content, whatever the file shape) are kept once, the first
+seen in source order, unless dedup is off; then weight w takes round(w * n) of a source's n records: w < 1 a
+seeded sample of them, w > 1 every record floor(w) times plus a seeded sample for the rest. One source of
+weight 1 keeps its file order; anything else is shuffled, seeded. `limit` keeps the first N after mixing.
+"""
+
+import gzip
+import hashlib
+import io
+import json
+import math
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from dflash.errors import DflashError
+
+LINE_EXAMPLE = (
+    '{"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]}, '
+    '{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", "value": ...}]}, {"text": ...} '
+    'or {"prompt": ..., "completion": ...}'
+)
+JSONL_SUFFIXES = (".jsonl", ".json")
+COMPRESSIONS = ("", ".gz", ".zst")
+SUFFIXES = tuple(s + c for s in JSONL_SUFFIXES for c in COMPRESSIONS) + (".parquet",)
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+}
+# Turns of tools and their calls: rendered by the chat template as given, never in the loss.
+TOOL_ROLES = ("tool", "function", "function_call", "observation", "ipython")
+PARQUET_BATCH = 1024  # rows decoded at a time: memory stays that of one batch whatever the file's size
+
+
+@dataclass(frozen=True)
+class Source:
+    path: Path
+    weight: float | None = None  # None: not given, i.e. 1
+
+    @property
+    def name(self) -> str:
+        return str(self.path) + ("" if self.weight is None else f":{self.weight:g}")
+
+
+def parse_source(spec: str | Path) -> Source:
+    """`PATH` or `PATH:WEIGHT`; an existing path is taken whole, even with a ':' in it."""
+    text = str(spec)
+    path, sep, raw = text.rpartition(":")
+    if Path(text).exists() or not sep or "/" in raw:
+        return Source(Path(text))
+    try:
+        weight = float(raw)
+    except ValueError:
+        weight = math.nan
+    if not math.isfinite(weight) or weight < 0:
+        raise DflashError(
+            f"data source {text}: the weight {raw!r} after the last ':' is not a number >= 0 (and no file {text} "
+            "exists); write PATH or PATH:WEIGHT, e.g. chat.jsonl:0.5"
+        )
+    return Source(Path(path), weight)
+
+
+def source_files(path: Path) -> list[Path]:
+    """The data files of one source: the file itself, or every data file under the folder, sorted."""
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise DflashError(
+            f"cannot read data file {path}: it does not exist; pass a JSONL or Parquet file, or a folder of them "
+            f"({', '.join(SUFFIXES)})"
+        )
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(SUFFIXES))
+    if not files:
+        raise DflashError(
+            f"data folder {path} holds no data file (none ending in {', '.join(SUFFIXES)}); pass a folder of shards"
+        )
+    return files
+
+
+def iter_records(specs) -> Iterator[tuple[str, dict]]:
+    """(where, record) for every record of every source, in order, each normalised to dflash's kinds (weights are
+    ignored: this is every record once). `where` names the file and the line (JSONL) or row (Parquet)."""
+    for spec in [specs] if isinstance(specs, (str, Path)) else specs:
+        for path in source_files(parse_source(spec).path):
+            for where, record in _file_records(path):
+                yield where, normalise(record, where)
+
+
+def _file_records(path: Path) -> Iterator[tuple[str, object]]:
+    if path.name.endswith(".parquet"):
+        yield from _parquet_records(path)
+        return
+    if not path.name.endswith(SUFFIXES):
+        raise DflashError(f"data file {path}: unknown file kind; name it {', '.join(SUFFIXES)}")
+    try:
+        with _open_lines(path) as lines:
+            for number, line in enumerate(lines, start=1):
+                if line.strip():
+                    yield f"{path} line {number}", decode_json_line(line, f"{path} line {number}")
+    except (EOFError, zlib.error, gzip.BadGzipFile, _zstd_error()) as exc:
+        raise DflashError(f"data file {path} is damaged ({exc}); recompress it or replace it") from exc
+    except OSError as exc:
+        raise DflashError(f"cannot read data file {path}: {exc.strerror or exc}; check that it is readable") from exc
+
+
+def _open_lines(path: Path):
+    """A binary stream of the file's lines, decompressed on the fly. Lines split at b'\\n' only: str.splitlines
+    would also break at U+2028, U+2029 and U+0085, which json.dumps(ensure_ascii=False) writes raw in strings."""
+    if path.name.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if path.name.endswith(".zst"):
+        import zstandard
+
+        reader = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), read_across_frames=True, closefd=True)
+        return io.BufferedReader(reader)
+    return open(path, "rb")
+
+
+def _zstd_error():
+    import zstandard
+
+    return zstandard.ZstdError
+
+
+def _parquet_records(path: Path) -> Iterator[tuple[str, dict]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        file = pq.ParquetFile(path)
+        number = 0
+        for batch in file.iter_batches(batch_size=PARQUET_BATCH):
+            for row in batch.to_pylist():
+                number += 1
+                yield f"{path} row {number}", _without_nulls(row)
+    except pa.ArrowException as exc:
+        raise DflashError(f"data file {path} is damaged ({exc}); check that it is a complete Parquet file") from exc
+    except OSError as exc:
+        raise DflashError(f"cannot read data file {path}: {exc.strerror or exc}; check that it is readable") from exc
+
+
+def _without_nulls(value):
+    """A Parquet row as the JSON object it stands for: a null is a key the record does not have (a column of
+    `completion` is null in the rows of `text` records, a `name` field null in most messages)."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+def decode_json_line(line: bytes, where: str):
+    try:
+        return json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise DflashError(
+            f"{where}: not valid UTF-8 ({exc.reason} at byte {exc.start}); re-encode the file as UTF-8"
+        ) from exc
+    except json.JSONDecodeError as exc:
+        raise DflashError(
+            f"{where}: malformed JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object, {LINE_EXAMPLE}"
+        ) from exc
+
+
+def normalise(record, where: str):
+    """A ShareGPT record as an OpenAI `messages` one; other records unchanged (data.check_record checks them)."""
+    if not isinstance(record, dict) or "conversations" not in record:
+        return record
+    if "messages" in record:
+        raise DflashError(f'{where}: the object has both "conversations" and "messages"; keep one, {LINE_EXAMPLE}')
+    turns = record["conversations"]
+    if not isinstance(turns, list) or not turns:
+        raise DflashError(f'{where}: "conversations" must be a non-empty list of {{"from": ..., "value": ...}} objects')
+    rest = {k: v for k, v in record.items() if k != "conversations"}
+    return {**rest, "messages": [_sharegpt_turn(turn, number, where) for number, turn in enumerate(turns)]}
+
+
+def _sharegpt_turn(turn, number: int, where: str) -> dict:
+    if not isinstance(turn, dict):
+        raise DflashError(f'{where}: conversation turn {number} must be an object with "from" and "value"')
+    role = turn["from"] if "from" in turn else turn.get("role")
+    content = turn["value"] if "value" in turn else turn.get("content")
+    if role not in SHAREGPT_ROLES and role not in TOOL_ROLES:
+        raise DflashError(
+            f"{where}: conversation turn {number} has the role {role!r}, which dflash does not know; use one of "
+            f"{', '.join(SHAREGPT_ROLES)} (or a tool role: {', '.join(TOOL_ROLES)})"
+        )
+    return {"role": SHAREGPT_ROLES.get(role, role), "content": content}
+
+
+# ---- mixing -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SourceStats:
+    source: str  # as given, with its weight
+    weight: float = 1.0
+    records: int = 0  # records read
+    deduplicated: int = 0  # records dropped as copies of one seen before (in this or an earlier source)
+    used: int = 0  # records taken into the mixture, repeats counted (after --limit)
+    documents: int = 0  # documents (pieces) it gave after tokenisation
+    tokens: int = 0
+    loss_tokens: int = 0
+
+
+@dataclass
+class Item:
+    where: str
+    kind: str
+    payload: object
+    source: int  # index into the sources
+
+
+@dataclass
+class Mixture:
+    items: list[Item]
+    sources: list[SourceStats] = field(default_factory=list)
+
+
+def dedup_key(kind: str, payload) -> bytes:
+    """The normalised record's identity: a ShareGPT conversation and its OpenAI form share it."""
+    text = json.dumps([kind, payload], sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
+
+
+def mix(specs, parse, seed: int = 0, dedup: bool = True, limit: int | None = None) -> Mixture:
+    """Read every source, parse each record with `parse(record, where) -> (kind, payload)`, and mix them."""
+    sources = [parse_source(spec) for spec in ([specs] if isinstance(specs, (str, Path)) else specs)]
+    if not sources:
+        raise DflashError("no data given; pass --data FILE (repeatable, FILE:WEIGHT to weigh a source)")
+    if limit is not None and limit < 1:
+        raise DflashError(f"--limit {limit}: give at least 1 document, or leave it out")
+    seen: set[bytes] = set()
+    rng = np.random.default_rng(seed)
+    stats, chosen = [], []
+    for index, source in enumerate(sources):
+        kept, counts = _read_source(source, index, parse, seen if dedup else None)
+        stats.append(counts)
+        chosen.append([kept[i] for i in _weighted(len(kept), source.weight, rng)])
+    items = [item for part in chosen for item in part]
+    if not (len(sources) == 1 and sources[0].weight in (None, 1)):
+        items = [items[i] for i in rng.permutation(len(items))]
+    items = items[:limit]
+    for item in items:
+        stats[item.source].used += 1
+    if not items:
+        raise DflashError(f"the data ({', '.join(s.name for s in sources)}) gives no document; raise the weights")
+    return Mixture(items, stats)
+
+
+def _read_source(source: Source, index: int, parse, seen: set | None) -> tuple[list[Item], SourceStats]:
+    counts = SourceStats(source.name, 1.0 if source.weight is None else source.weight)
+    kept = []
+    for path in source_files(source.path):
+        for where, record in _file_records(path):
+            kind, payload = parse(record, where)
+            counts.records += 1
+            if seen is not None:
+                key = dedup_key(kind, payload)
+                if key in seen:
+                    counts.deduplicated += 1
+                    continue
+                seen.add(key)
+            kept.append(Item(where, kind, payload, index))
+    if not counts.records:
+        raise DflashError(f"data source {source.path} holds no documents; write one {LINE_EXAMPLE} per line")
+    return kept, counts
+
+
+def _weighted(n: int, weight: float | None, rng: np.random.Generator) -> list[int]:
+    """round(weight * n) indices into n records: whole passes in order, then a seeded sample without repeats."""
+    if weight is None or n == 0:
+        return list(range(n))
+    passes, rest = divmod(round(weight * n), n)
+    return list(range(n)) * passes + sorted(rng.choice(n, rest, replace=False).tolist())
+
+
+def identity(specs, **options) -> dict:
+    """Size and sha256 of the data: a resumed harvest must read the very same documents. One plain file, with the
+    default options, keeps the digest of its bytes; anything else hashes every file with the sources and options."""
+    sources = [parse_source(spec) for spec in ([specs] if isinstance(specs, (str, Path)) else specs)]
+    files = [(source, path) for source in sources for path in source_files(source.path)]
+    digests = [_file_digest(path) for _, path in files]
+    size = sum(size for size, _ in digests)
+    if len(files) == 1 and sources[0].weight is None and files[0][1] == sources[0].path and not options:
+        return {"data_bytes": size, "data_sha256": digests[0][1]}
+    whole = hashlib.sha256(json.dumps(options, sort_keys=True).encode())
+    for (source, path), (_, digest) in zip(files, digests):
+        whole.update(f"{source.weight}\0{path.relative_to(source.path) if path != source.path else ''}\0".encode())
+        whole.update(digest.encode())
+    return {"data_bytes": size, "data_sha256": whole.hexdigest()}
+
+
+def _file_digest(path: Path) -> tuple[int, str]:
+    digest, size = hashlib.sha256(), 0
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(16 << 20):
+                digest.update(chunk)
+                size += len(chunk)
+    except OSError as exc:
+        raise DflashError(f"cannot read data file {path}: {exc.strerror}; check that it is readable") from exc
+    return size, digest.hexdigest()

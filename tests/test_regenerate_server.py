@@ -1,0 +1,351 @@
+"""`dflash regenerate --server`: through a real `transformers serve` of the tiny target, on the CPU.
+
+Faults (5xx, a missing endpoint, a refused prompt, slow answers) come from a small proxy in front of the real server.
+"""
+
+import dataclasses
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from test_regenerate import MAX_NEW_TOKENS, PROMPTS, read_lines, write_jsonl
+
+import dflash.remote
+from dflash.config import RegenerateConfig
+from dflash.errors import DflashError
+from dflash.regenerate import (
+    encode_prompt,
+    eos_token_ids,
+    load_prompts,
+    prompt_records,
+    regenerate,
+    settings_path,
+)
+from dflash.remote import Client, Refused, request_for
+from dflash.target import load_target
+
+SERVING = ("fastapi", "uvicorn", "openai", "pydantic", "starlette", "rich", "accelerate")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_target, tmp_path_factory):
+    """(URL, target folder) of `transformers serve` pinned to the tiny target, for the whole module."""
+    missing = [name for name in SERVING if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"`transformers serve` needs {', '.join(missing)}: pip install -e '.[test]'")
+    # Llama: transformers serve parses a Qwen answer (reasoning, tool calls) and strips the whitespace around it;
+    # the answer of a Llama is the plain decode, as vLLM and SGLang give it without parsers.
+    folder = tmp_path_factory.mktemp("serve")
+    target = shutil.copytree(tiny_target("llama"), folder / "llama")
+    # transformers serve samples only when the generation_config says so, as real targets' do (a greedy request
+    # still turns it off).
+    config = json.loads((target / "generation_config.json").read_text())
+    (target / "generation_config.json").write_text(json.dumps({**config, "do_sample": True}))
+    port = free_port()
+    command = shutil.which("transformers", path=str(Path(sys.executable).parent)) or "transformers"
+    log = folder / "serve.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    args = [command, "serve", str(target), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
+    with open(log, "wb") as sink:
+        process = subprocess.Popen(args + ["--dtype", "float32"], stdout=sink, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2).close()
+            break
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                pytest.fail(f"transformers serve did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.3)
+    yield url, target
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+class Proxy:
+    """An HTTP server forwarding to `upstream`, unless `fault(path, body)` answers `(status, json)` itself;
+    `hold(body)` runs before a forwarded answer is sent back (and may keep it back)."""
+
+    def __init__(self, upstream: str, fault=lambda path, body: None, hold=lambda body: None):
+        proxy = self
+        self.seen = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.answer(None)
+
+            def do_POST(self):
+                self.answer(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+
+            def answer(self, body):
+                proxy.seen.append(self.path)
+                status, payload = fault(self.path, body) or proxy.forward(self.path, body)
+                if status == 200:
+                    hold(body)
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.upstream = upstream
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def forward(self, path, body):
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.upstream + path, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as exc:  # the server's refusals, passed on as they are
+            return exc.code, json.loads(exc.read())
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def proxy(served):
+    proxies = []
+
+    def make(**faults):
+        proxies.append(Proxy(served[0], **faults))
+        return proxies[-1]
+
+    yield make
+    for each in proxies:
+        each.close()
+
+
+@pytest.fixture(autouse=True)
+def quick_backoff(monkeypatch):
+    monkeypatch.setattr(dflash.remote, "BACKOFF_START", 0.01)
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("prompts") / "prompts.jsonl", PROMPTS)
+
+
+def server_config(url, prompts, out, **changes) -> RegenerateConfig:
+    cfg = RegenerateConfig(None, str(prompts), str(out), server=url, max_new_tokens=MAX_NEW_TOKENS, concurrency=3)
+    return dataclasses.replace(cfg, **changes)
+
+
+@pytest.fixture(scope="module")
+def through_server(served, prompts_file, tmp_path_factory):
+    """The output of an uninterrupted greedy run through the server."""
+    out = tmp_path_factory.mktemp("full") / "responses.jsonl"
+    stats = regenerate(server_config(served[0], prompts_file, out), progress=False)
+    assert (stats.prompts, stats.already_done, stats.written) == (5, 0, 5)
+    return out
+
+
+def answer(line: dict) -> str:
+    return line["messages"][-1]["content"] if "messages" in line else line["completion"]
+
+
+def test_greedy_answers_are_the_local_ones(served, prompts_file, through_server, tmp_path):
+    url, target = served
+    assert json.loads(settings_path(through_server).read_text())["model"] == str(target)
+    local = tmp_path / "local.jsonl"
+    regenerate(RegenerateConfig(target, prompts_file, local, max_new_tokens=MAX_NEW_TOKENS, device="cpu"), False)
+    assert through_server.read_text() == local.read_text()
+
+    # Token for token: each answer is the decode of transformers' greedy generate for that prompt alone. None holds a
+    # special token, which the server would drop (it decodes with skip_special_tokens) and the local path keeps.
+    model, tokenizer = load_target(target, "cpu", "float32")
+    eos_ids = eos_token_ids(model, tokenizer)
+    for record, line in zip(load_prompts(prompts_file), read_lines(through_server)):
+        ids = torch.tensor([encode_prompt(tokenizer, record)])
+        new = model.generate(ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)[0, ids.shape[1] :].tolist()
+        new = new[: next((i for i, t in enumerate(new) if t in eos_ids), len(new))]
+        assert not set(tokenizer.all_special_ids) & set(new)
+        assert answer(line) == tokenizer.decode(new)
+
+
+def test_sampling_settings_go_with_every_request(served, prompts_file, through_server, tmp_path):
+    cfg = server_config(served[0], prompts_file, tmp_path / "a.jsonl", temperature=0.8, top_p=0.9, seed=7)
+    assert request_for({"prompt": "x"}, 3, "m", cfg)[1] == {
+        "model": "m",
+        "max_tokens": MAX_NEW_TOKENS,
+        "temperature": 0.8,
+        "top_p": 0.9,
+        "seed": 10,
+        "prompt": "x",
+    }
+    assert request_for({"prompt": "x"}, 3, "m", dataclasses.replace(cfg, top_k=20))[1]["top_k"] == 20
+    # One request at a time, so that the server's global seed is each request's own: the same answers twice.
+    regenerate(dataclasses.replace(cfg, concurrency=1), progress=False)
+    regenerate(dataclasses.replace(cfg, out=str(tmp_path / "b.jsonl"), concurrency=1), progress=False)
+    assert (tmp_path / "a.jsonl").read_text() == (tmp_path / "b.jsonl").read_text() != through_server.read_text()
+
+
+def test_resume_neither_repeats_nor_skips(served, prompts_file, through_server, tmp_path):
+    from cli.main import main
+
+    out = tmp_path / "responses.jsonl"
+    first = write_jsonl(tmp_path / "first.jsonl", PROMPTS[:2])
+    regenerate(server_config(served[0], first, out), progress=False)
+    with open(out, "a") as handle:  # a run killed in the middle of writing line 3
+        handle.write(through_server.read_text().splitlines(keepends=True)[2][:20])
+    args = ["regenerate", "--server", served[0], "--data", str(prompts_file), "--out", str(out)]
+    result = CliRunner().invoke(main, args + ["--max-new-tokens", str(MAX_NEW_TOKENS), "--concurrency", "2"])
+    assert result.exit_code == 0, result.output
+    assert "3 responses written, 2 already there, 5 prompts" in result.output
+    assert out.read_text() == through_server.read_text()
+
+    refused = CliRunner().invoke(main, args + ["--max-new-tokens", "4"])
+    assert refused.exit_code == 2 and "other generation settings (max_new_tokens: the output has 10" in refused.output
+    assert out.read_text() == through_server.read_text()
+
+
+def prompt_number(body: dict | None) -> int | None:
+    """Which prompt of PROMPTS (from 1) a request asks; None for a GET."""
+    if body is None:
+        return None
+    asked = {"prompt": body["prompt"]} if "prompt" in body else {"messages": body["messages"]}
+    return prompt_records(PROMPTS).index(asked) + 1
+
+
+def test_answers_are_written_in_order_and_a_refused_prompt_keeps_the_ones_before(
+    proxy, prompts_file, through_server, tmp_path
+):
+    # Prompt 1 answers last, prompt 4 is refused: prompts 1-3 are written, in order, and a rerun adds 4 and 5.
+    def fault(path, body):
+        if prompt_number(body) == 4:
+            return 400, {"detail": "prompt too long"}
+
+    faulty = proxy(fault=fault, hold=lambda body: time.sleep(1.0) if prompt_number(body) == 1 else None)
+    out = tmp_path / "responses.jsonl"
+    with pytest.raises(DflashError, match=r"refused prompt 4 at /v1/completions \(HTTP 400: prompt too long\)"):
+        regenerate(server_config(faulty.url, prompts_file, out, concurrency=4), progress=False)
+    assert out.read_text().splitlines() == through_server.read_text().splitlines()[:3]
+    regenerate(server_config(proxy().url, prompts_file, out), progress=False)
+    assert out.read_text() == through_server.read_text()
+
+
+def test_a_killed_client_leaves_whole_answers_and_a_rerun_adds_the_rest(proxy, prompts_file, through_server, tmp_path):
+    released = threading.Event()
+    held = proxy(hold=lambda body: released.wait(60) if (prompt_number(body) or 0) >= 4 else None)
+    out = tmp_path / "responses.jsonl"
+    args = ["--server", held.url, "--data", str(prompts_file), "--out", str(out), "--max-new-tokens", "10"]
+    client = subprocess.Popen(
+        [sys.executable, "-m", "cli", "regenerate", *args, "--concurrency", "2"],
+        cwd=Path(__file__).resolve().parent.parent,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (out.exists() and out.read_text().count("\n") == 3) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        client.kill()  # while prompts 4 and 5 are in flight
+        client.wait()
+    finally:
+        released.set()
+    assert out.read_text().splitlines() == through_server.read_text().splitlines()[:3]
+    stats = regenerate(server_config(proxy().url, prompts_file, out), progress=False)
+    assert (stats.already_done, stats.written) == (3, 2)
+    assert out.read_text() == through_server.read_text()
+
+
+def test_5xx_is_retried_with_backoff(proxy, prompts_file, through_server, tmp_path):
+    failures = []
+
+    def twice_503(path, body):
+        if body and len(failures) < 2:
+            failures.append(path)
+            return 503, {"error": "overloaded"}
+
+    flaky = proxy(fault=twice_503)
+    out = tmp_path / "responses.jsonl"
+    regenerate(server_config(flaky.url, prompts_file, out, retries=2), progress=False)
+    assert out.read_text() == through_server.read_text()
+    assert len(failures) == 2 and flaky.seen.count("/v1/chat/completions") + flaky.seen.count("/v1/completions") == 7
+
+    down = proxy(fault=lambda path, body: (503, {"error": "overloaded"}) if body else None)
+    with pytest.raises(DflashError, match=r"no answer from .* after 3 tries \(last: HTTP 503: overloaded\)"):
+        regenerate(server_config(down.url, prompts_file, tmp_path / "down.jsonl", retries=2), progress=False)
+    assert (tmp_path / "down.jsonl").read_text() == ""
+
+
+def test_a_wrong_model_name_lists_the_served_ones(served, proxy):
+    from cli.main import main
+
+    url, target = served
+    args = ["regenerate", "--server", url, "--server-model", "Qwen/Qwen3-8B", "--data", "x.jsonl", "--out", "y.jsonl"]
+    with CliRunner().isolated_filesystem():
+        write_jsonl(Path("x.jsonl"), PROMPTS)
+        result = CliRunner().invoke(main, args)
+        assert not Path("y.jsonl").exists()
+    assert result.exit_code == 2
+    assert f"does not serve 'Qwen/Qwen3-8B'; it serves {target}: give --server-model" in result.output
+
+    # The server's own 4xx for a model it does not serve: not retried, its words passed on.
+    body = {"model": "Qwen/Qwen3-8B", "messages": PROMPTS[0]["messages"], "max_tokens": 1}
+    counted = proxy()
+    with pytest.raises(Refused, match=f"HTTP 400: Server is pinned to '{target}'; requested 'Qwen/Qwen3-8B'"):
+        Client(counted.url, timeout=10, retries=3).call("/v1/chat/completions", body)
+    assert counted.seen == ["/v1/chat/completions"]
+
+
+def test_a_server_without_completions_is_named(proxy, prompts_file, tmp_path):
+    no_completions = proxy(
+        fault=lambda path, body: (404, {"detail": "Not Found"}) if path == "/v1/completions" else None
+    )
+    with pytest.raises(DflashError, match="the server has no /v1/completions .* which text prompts need"):
+        regenerate(server_config(no_completions.url, prompts_file, tmp_path / "out.jsonl"), progress=False)
+    assert len(read_lines(tmp_path / "out.jsonl")) == 2  # the chat prompts before the first text prompt
+
+
+def test_an_unreachable_server_is_a_clear_error(prompts_file, tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(DflashError, match=r"no answer from .*/v1/models after 2 tries \(last: cannot connect"):
+        regenerate(server_config(url, prompts_file, tmp_path / "out.jsonl", retries=1), progress=False)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({}, "give --model .* or --server URL"),
+        ({"model": "target", "server": "http://localhost:8000"}, "not both"),
+        ({"server": "localhost:8000"}, "not an http"),
+        ({"server": "http://localhost:8000", "concurrency": 0}, "--concurrency must be at least 1"),
+        ({"server": "http://localhost:8000", "request_timeout": 0}, "--request-timeout must be positive"),
+    ],
+)
+def test_bad_server_options_are_refused(options, message):
+    with pytest.raises(DflashError, match=message):
+        RegenerateConfig(data="p.jsonl", out="o.jsonl", **options)
