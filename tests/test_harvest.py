@@ -566,9 +566,13 @@ def test_repair_of_an_unfinished_part_is_refused(harvested, tiny_target, data_fi
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_sigterm_and_sigint_say_that_the_rerun_resumes(sig, tiny_target, data_file, tmp_path):
-    out = tmp_path / "store"
-    command = [sys.executable, "-m", "cli", *cli_args(tiny_target("qwen3"), data_file, out, forward_tokens=BUDGET)]
+def test_sigterm_and_sigint_say_that_the_rerun_resumes(sig, tiny_target, tmp_path):
+    out, data = tmp_path / "store", tmp_path / "long.jsonl"
+    # Hundreds of rows of distinct documents: the harvest is still running well after its first committed row,
+    # even when the machine is busy and this loop polls late.
+    texts = [json.loads(line).get("text") for line in CORPUS.read_text().splitlines()]
+    data.write_text("".join(json.dumps({"text": f"{i}: {t}"}) + "\n" for i in range(4) for t in texts if t))
+    command = [sys.executable, "-m", "cli", *cli_args(tiny_target("qwen3"), data, out, forward_tokens=BUDGET)]
     process = subprocess.Popen(command, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     progress = out / "parts" / "rank00000" / "progress.json"
     deadline = time.monotonic() + 120
