@@ -162,6 +162,10 @@ def plan_report(cfg: HarvestConfig, sample: int | None, epochs: int, draft_layer
             f"| {mode} | {raw / cfg.token_budget:,.0f} | {raw / bf16_row:.3f} | {_size(size)} | "
             f"~{_size(size * fraction)} |"
         )
+    lines.append(
+        "What a mode costs in acceptance length: README, 'Store modes'. fp8 is the compact mode (its drafter matched "
+        "the bf16 store's within 2 % on the quality run); the subspace modes' cost is the target's to measure."
+    )
     chosen = cfg.precision + (f", subspace {cfg.subspace}" if chosen_encoding.subspace is not None else "")
     raw, fraction = mode_bytes(chosen_encoding, cfg.token_budget)
     need = raw * data.rows

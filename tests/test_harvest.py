@@ -573,7 +573,15 @@ def test_sigterm_and_sigint_say_that_the_rerun_resumes(sig, tiny_target, tmp_pat
     texts = [json.loads(line).get("text") for line in CORPUS.read_text().splitlines()]
     data.write_text("".join(json.dumps({"text": f"{i}: {t}"}) + "\n" for i in range(4) for t in texts if t))
     command = [sys.executable, "-m", "cli", *cli_args(tiny_target("qwen3"), data, out, forward_tokens=BUDGET)]
-    process = subprocess.Popen(command, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        # A suite started in the background (`make test &`) inherits SIGINT ignored, and Python then keeps it so.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     progress = out / "parts" / "rank00000" / "progress.json"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and process.poll() is None:
