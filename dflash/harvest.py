@@ -287,6 +287,7 @@ def _fingerprint(cfg: HarvestConfig) -> dict:
         "model": model,
         "layers": layers,
         **_data_identity(cfg),
+        "dedup": cfg.dedup,
         "token_budget": cfg.token_budget,
         "max_length": cfg.max_length,
         "overflow": cfg.overflow,

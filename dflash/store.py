@@ -154,6 +154,11 @@ def _array_config(read: bool) -> dict:
 # ---------------------------------------------------------------------------------------------- write side
 
 
+# Fingerprint fields added after stores were made without them, with the value that matches what those stores did:
+# a store begun before deduplication existed kept every record, and resuming it with dedup on would pack other rows.
+FINGERPRINT_BEFORE = {"dedup": False}
+
+
 def check_folder(out: Path, fingerprint: dict) -> str:
     """Classify `out` for a harvest of this `fingerprint`, writing nothing: 'new', 'resume' or 'complete'.
 
@@ -184,7 +189,8 @@ def check_folder(out: Path, fingerprint: dict) -> str:
             f"version {FORMAT_VERSION}; harvest into a new folder"
         )
     existing = Manifest.from_json(raw, str(out / HARVEST_FILE))
-    details = describe_differences(existing.fingerprint, fingerprint, "store has", "this run")
+    old, new = ({**FINGERPRINT_BEFORE, **f} for f in (existing.fingerprint, fingerprint))
+    details = describe_differences(old, new, "store has", "this run")
     if details:
         raise DflashError(
             f"{out} holds a harvest made with different settings ({details}); rerun with the store's settings "

@@ -269,6 +269,12 @@ def test_check_folder(tmp_path):
         store.check_folder(out, header(2, token_budget=64).fingerprint)
     write_store(tmp_path / "done")
     assert store.check_folder(tmp_path / "done", header(2).fingerprint) == "complete"
+    # A store made before deduplication (no "dedup" in its fingerprint) kept every record: only --no-dedup resumes it.
+    with pytest.raises(
+        DflashError, match=r"\(dedup: store has False, this run True\); rerun with the store's settings"
+    ):
+        store.check_folder(out, {**header(1).fingerprint, "dedup": True})
+    assert store.check_folder(out, {**header(1).fingerprint, "dedup": False}) == "resume"
 
 
 def test_not_a_store(tmp_path):
