@@ -245,7 +245,13 @@ def _check_generation(cfg, at_least: dict[str, float]) -> None:
 class RegenerateConfig:
     # Not needed with --server; data and out are required all the same (`required` makes click say so).
     model: str | None = option(None, "Target model folder (generate locally).", path=True)
-    data: str = option(None, "Prompts JSONL: chat 'messages', 'text' or 'prompt'.", path=True, required=True)
+    data: str = option(
+        None,
+        "Prompts: a JSONL (.gz, .zst) or Parquet file, or a folder of them; chat 'messages' or ShareGPT "
+        "'conversations', 'text' or 'prompt' records.",
+        path=True,
+        required=True,
+    )
     out: str = option(None, "Responses JSONL; an existing one is resumed.", path=True, required=True)
     batch_size: int = option(8, "Prompts per generate call (left-padded).")
     max_new_tokens: int = option(512, "Longest response, in tokens.")

@@ -19,11 +19,16 @@ Blank lines are skipped; `doc_id` is the 0-based index of the record in the mixt
 source), error messages name the file and its 1-based line (or Parquet row). Documents longer than `max_length`
 are truncated or split into standalone pieces; pieces left with no loss token (for example a split-off prompt) are
 dropped, since they could hold no training block, and counted. The documents' tokens are spilled to a temporary
-file and mapped back (`_Spill`), so that they do not sit in the Python heap.
+file and mapped back (`_Spill`), so that they do not sit in the Python heap; the records' text is read twice as a
+stream (sources.Mixture.read), never held. A record that fails to tokenise is reported first in file order.
 """
 
+import array
+import itertools
 import logging
+import math
 import multiprocessing
+import os
 import re
 import tempfile
 from collections.abc import Iterator
@@ -93,37 +98,31 @@ class DataStats:
 def load_documents(cfg: DataConfig, tokenizer_path: str) -> tuple[list[Document], DataStats]:
     """Read, validate, mix and tokenise the records of `cfg.path`; raise DflashError on the first bad record."""
     _check_config(cfg)
-    mixture = sources.mix(cfg.path, _parse_document, cfg.seed, cfg.dedup, cfg.limit)
-    items = mixture.items
-    chosen = range(len(items))
-    if cfg.sample is not None and cfg.sample < len(items):
-        chosen = np.sort(np.random.default_rng(0).choice(len(items), cfg.sample, replace=False)).tolist()
-    tokenizer = load_tokenizer(tokenizer_path)
-    if tokenizer.chat_template is None and any(items[i].kind == "chat" for i in chosen):
-        raise DflashError(
-            f"the tokenizer at {tokenizer_path} has no chat template, but {_names(cfg.path)} holds chat records; "
-            'use a tokenizer with a chat template or give those documents as {"text": ...} records'
-        )
-    encoded = _encode_all(
-        [(items[i].where, items[i].kind, items[i].payload) for i in chosen], tokenizer, tokenizer_path, cfg.workers
-    )
-    stats = DataStats(
-        len(items), len(chosen), **{kind: sum(items[i].kind == kind for i in chosen) for kind in KINDS.values()}
-    )
-    spill = _Spill(cfg.spill_dir)
-    for index, (ids, mask) in zip(chosen, encoded):
-        counts = mixture.sources[items[index].source]
-        for document in _fit(index, ids, mask, cfg, stats):
-            spill.add(document)
-            counts.documents += 1
-            counts.tokens += len(document.input_ids)
-            counts.loss_tokens += int(document.loss_mask.sum())
-    if not spill.spans:
+    with _Encoder(tokenizer_path, cfg.workers) as encoder:  # its pool starts while the mixture reads
+        mixture = sources.mix(cfg.path, _parse_document, cfg.seed, cfg.dedup, cfg.limit)
+        chosen = np.arange(len(mixture.order))
+        if cfg.sample is not None and cfg.sample < len(chosen):
+            chosen = np.sort(np.random.default_rng(0).choice(len(chosen), cfg.sample, replace=False))
+        records = mixture.order[chosen]
+        per_kind = np.bincount(mixture.kinds[records], minlength=len(mixture.kind_names)).tolist()
+        stats = DataStats(len(mixture.order), len(chosen), **dict(zip(mixture.kind_names, per_kind)))
+        if encoder.tokenizer.chat_template is None and stats.chat:
+            raise DflashError(
+                f"the tokenizer at {tokenizer_path} has no chat template, but {_names(cfg.path)} holds chat records; "
+                'use a tokenizer with a chat template or give those documents as {"text": ...} records'
+            )
+        # Every record once, in file order: one repeated by a weight > 1 gives views of the same tokens.
+        wanted = np.unique(records)
+        spill = _Spill(cfg.spill_dir)
+        for ids, mask in encoder.encode(mixture.read(wanted), len(wanted)):
+            spill.add(ids, mask, cfg)
+    rows, source_of = np.searchsorted(wanted, records), mixture.source_of(records)
+    documents = spill.documents(chosen, rows, source_of, cfg, stats, mixture.sources)
+    if not documents:
         raise DflashError(
             f"no document of {_names(cfg.path)} holds a token to train on ({stats.dropped_no_loss} dropped without one, "
             "e.g. empty completions); give the responses some content"
         )
-    documents = spill.documents()
     stats.documents = len(documents)
     stats.tokens = sum(counts.tokens for counts in mixture.sources)
     stats.loss_tokens = sum(counts.loss_tokens for counts in mixture.sources)
@@ -135,29 +134,72 @@ def load_documents(cfg: DataConfig, tokenizer_path: str) -> tuple[list[Document]
 
 
 class _Spill:
-    """Every document's token ids and loss mask appended to two unlinked temporary files, mapped back at the end:
-    the documents are views of those maps, so the data's tokens sit in the page cache, not the Python heap. The
-    files have no name from the start: the disk space returns when the last document is dropped."""
+    """Every record's token ids and loss mask, cut to max_length, appended to two unlinked temporary files and
+    mapped back at the end: the documents are views of those maps, so the data's tokens sit in the page cache, not
+    the Python heap. The files have no name from the start: the disk space returns when the last document is
+    dropped. A record is added once, in file order; `documents` puts its pieces in the mixture's order."""
+
+    FACTS = 6  # per record: tokens before the cut, pieces before dropping, first kept piece, kept, tokens, loss
 
     def __init__(self, folder: str | Path | None):
         self.files = [tempfile.TemporaryFile(prefix="dflash-tokens-", dir=folder) for _ in range(2)]
-        self.spans: list[tuple[int, int, int, int]] = []  # doc_id, piece, offset, length
+        self.pieces = array.array("q")  # per kept piece: piece number, offset, length
+        self.facts = array.array("q")  # per record: FACTS numbers
         self.size = 0
 
-    def add(self, document: Document) -> None:
-        self.files[0].write(document.input_ids.tobytes())
-        self.files[1].write(document.loss_mask.tobytes())
-        self.spans.append((document.doc_id, document.piece, self.size, len(document.input_ids)))
-        self.size += len(document.input_ids)
+    def add(self, ids: np.ndarray, mask: np.ndarray, cfg: DataConfig) -> None:
+        """Cut one record by cfg.overflow (truncate: its first piece only) and keep the pieces with a loss token."""
+        limit, first = cfg.max_length, len(self.pieces) // 3
+        starts = range(0, len(ids), limit) if cfg.overflow == "split" else range(1)
+        tokens = loss = 0
+        for piece, start in enumerate(starts):
+            piece_mask = mask[start : start + limit]
+            if not piece_mask.any():
+                continue
+            self.files[0].write(ids[start : start + limit].tobytes())
+            self.files[1].write(piece_mask.tobytes())
+            self.pieces.extend((piece, self.size, len(piece_mask)))
+            self.size += len(piece_mask)
+            tokens += len(piece_mask)
+            loss += int(piece_mask.sum())
+        self.facts.extend((len(ids), len(starts), first, len(self.pieces) // 3 - first, tokens, loss))
 
-    def documents(self) -> list[Document]:
+    def documents(self, chosen, rows, source_of, cfg: DataConfig, stats: DataStats, counts) -> list[Document]:
+        """The documents of the mixture entries `chosen` (their records' rows here, and their sources), counted
+        into `stats` and the sources' `counts`."""
+        facts = np.frombuffer(self.facts, np.int64).reshape(-1, self.FACTS)[rows]
+        _count_cuts(chosen, facts[:, 0], facts[:, 1], facts[:, 3], cfg, stats)
+        for column, name in zip((3, 4, 5), ("documents", "tokens", "loss_tokens")):
+            for source, total in zip(counts, np.bincount(source_of, facts[:, column], len(counts)).tolist()):
+                setattr(source, name, int(total))
+        if not self.size:
+            return []
         # Copy-on-write maps: writable views (torch.from_numpy takes them), and nothing written goes to the files.
         ids, masks = (
             np.memmap(file, dtype, "c", shape=(self.size,)) for file, dtype in zip(self.files, (np.int32, np.uint8))
         )
         for file in self.files:
             file.close()  # the maps keep the data
-        return [Document(d, p, ids[o : o + n], masks[o : o + n]) for d, p, o, n in self.spans]
+        pieces = np.frombuffer(self.pieces, np.int64).reshape(-1, 3).tolist()
+        return [
+            Document(index, piece, ids[o : o + n], masks[o : o + n])
+            for index, first, kept in zip(chosen.tolist(), facts[:, 2].tolist(), facts[:, 3].tolist())
+            for piece, o, n in pieces[first : first + kept]
+        ]
+
+
+def _count_cuts(chosen, lengths, pieces, kept, cfg: DataConfig, stats: DataStats) -> None:
+    """What cfg.overflow did to the documents of the mixture (a record repeated counts each time)."""
+    over = lengths > cfg.max_length
+    stats.dropped_no_loss = int((pieces - kept).sum())
+    if cfg.overflow == "split":
+        stats.split, stats.split_pieces = int(over.sum()), int(pieces[over].sum())
+        return
+    cuts = (lengths - cfg.max_length)[over]
+    stats.truncated, stats.truncated_tokens = len(cuts), int(cuts.sum())
+    stats.truncated_most = int((cuts > TRUNCATION_WARNING * lengths[over]).sum())
+    if len(cuts):
+        stats.largest_cut, stats.largest_cut_line = int(cuts.max()), int(chosen[over][cuts.argmax()])
 
 
 def _names(path) -> str:
@@ -303,62 +345,114 @@ def _check_messages(messages, where: str) -> list[dict]:
 
 # ---- tokenisation -------------------------------------------------------------------------------------------
 
+CHUNK = 128  # records per task: one batched call into the tokenizer, and few, large messages to and from a worker
+
 _worker_tokenizer = None
 
 
 def _init_worker(tokenizer_path: str) -> None:
     global _worker_tokenizer
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool's processes are the parallelism
     _worker_tokenizer = load_tokenizer(tokenizer_path)
 
 
-def _encode_in_worker(item):
-    return _encode(_worker_tokenizer, *item)
+def _encode_in_worker(chunk: list) -> list[tuple[np.ndarray, np.ndarray]]:
+    return _encode_chunk(_worker_tokenizer, chunk)
 
 
-def _encode_all(items, tokenizer, tokenizer_path: str, workers: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Encode every item, in order, as a stream; the first bad item (in record order) raises its DflashError."""
-    if workers == 1:
-        yield from (_encode(tokenizer, *item) for item in items)
-        return
-    # spawn, not fork: the caller may hold CUDA or writer threads that a forked child must not inherit.
-    context = multiprocessing.get_context("spawn")
-    chunksize = max(1, min(256, len(items) // (8 * workers)))
-    with context.Pool(workers, initializer=_init_worker, initargs=(tokenizer_path,)) as pool:
-        yield from pool.imap(_encode_in_worker, items, chunksize=chunksize)
+class _Encoder:
+    """Encodes (where, kind, payload) records in order, in this process (the tokenizer's Rust side may still spread
+    a chunk over the cores) or in a pool of `workers` processes started at once, so that their startup (each
+    imports transformers and loads the tokenizer) overlaps the reading."""
+
+    def __init__(self, tokenizer_path: str, workers: int):
+        self.tokenizer = load_tokenizer(tokenizer_path)
+        self.workers = workers
+        # spawn, not fork: the caller may hold CUDA or writer threads that a forked child must not inherit.
+        context = multiprocessing.get_context("spawn")
+        self.pool = context.Pool(workers, _init_worker, (tokenizer_path,)) if workers > 1 else None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *error):
+        if self.pool is not None:
+            self.pool.terminate()
+
+    def encode(self, records: Iterator, count: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """The first bad record (in record order) raises its DflashError."""
+        chunks = _chunks(records, max(1, min(CHUNK, count // (4 * self.workers))))
+        if self.pool is None:
+            encoded = (_encode_chunk(self.tokenizer, chunk) for chunk in chunks)
+        else:
+            encoded = self.pool.imap(_encode_in_worker, chunks)
+        for chunk in encoded:
+            yield from chunk
 
 
-def _encode(tokenizer, where: str, kind: str, payload) -> tuple[np.ndarray, np.ndarray]:
+def _chunks(items: Iterator, size: int) -> Iterator[list]:
+    chunk = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _encode_chunk(tokenizer, records: list) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Render every record, tokenise them in one batched call per kind of special-token handling, and mask them.
+
+    A record that cannot be rendered raises after the records before it are checked, so that the first bad record
+    is the one reported."""
+    prepared, error = [], None
+    for where, kind, payload in records:
+        try:
+            prepared.append((where, kind, *_prepare(tokenizer, where, kind, payload)))
+        except DflashError as exc:
+            error = exc
+            break
+    tokens = [None] * len(prepared)
+    for special in (True, False):  # chat renderings hold their special tokens; text gets the tokenizer's default
+        batch = [i for i, (_, kind, *_) in enumerate(prepared) if (kind != "chat") == special]
+        if batch:
+            texts = [prepared[i][2] for i in batch]
+            encoding = tokenizer(texts, add_special_tokens=special, return_offsets_mapping=True, verbose=False)
+            for i, ids, offsets in zip(batch, encoding["input_ids"], encoding["offset_mapping"]):
+                tokens[i] = ids, offsets
+    encoded = [_masked(where, kind, spans, *token) for (where, kind, _, spans), token in zip(prepared, tokens)]
+    if error is not None:
+        raise error
+    return encoded
+
+
+def _prepare(tokenizer, where: str, kind: str, payload) -> tuple[str, list[tuple[float, float]] | None]:
+    """The text to tokenise and the character spans on the loss (None: every token)."""
     if kind == "text":
-        ids = tokenizer(payload, add_special_tokens=True, verbose=False)["input_ids"]
-        mask = np.ones(len(ids), np.uint8)
-    elif kind == "completion":
-        ids, mask = _encode_completion(tokenizer, *payload)
-    else:
-        ids, mask = _encode_chat(tokenizer, payload, where)
+        return payload, None
+    if kind == "completion":
+        prompt, completion = payload
+        # A token holding completion characters ends after the prompt; added special tokens span (0, 0).
+        return prompt + completion, [(len(prompt), math.inf)]
+    full = _render(tokenizer, payload, where)
+    _check_tool_turns(payload, full, where)
+    return full, _assistant_spans(tokenizer, payload, full, where)
+
+
+def _masked(where: str, kind: str, spans, ids: list[int], offsets) -> tuple[np.ndarray, np.ndarray]:
     if len(ids) == 0:
         raise DflashError(f"{where}: empty document (the tokenizer produced no tokens); remove the line")
+    if spans is None:
+        mask = np.ones(len(ids), bool)
+    else:
+        offsets = np.fromiter(itertools.chain.from_iterable(offsets), np.int64, 2 * len(ids)).reshape(-1, 2)
+        mask = np.zeros(len(offsets), bool)
+        for start, end in spans:
+            mask |= (offsets[:, 0] < end) & (offsets[:, 1] > start)  # every token overlapping the span
     if kind == "chat" and not mask.any():
         raise DflashError(f"{where}: no assistant tokens after tokenisation; give the assistant turns some content")
-    return np.asarray(ids, np.int32), mask
-
-
-def _encode_completion(tokenizer, prompt: str, completion: str) -> tuple[list[int], np.ndarray]:
-    encoding = tokenizer(prompt + completion, add_special_tokens=True, return_offsets_mapping=True, verbose=False)
-    offsets = np.asarray(encoding["offset_mapping"], np.int64).reshape(-1, 2)
-    # A token holding completion characters ends after the prompt; added special tokens span (0, 0).
-    return encoding["input_ids"], (offsets[:, 1] > len(prompt)).astype(np.uint8)
-
-
-def _encode_chat(tokenizer, messages: list[dict], where: str) -> tuple[list[int], np.ndarray]:
-    full = _render(tokenizer, messages, where)
-    _check_tool_turns(messages, full, where)
-    spans = _assistant_spans(tokenizer, messages, full, where)
-    encoding = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
-    offsets = np.asarray(encoding["offset_mapping"], np.int64).reshape(-1, 2)
-    mask = np.zeros(len(offsets), bool)
-    for start, end in spans:
-        mask |= (offsets[:, 0] < end) & (offsets[:, 1] > start)  # every token overlapping the span
-    return encoding["input_ids"], mask.astype(np.uint8)
+    return np.asarray(ids, np.int32), mask.astype(np.uint8)
 
 
 def _render(tokenizer, messages: list[dict], where: str, generation_prompt: bool = False) -> str:
@@ -399,11 +493,12 @@ def _assistant_spans(tokenizer, messages: list[dict], full: str, where: str) -> 
     order in the full rendering, extended over the special token that closes the turn. A turn found by neither
     is an error: a wrong mask would train silently on the wrong tokens.
     """
+    render = _prefix_renderer(tokenizer, messages, full)
     spans, content_spans = [], None
     for turn, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        span = _span_by_prefix(tokenizer, messages, turn, full)
+        span = _span_by_prefix(render, turn, full)
         if span is None:
             if content_spans is None:
                 content_spans = _content_spans(messages, full)
@@ -413,21 +508,43 @@ def _assistant_spans(tokenizer, messages: list[dict], full: str, where: str) -> 
                         "template rewrites message content), so its loss mask would be wrong; give this conversation "
                         'as a {"text": ...} line or use a tokenizer whose template renders messages verbatim'
                     )
-            closers = _turn_closers(tokenizer, messages[:turn])
-            span = _close_turn(full, *content_spans[turn], closers)
+            span = _close_turn(full, *content_spans[turn], _turn_closers(tokenizer, render, turn))
         spans.append(span)
     return spans
 
 
-def _span_by_prefix(tokenizer, messages: list[dict], turn: int, full: str) -> tuple[int, int] | None:
-    before = _try_render(tokenizer, messages[:turn], generation_prompt=True)
-    through = _try_render(tokenizer, messages[: turn + 1], generation_prompt=False)
+def _prefix_renderer(tokenizer, messages: list[dict], full: str):
+    """render(k, generation_prompt): the rendering of messages[:k], None if the template refuses it.
+
+    Rendering is a third of a conversation's cost, mostly transformers' work around the template: the prefixes the
+    assistant turns need are rendered in one batched call per generation-prompt setting (each alone if the batch
+    raises), the whole conversation is `full`, and none is rendered twice."""
+    renderings = {(len(messages), False): full}
+    turns = [turn for turn, message in enumerate(messages) if message["role"] == "assistant"]
+    # The empty history (an assistant turn first) stays out: rendered alone, it raises, as it must here too.
+    for prompt, ends in ((True, turns), (False, [turn + 1 for turn in turns])):
+        ends = [k for k in ends if 0 < k < len(messages)]
+        if ends:
+            batch = _try_render(tokenizer, [messages[:k] for k in ends], prompt)
+            renderings.update(zip([(k, prompt) for k in ends], batch or []))
+
+    def render(k: int, generation_prompt: bool) -> str | None:
+        if (k, generation_prompt) not in renderings:
+            renderings[k, generation_prompt] = _try_render(tokenizer, messages[:k], generation_prompt)
+        return renderings[k, generation_prompt]
+
+    return render
+
+
+def _span_by_prefix(render, turn: int, full: str) -> tuple[int, int] | None:
+    before, through = render(turn, True), render(turn + 1, False)
     if before is None or through is None or not (through.startswith(before) and full.startswith(through)):
         return None
     return len(before), max(len(before), len(through.rstrip()))
 
 
-def _try_render(tokenizer, messages: list[dict], generation_prompt: bool) -> str | None:
+def _try_render(tokenizer, messages: list, generation_prompt: bool):
+    """The rendering of a conversation (or the list of those of a batch of them), None if the template raises."""
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     except Exception:  # e.g. an empty history, or a template that insists on starting with a user turn
@@ -447,10 +564,9 @@ def _content_spans(messages: list[dict], full: str) -> list[tuple[int, int]] | N
     return spans
 
 
-def _turn_closers(tokenizer, history: list[dict]) -> list[str]:
+def _turn_closers(tokenizer, render, turn: int) -> list[str]:
     """Special tokens that may close an assistant turn: those not part of the header that opens one."""
-    plain = _try_render(tokenizer, history, generation_prompt=False)
-    prompted = _try_render(tokenizer, history, generation_prompt=True)
+    plain, prompted = render(turn, False), render(turn, True)
     header = prompted[len(plain) :] if plain is not None and prompted is not None and prompted.startswith(plain) else ""
     return sorted((token for token in tokenizer.all_special_tokens if token not in header), key=len, reverse=True)
 
@@ -462,32 +578,3 @@ def _close_turn(full: str, start: int, end: int, closers: list[str]) -> tuple[in
         if full.startswith(token, after):
             return start, after + len(token)
     return start, end
-
-
-# ---- overflow -----------------------------------------------------------------------------------------------
-
-
-def _fit(index: int, ids: np.ndarray, mask: np.ndarray, cfg: DataConfig, stats: DataStats) -> list[Document]:
-    """Cut one encoded document to max_length by cfg.overflow; drop pieces without a loss token."""
-    limit = cfg.max_length
-    if len(ids) <= limit:
-        pieces = [(ids, mask)]
-    elif cfg.overflow == "truncate":
-        stats.truncated += 1
-        stats.truncated_tokens += len(ids) - limit
-        if len(ids) - limit > TRUNCATION_WARNING * len(ids):
-            stats.truncated_most += 1
-        if len(ids) - limit > stats.largest_cut:
-            stats.largest_cut, stats.largest_cut_line = len(ids) - limit, index
-        pieces = [(ids[:limit].copy(), mask[:limit].copy())]
-    else:
-        pieces = [(ids[s : s + limit].copy(), mask[s : s + limit].copy()) for s in range(0, len(ids), limit)]
-        stats.split += 1
-        stats.split_pieces += len(pieces)
-    documents = [
-        Document(index, piece, piece_ids, piece_mask)
-        for piece, (piece_ids, piece_mask) in enumerate(pieces)
-        if piece_mask.any()
-    ]
-    stats.dropped_no_loss += len(pieces) - len(documents)
-    return documents

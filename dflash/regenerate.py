@@ -1,6 +1,7 @@
 """Target-regenerated responses: DFlash trains on what the target itself says.
 
-Prompts are JSONL: chat records `{"messages": [...]}` ending with a user turn (a trailing assistant turn, the
+Prompts are read as harvest reads data (JSONL, .gz, .zst, Parquet, folders: docs/data.md): chat records
+(`{"messages": [...]}` or ShareGPT `{"conversations": [...]}`) ending with a user turn (a trailing assistant turn, the
 original answer, is dropped), rendered with the tokenizer's chat template; or text records, `{"text": ...}` or
 `{"prompt": ...}` (a `"completion"` beside it, an original answer, is dropped), which the target continues as
 raw text. Output lines, in prompt order, are what `dflash harvest` reads:
@@ -20,8 +21,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash import sources
 from dflash.config import RegenerateConfig
-from dflash.data import check_record, jsonl_lines, parse_line
+from dflash.data import check_record
 from dflash.errors import DflashError, describe_differences
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -30,16 +32,14 @@ from dflash.errors import DflashError, describe_differences
 
 
 def load_prompts(path: str | Path) -> list[dict]:
-    """Read prompt records, each normalised to `{"messages": [...]}` (ending with a user turn) or `{"prompt": ...}`."""
-    path = Path(path)
-    if not path.is_file():
-        raise DflashError(f"prompt file {path} does not exist; pass a JSONL file of chat or text prompts")
-    records = []
-    for number, line in jsonl_lines(path.read_bytes()):
-        where = f"{path} line {number}"
-        records.append(_prompt_record(*parse_line(line, where), where))
+    """Read prompt records from a data source of any kind harvest reads (a JSONL, .gz, .zst or Parquet file, or a
+    folder of them: docs/data.md), each normalised to `{"messages": [...]}` (ending with a user turn) or
+    `{"prompt": ...}`."""
+    records = [_prompt_record(*check_record(record, where), where) for where, record in sources.iter_records(path)]
     if not records:
-        raise DflashError(f"{path} holds no prompts; expected JSONL lines with 'messages', 'text' or 'prompt'")
+        raise DflashError(
+            f"{path} holds no prompts; expected records with 'messages', 'conversations', 'text' or 'prompt'"
+        )
     return records
 
 

@@ -14,6 +14,9 @@ Mixing (`mix`): identical records (same kind and content, whatever the file shap
 seen in source order, unless dedup is off; then weight w takes round(w * n) of a source's n records: w < 1 a
 seeded sample of them, w > 1 every record floor(w) times plus a seeded sample for the rest. One source of
 weight 1 keeps its file order; anything else is shuffled, seeded. `limit` keeps the first N after mixing.
+Mixing reads the files twice, as streams: a first pass keeps 17 bytes a record (its dedup hash and kind) to
+choose and order the records, `Mixture.read` a second pass yields the chosen ones, so memory stays flat in the
+data's size.
 """
 
 import gzip
@@ -226,17 +229,33 @@ class SourceStats:
 
 
 @dataclass
-class Item:
-    where: str
-    kind: str
-    payload: object
-    source: int  # index into the sources
-
-
-@dataclass
 class Mixture:
-    items: list[Item]
-    sources: list[SourceStats] = field(default_factory=list)
+    """The mixture as integers: a record is its index among every record read, in source and file order. The
+    records themselves are not kept: `read` streams the files again for the ones asked for."""
+
+    order: np.ndarray  # int64 [n]: the record of each mixture entry, in the mixed order
+    kinds: np.ndarray  # uint8 [records read]: each record's kind, an index into `kind_names`
+    kind_names: list[str]
+    ends: np.ndarray  # int64 [sources]: one past each source's last record
+    sources: list[SourceStats]
+    specs: list[Source] = field(repr=False)
+    parse: object = field(repr=False)
+
+    def source_of(self, records: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.ends, records, side="right")
+
+    def read(self, wanted: np.ndarray) -> Iterator[tuple[str, str, object]]:
+        """(where, kind, payload) of each record in `wanted` (sorted, unique), in that order."""
+        wanted = iter(wanted.tolist())
+        want = next(wanted, None)
+        records = enumerate(_all_records(self.specs))
+        while want is not None:  # the files are read up to the last record wanted only
+            index, (where, record) = next(records, (None, (None, None)))
+            if index is None:
+                raise DflashError(f"the data ({', '.join(s.name for s in self.specs)}) changed while it was read")
+            if index == want:
+                yield where, *self.parse(record, where)
+                want = next(wanted, None)
 
 
 def dedup_key(kind: str, payload) -> bytes:
@@ -246,47 +265,64 @@ def dedup_key(kind: str, payload) -> bytes:
 
 
 def mix(specs, parse, seed: int = 0, dedup: bool = True, limit: int | None = None) -> Mixture:
-    """Read every source, parse each record with `parse(record, where) -> (kind, payload)`, and mix them."""
+    """Read every source, parse each record with `parse(record, where) -> (kind, payload)`, and mix them: one
+    streaming pass keeps each record's dedup hash and kind, and the mixture is computed from those."""
     sources = [parse_source(spec) for spec in ([specs] if isinstance(specs, (str, Path)) else specs)]
     if not sources:
         raise DflashError("no data given; pass --data FILE (repeatable, FILE:WEIGHT to weigh a source)")
     if limit is not None and limit < 1:
         raise DflashError(f"--limit {limit}: give at least 1 document, or leave it out")
-    seen: set[bytes] = set()
-    rng = np.random.default_rng(seed)
-    stats, chosen = [], []
-    for index, source in enumerate(sources):
-        kept, counts = _read_source(source, index, parse, seen if dedup else None)
-        stats.append(counts)
-        chosen.append([kept[i] for i in _weighted(len(kept), source.weight, rng)])
-    items = [item for part in chosen for item in part]
-    if not (len(sources) == 1 and sources[0].weight in (None, 1)):
-        items = [items[i] for i in rng.permutation(len(items))]
-    items = items[:limit]
-    for item in items:
-        stats[item.source].used += 1
-    if not items:
-        raise DflashError(f"the data ({', '.join(s.name for s in sources)}) gives no document; raise the weights")
-    return Mixture(items, stats)
-
-
-def _read_source(source: Source, index: int, parse, seen: set | None) -> tuple[list[Item], SourceStats]:
-    counts = SourceStats(source.name, 1.0 if source.weight is None else source.weight)
-    kept = []
-    for path in source_files(source.path):
-        for where, record in _file_records(path):
+    keys, kinds, kind_names, stats, ends = bytearray(), bytearray(), [], [], []
+    for source in sources:
+        counts = SourceStats(source.name, 1.0 if source.weight is None else source.weight)
+        for where, record in _source_records(source):
             kind, payload = parse(record, where)
+            if kind not in kind_names:
+                kind_names.append(kind)
+            kinds.append(kind_names.index(kind))
+            keys += dedup_key(kind, payload) if dedup else b""
             counts.records += 1
-            if seen is not None:
-                key = dedup_key(kind, payload)
-                if key in seen:
-                    counts.deduplicated += 1
-                    continue
-                seen.add(key)
-            kept.append(Item(where, kind, payload, index))
-    if not counts.records:
-        raise DflashError(f"data source {source.path} holds no documents; write one {LINE_EXAMPLE} per line")
-    return kept, counts
+        if not counts.records:
+            raise DflashError(f"data source {source.path} holds no documents; write one {LINE_EXAMPLE} per line")
+        stats.append(counts)
+        ends.append(len(kinds))
+    kept = _first_copies(keys, len(kinds)) if dedup else np.arange(len(kinds))
+    order = _mixed_order(kept, np.asarray(ends), sources, stats, seed)[:limit]
+    if not len(order):
+        raise DflashError(f"the data ({', '.join(s.name for s in sources)}) gives no document; raise the weights")
+    mixture = Mixture(order, np.frombuffer(kinds, np.uint8), kind_names, np.asarray(ends), stats, sources, parse)
+    for source, used in enumerate(np.bincount(mixture.source_of(order), minlength=len(sources)).tolist()):
+        stats[source].used = used
+    return mixture
+
+
+def _first_copies(keys: bytearray, n: int) -> np.ndarray:
+    """The sorted indices of the records whose 16-byte key was not seen before (np.unique's index is the first)."""
+    _, first = np.unique(np.frombuffer(keys, np.uint64).reshape(n, 2), axis=0, return_index=True)
+    return np.sort(first)
+
+
+def _mixed_order(kept: np.ndarray, ends: np.ndarray, sources: list[Source], stats, seed: int) -> np.ndarray:
+    """Weight each source's kept records, then shuffle them all, seeded, unless one source of weight 1."""
+    rng = np.random.default_rng(seed)
+    parts = np.split(kept, np.searchsorted(kept, ends[:-1]))
+    for counts, part in zip(stats, parts):
+        counts.deduplicated = counts.records - len(part)
+    chosen = [part[_weighted(len(part), source.weight, rng)] for source, part in zip(sources, parts)]
+    order = np.concatenate(chosen).astype(np.int64)
+    if not (len(sources) == 1 and sources[0].weight in (None, 1)):
+        order = order[rng.permutation(len(order))]
+    return order
+
+
+def _source_records(source: Source) -> Iterator[tuple[str, object]]:
+    for path in source_files(source.path):
+        yield from _file_records(path)
+
+
+def _all_records(sources: list[Source]) -> Iterator[tuple[str, object]]:
+    for source in sources:
+        yield from _source_records(source)
 
 
 def _weighted(n: int, weight: float | None, rng: np.random.Generator) -> list[int]:

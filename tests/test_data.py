@@ -266,3 +266,67 @@ def test_bad_options_and_missing_chat_template(tmp_path, tokenizer_path):
     no_template.save_pretrained(tmp_path / "plain")
     with pytest.raises(DflashError, match="no chat template"):
         load_documents(DataConfig(path), str(tmp_path / "plain"))
+
+
+# A Llama-style template that writes a default system prompt when none is given.
+DEFAULT_SYSTEM_TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
+    + THINK_TEMPLATE.replace(" and loop.last", " and false")
+)
+CONVERSATIONS = [
+    CONVERSATION,
+    CONVERSATION[1:3],
+    CONVERSATION[1:4],  # ends with a user turn
+    [{"role": "assistant", "content": "I start."}, {"role": "user", "content": "Fine."}] + CONVERSATION[3:],
+    [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "get_weather('Oslo')"},
+        {"role": "tool", "content": "rain"},
+        {"role": "assistant", "content": "  It rains.  "},
+    ],
+]
+
+
+def _reference_chat_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """The mask as dflash computed it before renderings were shared and batched: every prefix rendered anew."""
+    from dflash.data import _close_turn, _content_spans
+
+    def render(history, prompt):
+        try:
+            return tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=prompt)
+        except Exception:
+            return None
+
+    full = render(messages, False)
+    spans, content = [], _content_spans(messages, full)
+    for turn, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before, through = render(messages[:turn], True), render(messages[: turn + 1], False)
+        if before is not None and through is not None and through.startswith(before) and full.startswith(through):
+            spans.append((len(before), max(len(before), len(through.rstrip()))))
+            continue
+        plain = render(messages[:turn], False)
+        header = before[len(plain) :] if plain is not None and before is not None and before.startswith(plain) else ""
+        closers = sorted((t for t in tokenizer.all_special_tokens if t not in header), key=len, reverse=True)
+        spans.append(_close_turn(full, *content[turn], closers))
+    encoding = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = np.asarray(encoding["offset_mapping"]).reshape(-1, 2)
+    mask = np.zeros(len(offsets), bool)
+    for start, end in spans:
+        mask |= (offsets[:, 0] < end) & (offsets[:, 1] > start)
+    return encoding["input_ids"], mask.astype(np.uint8).tolist()
+
+
+@pytest.mark.parametrize("template", [None, THINK_TEMPLATE, DEFAULT_SYSTEM_TEMPLATE])
+def test_batched_masks_equal_the_reference_algorithm(tmp_path, template):
+    from dflash.data import _encode_chunk
+
+    tokenizer = AutoTokenizer.from_pretrained(_save_tokenizer(tmp_path / "tokenizer", template))
+    records = [(f"line {i}", "chat", messages) for i, messages in enumerate(CONVERSATIONS)]
+    records.insert(2, ("line t", "text", "plain text between the chats"))
+    encoded = _encode_chunk(tokenizer, records)
+    del encoded[2]
+    for messages, (ids, mask) in zip(CONVERSATIONS, encoded, strict=True):
+        reference_ids, reference_mask = _reference_chat_mask(tokenizer, messages)
+        assert ids.tolist() == reference_ids and mask.tolist() == reference_mask and mask.any()

@@ -159,6 +159,28 @@ def test_prompts_with_unicode_line_breaks_load_whole(tmp_path):
     assert load_prompts(write_jsonl(tmp_path / "prompts.jsonl", records)) == [{"prompt": UNICODE_BREAKS}, records[1]]
 
 
+def test_prompts_load_from_every_kind_of_data_source(tmp_path):
+    """A folder holding ShareGPT prompts in gzipped JSONL and text prompts in Parquet: the records of its files in
+    path order, normalised as a plain JSONL of OpenAI messages and text prompts gives them."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "prompts"
+    folder.mkdir()
+    sharegpt = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi?"}]}
+    (folder / "a.jsonl.gz").write_bytes(gzip.compress((json.dumps(sharegpt) + "\n").encode()))
+    pq.write_table(pa.table({"text": ["def f(x):", "for i in"]}), folder / "b.parquet")
+    plain = [
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}]},
+        {"text": "def f(x):"},
+        {"text": "for i in"},
+    ]
+    assert load_prompts(folder) == load_prompts(write_jsonl(tmp_path / "plain.jsonl", plain))
+    assert len(load_prompts(folder)) == 3
+
+
 @pytest.mark.parametrize(
     "line, message",
     [

@@ -181,6 +181,12 @@ def test_weights_take_round_w_times_n_records_in_a_seeded_order(tmp_path, tokeni
     assert [s["used"] for s in stats.sources] == [3, 10]
     times = Counter(repeated)
     assert len(times) == 3 + 4 and sorted(times.values()) == [1, 1, 1, 2, 2, 3, 3]
+    documents, _ = _load([f"{a}:0.3", f"{b}:2.5"], tokenizer_path)
+    first = {}
+    for doc in documents:  # a repeated record is tokenised once: its documents are views of the same tokens
+        same = first.setdefault(doc.input_ids.tobytes(), doc)
+        assert same is doc or np.shares_memory(same.input_ids, doc.input_ids)
+    assert len(first) == 7 and doc.doc_id == len(documents) - 1
     assert [doc.doc_id for doc in _load([a, b], tokenizer_path)[0]] == list(range(14))  # distinct ids
 
 
@@ -358,3 +364,29 @@ def test_documents_are_views_of_an_unlinked_token_file(tmp_path, tokenizer_path)
     assert documents[0].input_ids.dtype == np.int32 and documents[0].loss_mask.dtype == np.uint8
     assert sum(len(d.input_ids) for d in documents) == stats.tokens and not list(spill.iterdir())
     assert documents[0].input_ids.flags.writeable  # copy-on-write maps: torch.from_numpy takes them as they are
+
+
+def test_mixing_holds_no_record_in_memory(tmp_path):
+    """Tens of MB of records: the mixing pass and the reading of the chosen records stay far below the file's size."""
+    import tracemalloc
+
+    from dflash.data import _parse_document
+    from dflash.sources import mix
+
+    filler = "x" * 5000
+    records = [{"text": f"{i} {filler}"} for i in range(5000)] + [{"text": f"0 {filler}"}]  # one copy
+    path = _write(tmp_path / "big.jsonl", records)
+    size = (tmp_path / "big.jsonl").stat().st_size
+    tracemalloc.start()
+    try:
+        mixture = mix([f"{path}:1.5"], _parse_document, seed=3)
+        mixing_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        wanted = np.unique(mixture.order)
+        read = sum(1 for _ in mixture.read(wanted))
+        reading_peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert size > 25e6 and len(mixture.order) == 7500 and read == len(wanted) == 5000
+    # Holding the records would take more than the file's size; 17 bytes a record, a line and buffers are < 2 MB.
+    assert mixing_peak < size / 10 and reading_peak < size / 10, (mixing_peak, reading_peak, size)
