@@ -54,6 +54,7 @@ class Document:
     piece: int  # 0 unless a long document was split
     input_ids: np.ndarray  # int32 [n]
     loss_mask: np.ndarray  # uint8 [n]: 1 on assistant tokens (chat), completion tokens or every token (text)
+    source: int = 0  # index of its data source, in the order of --data
 
 
 @dataclass
@@ -182,8 +183,10 @@ class _Spill:
             file.close()  # the maps keep the data
         pieces = np.frombuffer(self.pieces, np.int64).reshape(-1, 3).tolist()
         return [
-            Document(index, piece, ids[o : o + n], masks[o : o + n])
-            for index, first, kept in zip(chosen.tolist(), facts[:, 2].tolist(), facts[:, 3].tolist())
+            Document(index, piece, ids[o : o + n], masks[o : o + n], source)
+            for index, first, kept, source in zip(
+                chosen.tolist(), facts[:, 2].tolist(), facts[:, 3].tolist(), source_of.tolist()
+            )
             for piece, o, n in pieces[first : first + kept]
         ]
 

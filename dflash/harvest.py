@@ -446,6 +446,8 @@ def _harvest_part(cfg: HarvestConfig, out: Path, fingerprint: dict, state: str, 
         projection, header = _calibrated(out, cfg, header, documents, target)
 
     store.create_store(out, header)  # harvest.json: the first write of this run but the calibration
+    if len(stats.sources) > 1:  # what training needs for its metrics per source
+        store.write_document_sources(out, document_sources(documents, stats.lines))
     part = store.PartWriter(out, plan.part_spec(cfg.rank, header.features))
     counts = plan.counts()
     logger.info(
@@ -490,6 +492,13 @@ def _repair(cfg, out: Path, plan: PartPlan, target, part, header, projection, da
 # The lossless codecs shrink stored rows by at most about 1.4x (docs/shard-format.md): a harvest whose rows, at
 # that ratio, would still not fit on the disk cannot succeed.
 BEST_CODEC_RATIO = 1.45
+
+
+def document_sources(documents: list[Document], doc_ids: int) -> np.ndarray:
+    """int16 [doc_ids]: the data source of each doc id, -1 for a record of the mixture that gave no document."""
+    sources = np.full(doc_ids, -1, np.int16)
+    sources[[d.doc_id for d in documents]] = [d.source for d in documents]
+    return sources
 
 
 def row_bytes(token_budget: int, features: manifest.FeatureSpec) -> int:

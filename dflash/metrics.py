@@ -27,7 +27,7 @@ METRICS_FILE = "metrics.jsonl"
 class SumsLayout:
     """Names of the entries of the float64 metric sums (one vector: one device-to-host read per log)."""
 
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, sources: int = 0):
         scalars = [
             "loss_sum",
             "weight_sum",
@@ -44,7 +44,11 @@ class SumsLayout:
         self.index = {name: i for i, name in enumerate(scalars)}
         self.correct = slice(len(scalars), len(scalars) + block_size - 1)
         self.counted = slice(self.correct.stop, self.correct.stop + block_size - 1)
-        self.size = self.counted.stop
+        # per data source (a store of several): drafts accepted and blocks counted
+        self.sources = sources
+        self.source_accepted = slice(self.counted.stop, self.counted.stop + sources)
+        self.source_blocks = slice(self.source_accepted.stop, self.source_accepted.stop + sources)
+        self.size = self.source_blocks.stop
 
     def __getitem__(self, name):
         return self.index[name]
@@ -52,8 +56,9 @@ class SumsLayout:
     def zeros(self, device) -> torch.Tensor:
         return torch.zeros(self.size, dtype=torch.float64, device=device)
 
-    def record(self, sums: list[float], kind: str, step: int) -> dict:
-        """The fields every record has (train and val), from the sums read to the host."""
+    def record(self, sums: list[float], kind: str, step: int, source_names: list[str] = ()) -> dict:
+        """The fields every record has (train and val), from the sums read to the host; with the names of the
+        store's data sources, the accept length of the blocks of each (those with a block)."""
         correct, counted = sums[self.correct], sums[self.counted]
         record = {
             "kind": kind,
@@ -67,7 +72,23 @@ class SumsLayout:
         if sums[self["replay_rounds"]]:
             rounds = sums[self["replay_rounds"]]
             record.update(tau=sums[self["replay_tokens"]] / rounds, rounds=int(rounds))
+        per_source = zip(source_names, sums[self.source_accepted], sums[self.source_blocks])
+        if source_names:
+            record["sources"] = {
+                name: {"accept_len": accepted / blocks, "blocks": int(blocks)}
+                for name, accepted, blocks in per_source
+                if blocks
+            }
         return record
+
+
+def source_sums(run: torch.Tensor, counted: torch.Tensor, sources: torch.Tensor, count: int) -> torch.Tensor:
+    """float64 [2 * count]: drafts accepted (1 + leading hits) and blocks counted per data source, from the blocks'
+    `loss.leading_runs` and each block's source (fixed shapes, device ops only: it runs in the captured step)."""
+    weight = counted.double()
+    accepted = torch.zeros(count, dtype=torch.float64, device=run.device).index_add(0, sources, (1 + run) * weight)
+    blocks = torch.zeros(count, dtype=torch.float64, device=run.device).index_add(0, sources, weight)
+    return torch.cat([accepted, blocks])
 
 
 # ---------------------------------------------------------------------------------------------- FLOPs
@@ -157,7 +178,7 @@ class Meter:
         elapsed, self.last = now - self.last, now
         layout, B = trainer.layout, trainer.cfg.block_size
         steps = max(sums[layout["steps"]], 1)  # summed over ranks, like grad_norm
-        record = layout.record(sums, "train", step)
+        record = layout.record(sums, "train", step, trainer.source_names)
         labelled = sum(sums[layout.counted])
         drafted = sums[layout["blocks"]] * B
         lifted = trainer.encoding.width if trainer.lift is not None else 0

@@ -47,6 +47,7 @@ HARVEST_FILE = "harvest.json"
 MANIFEST_FILE = "manifest.json"
 PROGRESS_FILE = "progress.json"
 PROJECTION = "projection"
+DOCUMENT_SOURCES = "document_sources"  # per doc id, its data source: a store of several sources
 TMP_PREFIX = ".dflash-tmp-"
 CHUNK_BYTES = 32 << 20  # uncompressed size of one hidden chunk: a row is read in a few large, parallel reads
 DOC_CHUNK = 65536
@@ -498,6 +499,33 @@ def write_projection(out: Path, projection: np.ndarray, calibration: dict) -> tu
     return read_projection(out)
 
 
+def write_document_sources(out: Path, sources: np.ndarray) -> None:
+    """Store each document's data source (int16, indexed by doc id; -1: a record that gave no document) once: every
+    rank computes the same array, the first to get here writes it (after harvest.json)."""
+    if (out / DOCUMENT_SOURCES / "zarr.json").exists():
+        return
+    tmp = out / f"{TMP_PREFIX}{DOCUMENT_SOURCES}.{uuid.uuid4().hex}"
+    data = sources.astype(np.int16)
+    zarr.create_array(tmp, data=data, chunks=(max(1, min(len(data), 1 << 20)),), compressors=token_compressors())
+    try:
+        os.rename(tmp, out / DOCUMENT_SOURCES)  # atomic; another rank's identical one may be there first
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_document_sources(out: Path) -> np.ndarray | None:
+    """Each doc id's data source, None for a store of one source (or one made before stores recorded them)."""
+    if not (out / DOCUMENT_SOURCES / "zarr.json").exists():
+        return None
+    try:
+        return np.asarray(zarr.open_array(out / DOCUMENT_SOURCES, mode="r")[:])
+    except Exception as exc:  # a checksum mismatch, a missing chunk, damaged metadata
+        raise DflashError(
+            f"the document sources of {out} ({out / DOCUMENT_SOURCES}) are damaged ({exc}); delete that folder to "
+            "train without per-source metrics, or harvest again"
+        ) from None
+
+
 def read_projection(out: Path) -> tuple[np.ndarray, dict] | None:
     """(P, calibration record) of a subspace store, None when it has none (yet)."""
     if not (out / PROJECTION / "zarr.json").exists():
@@ -698,6 +726,7 @@ class Store:
             }
             for arrays, part in zip(self.parts, self.part_names)
         ]
+        self.document_sources = read_document_sources(path)  # int16 [doc ids]: a store of several data sources
         self.projection = None  # P [width, feature_dim] float32 for a subspace store
         if self.features.subspace is not None:
             stored = read_projection(path)

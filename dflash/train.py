@@ -45,7 +45,15 @@ from dflash.device import local_device
 from dflash.drafter import DFlashDrafter, DrafterConfig, check_export_target, export_drafter
 from dflash.errors import DflashError
 from dflash.manifest import Manifest
-from dflash.metrics import Meter, MetricsLog, SumsLayout, drop_records_after, read_records, visible_pairs
+from dflash.metrics import (
+    Meter,
+    MetricsLog,
+    SumsLayout,
+    drop_records_after,
+    read_records,
+    source_sums,
+    visible_pairs,
+)
 from dflash.store import Store, target_path
 from dflash.target_files import MASK_TOKEN, load_config, load_embedding_and_head
 
@@ -115,6 +123,15 @@ STORE_FIXED_FIELDS = {
     "vocab_size",
     "block_size",
 }
+
+
+def source_map(store: Store, device) -> tuple[list[str], torch.Tensor | None]:
+    """A store's data sources and each doc id's source on the device, for metrics per source; ([], None) for a
+    store of one source."""
+    if store.document_sources is None or len(store.manifest.sources) < 2:
+        return [], None
+    names = [source["source"] for source in store.manifest.sources]
+    return names, torch.from_numpy(store.document_sources.astype(np.int64)).to(device)
 
 
 def drafter_config(cfg: TrainConfig, store: Store, target_path: str) -> DrafterConfig:
@@ -288,7 +305,9 @@ class Trainer:
         self.shape = reader.BatchShape(cfg.grad_accum, cfg.rows_per_step, reader.row_fields(self.store.row_layout))
         self.static = graph.StaticBuffers(reader.allocate_batch(self.shape, self.device))
         self.feed = reader.DeviceFeed(self.static)
-        self.layout = SumsLayout(cfg.block_size)
+        # Per data source metrics: each doc id's source on the device, for a store of several sources.
+        self.source_names, self.doc_source = source_map(self.store, self.device)
+        self.layout = SumsLayout(cfg.block_size, len(self.source_names))
         self.sums = self.layout.zeros(self.device)  # the metric sums of the steps since the last log step
         self.val_sums = torch.zeros_like(self.sums)
         # Validation anchors every eligible position, one window of A positions per replay of its step, and
@@ -298,10 +317,13 @@ class Trainer:
         self.val_window = torch.zeros((), dtype=torch.int64, device=self.device)
         self.val_runs = torch.full((cfg.rows_per_step, T + 1), -1, dtype=torch.int32, device=self.device)
 
-        self.val_store = self.store
+        self.val_store, self.val_source_names, self.val_doc_source = self.store, self.source_names, self.doc_source
         if cfg.val_store:
             self.val_store = Store.open(cfg.val_store)
             check_val_store(self.store, self.val_store, cfg.store, cfg.val_store)
+            self.val_source_names, self.val_doc_source = source_map(self.val_store, self.device)
+            if len(self.val_source_names) != len(self.source_names):  # its sources have no slots in the sums
+                self.val_source_names, self.val_doc_source = [], None
             train_rows, val_rows = np.arange(self.store.num_rows), np.arange(self.val_store.num_rows)
         else:
             train_rows, val_rows = reader.split_rows(self.store.num_rows, cfg.val_fraction)
@@ -420,8 +442,8 @@ class Trainer:
             stored = s["hidden"][m].to(self.mm_dtype)
         return stored if self.lift is None else stored @ self.lift
 
-    def _count(self, sums: torch.Tensor, m: int, x: dict, mean_loss: torch.Tensor, correct: torch.Tensor):
-        """Add this micro-batch's metrics to `sums` (device ops only)."""
+    def _count(self, sums, m: int, x: dict, mean_loss, correct, doc_source: torch.Tensor | None):
+        """Add this micro-batch's metrics to `sums` (device ops only); per data source with `doc_source`."""
         B, layout = self.cfg.block_size, self.layout
         stats = loss.block_stats(correct, x["weights"], B)
         weight = x["weights"].sum()
@@ -434,6 +456,14 @@ class Trainer:
         values[layout["pairs"]] = visible_pairs(x["anchors"], x["valid"], x["segments"], B)
         values[layout.correct] = stats.correct
         values[layout.counted] = stats.counted
+        if doc_source is not None:
+            run, counted = loss.leading_runs(*loss.block_hits(correct, x["weights"], B))
+            # A block's document is its anchor's (padding anchors are never counted: any valid index will do).
+            docs = self.static["doc_ids"][m].gather(1, x["anchors"]).flatten().clamp(min=0)
+            sources = doc_source[docs].clamp(min=0)
+            values[layout.source_accepted.start : layout.source_blocks.stop] = source_sums(
+                run, counted, sources, layout.sources
+            )
         sums += values
 
     def _train_step(self):
@@ -449,7 +479,7 @@ class Trainer:
         for m, x in enumerate(inputs):
             mean_loss, correct = self._micro(m, x)
             (mean_loss * (x["weights"].sum() / total.clamp(min=1e-6))).backward()
-            self._count(self.sums, m, x, mean_loss, correct)
+            self._count(self.sums, m, x, mean_loss, correct, self.doc_source)
         if self.env.world_size > 1:
             dist.all_reduce(self.flat_grad)
         # Clipping on the flat buffer is one norm kernel and one scale, whatever the number of parameters.
@@ -465,7 +495,7 @@ class Trainer:
         with torch.no_grad():
             x = self._inputs(0, self.val_window)
             mean_loss, correct = self._micro(0, x)
-            self._count(self.val_sums, 0, x, mean_loss, correct)
+            self._count(self.val_sums, 0, x, mean_loss, correct, self.val_doc_source)
             run, counted = loss.leading_runs(*loss.block_hits(correct, x["weights"], self.cfg.block_size))
             anchors = x["anchors"]
             column = torch.where(counted.view_as(anchors), anchors, self.val_runs.shape[1] - 1)
@@ -644,7 +674,7 @@ class Trainer:
         if self.env.world_size > 1:
             dist.all_reduce(self.val_sums)
         totals = self.val_sums.tolist()
-        return self.layout.record(totals, "val", step) if totals[self.layout["blocks"]] else None
+        return self.layout.record(totals, "val", step, self.val_source_names) if totals[self.layout["blocks"]] else None
 
     def _reader(self, store, steps, shape: reader.BatchShape) -> reader.RowReader:
         cfg = self.cfg
