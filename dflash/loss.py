@@ -42,15 +42,16 @@ class _BlockCrossEntropy(torch.autograd.Function):
                 softmax = (logits.to(math_dtype) - lse[:, None]).exp()
                 grad_logits = (softmax - (vocab == label).to(math_dtype)) * scale[rows, None]
                 grads.append((grad_logits.to(mm_dtype) @ head).to(hidden.dtype))
-        loss = (torch.cat(losses) * scale).sum()
+        ce = torch.cat(losses)
+        loss = (ce * scale).sum()
         correct = torch.cat(corrects)
-        ctx.mark_non_differentiable(correct)
+        ctx.mark_non_differentiable(correct, ce)
         if need_grad:
             ctx.save_for_backward(torch.cat(grads))
-        return loss, correct
+        return loss, correct, ce
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_correct):
+    def backward(ctx, grad_loss, grad_correct, grad_ce):
         (grad_hidden,) = ctx.saved_tensors
         return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None, None
 
@@ -66,8 +67,9 @@ def default_chunk_size(vocab_size: int) -> int:
 
 def block_cross_entropy(
     hidden: Tensor, lm_head_weight: Tensor, labels: Tensor, weights: Tensor, chunk_size: int | None = None
-) -> tuple[Tensor, Tensor]:
-    """loss = sum(w * CE(hidden @ W.T, labels)) / sum(w) (fp32 scalar), and correct [N] bool (argmax == label).
+) -> tuple[Tensor, Tensor, Tensor]:
+    """loss = sum(w * CE(hidden @ W.T, labels)) / sum(w) (fp32 scalar), correct [N] bool (argmax == label), and
+    CE [N] of every position (fp32, no gradient: for metrics).
 
     hidden [N, H] (the drafter's final-normed outputs), lm_head_weight [V, H] frozen: it never gets a gradient,
     so keep it in the matmul dtype (bf16 on GPU) to avoid a cast per call. labels [N] in [0, V), weights [N] >= 0;

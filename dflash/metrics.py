@@ -12,6 +12,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -44,11 +45,10 @@ class SumsLayout:
         self.index = {name: i for i, name in enumerate(scalars)}
         self.correct = slice(len(scalars), len(scalars) + block_size - 1)
         self.counted = slice(self.correct.stop, self.correct.stop + block_size - 1)
-        # per data source (a store of several): drafts accepted and blocks counted
+        # per data source (a store of several), `SOURCE_SUMS` of each, one after the other
         self.sources = sources
-        self.source_accepted = slice(self.counted.stop, self.counted.stop + sources)
-        self.source_blocks = slice(self.source_accepted.stop, self.source_accepted.stop + sources)
-        self.size = self.source_blocks.stop
+        self.per_source = slice(self.counted.stop, self.counted.stop + len(SOURCE_SUMS) * sources)
+        self.size = self.per_source.stop
 
     def __getitem__(self, name):
         return self.index[name]
@@ -72,23 +72,29 @@ class SumsLayout:
         if sums[self["replay_rounds"]]:
             rounds = sums[self["replay_rounds"]]
             record.update(tau=sums[self["replay_tokens"]] / rounds, rounds=int(rounds))
-        per_source = zip(source_names, sums[self.source_accepted], sums[self.source_blocks])
         if source_names:
+            per_source = np.asarray(sums[self.per_source]).reshape(len(SOURCE_SUMS), self.sources)
             record["sources"] = {
-                name: {"accept_len": accepted / blocks, "blocks": int(blocks)}
-                for name, accepted, blocks in per_source
+                name: {
+                    "loss": loss_sum / max(weight, 1e-12),
+                    "accept_len": accepted / blocks,
+                    "blocks": int(blocks),
+                    "weight": weight,
+                }
+                for name, (accepted, blocks, loss_sum, weight) in zip(source_names, per_source.T.tolist())
                 if blocks
             }
         return record
 
 
-def source_sums(run: torch.Tensor, counted: torch.Tensor, sources: torch.Tensor, count: int) -> torch.Tensor:
-    """float64 [2 * count]: drafts accepted (1 + leading hits) and blocks counted per data source, from the blocks'
-    `loss.leading_runs` and each block's source (fixed shapes, device ops only: it runs in the captured step)."""
-    weight = counted.double()
-    accepted = torch.zeros(count, dtype=torch.float64, device=run.device).index_add(0, sources, (1 + run) * weight)
-    blocks = torch.zeros(count, dtype=torch.float64, device=run.device).index_add(0, sources, weight)
-    return torch.cat([accepted, blocks])
+SOURCE_SUMS = ("accepted", "blocks", "loss_sum", "weight_sum")  # per data source, as the scalars of the same name
+
+
+def source_sums(per_block: list[torch.Tensor], sources: torch.Tensor, count: int) -> torch.Tensor:
+    """float64 [len(SOURCE_SUMS) * count]: each of the blocks' SOURCE_SUMS values (in that order) summed per data
+    source, given each block's source (fixed shapes, device ops only: it runs in the captured step)."""
+    zeros = torch.zeros(count, dtype=torch.float64, device=sources.device)
+    return torch.cat([zeros.index_add(0, sources, values.double()) for values in per_block])
 
 
 # ---------------------------------------------------------------------------------------------- FLOPs

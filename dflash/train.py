@@ -421,8 +421,8 @@ class Trainer:
             weights=weights,
         )
 
-    def _micro(self, m: int, x: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weighted-mean loss of micro-batch m, correct [N]) through drafter and frozen head."""
+    def _micro(self, m: int, x: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(weighted-mean loss of micro-batch m, correct [N], CE [N]) through drafter and frozen head."""
         s = self.static
         mask = self.mask_fn(x["anchors"], x["valid"], x["segments"], self.cfg.block_size)
         features = self._features(m)
@@ -442,7 +442,7 @@ class Trainer:
             stored = s["hidden"][m].to(self.mm_dtype)
         return stored if self.lift is None else stored @ self.lift
 
-    def _count(self, sums, m: int, x: dict, mean_loss, correct, doc_source: torch.Tensor | None):
+    def _count(self, sums, m: int, x: dict, mean_loss, correct, ce, doc_source: torch.Tensor | None):
         """Add this micro-batch's metrics to `sums` (device ops only); per data source with `doc_source`."""
         B, layout = self.cfg.block_size, self.layout
         stats = loss.block_stats(correct, x["weights"], B)
@@ -461,9 +461,9 @@ class Trainer:
             # A block's document is its anchor's (padding anchors are never counted: any valid index will do).
             docs = self.static["doc_ids"][m].gather(1, x["anchors"]).flatten().clamp(min=0)
             sources = doc_source[docs].clamp(min=0)
-            values[layout.source_accepted.start : layout.source_blocks.stop] = source_sums(
-                run, counted, sources, layout.sources
-            )
+            weights = x["weights"].reshape(-1, B).double()
+            per_block = [(1 + run) * counted, counted, (weights * ce.reshape(-1, B)).sum(dim=1), weights.sum(dim=1)]
+            values[layout.per_source] = source_sums(per_block, sources, layout.sources)
         sums += values
 
     def _train_step(self):
@@ -477,9 +477,9 @@ class Trainer:
             dist.all_reduce(total)
         self.flat_grad.zero_()
         for m, x in enumerate(inputs):
-            mean_loss, correct = self._micro(m, x)
+            mean_loss, correct, ce = self._micro(m, x)
             (mean_loss * (x["weights"].sum() / total.clamp(min=1e-6))).backward()
-            self._count(self.sums, m, x, mean_loss, correct, self.doc_source)
+            self._count(self.sums, m, x, mean_loss, correct, ce, self.doc_source)
         if self.env.world_size > 1:
             dist.all_reduce(self.flat_grad)
         # Clipping on the flat buffer is one norm kernel and one scale, whatever the number of parameters.
@@ -494,8 +494,8 @@ class Trainer:
     def _val_step(self):
         with torch.no_grad():
             x = self._inputs(0, self.val_window)
-            mean_loss, correct = self._micro(0, x)
-            self._count(self.val_sums, 0, x, mean_loss, correct, self.val_doc_source)
+            mean_loss, correct, ce = self._micro(0, x)
+            self._count(self.val_sums, 0, x, mean_loss, correct, ce, self.val_doc_source)
             run, counted = loss.leading_runs(*loss.block_hits(correct, x["weights"], self.cfg.block_size))
             anchors = x["anchors"]
             column = torch.where(counted.view_as(anchors), anchors, self.val_runs.shape[1] - 1)

@@ -31,7 +31,7 @@ def reference_loss(hidden, head, labels, weights):
 @pytest.mark.parametrize("chunk_size", [37, 8, 5, 100, None])  # one chunk, ragged last chunks, > N, default
 def test_loss_and_grad_equal_full_logits(chunk_size):
     hidden, head, labels, weights = make_inputs()
-    loss, correct = block_cross_entropy(hidden, head, labels, weights, chunk_size)
+    loss, correct, ce = block_cross_entropy(hidden, head, labels, weights, chunk_size)
     loss.backward()
     ref_hidden = hidden.detach().clone().requires_grad_()
     ref = reference_loss(ref_hidden, head.detach(), labels, weights)
@@ -39,12 +39,13 @@ def test_loss_and_grad_equal_full_logits(chunk_size):
     torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(hidden.grad, ref_hidden.grad, rtol=1e-10, atol=1e-12)
     assert torch.equal(correct, (hidden @ head.T).argmax(-1) == labels)
+    torch.testing.assert_close(ce, F.cross_entropy(hidden.detach() @ head.T, labels, reduction="none"))
     assert head.grad is None  # the frozen head never gets a weight gradient
 
 
 def test_loss_scales_with_upstream_gradient():
     hidden, head, labels, weights = make_inputs()
-    loss, _ = block_cross_entropy(hidden, head, labels, weights, 8)
+    loss, _, _ = block_cross_entropy(hidden, head, labels, weights, 8)
     (3 * loss).backward()
     ref_hidden = hidden.detach().clone().requires_grad_()
     (3 * reference_loss(ref_hidden, head.detach(), labels, weights)).backward()
@@ -53,7 +54,7 @@ def test_loss_scales_with_upstream_gradient():
 
 def test_zero_weights_give_zero_loss_and_gradient():
     hidden, head, labels, weights = make_inputs()
-    loss, _ = block_cross_entropy(hidden, head, labels, torch.zeros_like(weights), 8)
+    loss, _, _ = block_cross_entropy(hidden, head, labels, torch.zeros_like(weights), 8)
     loss.backward()
     assert loss.item() == 0 and torch.isfinite(hidden.grad).all() and not hidden.grad.any()
 
@@ -61,9 +62,9 @@ def test_zero_weights_give_zero_loss_and_gradient():
 def test_no_grad_and_compiled_paths():
     hidden, head, labels, weights = make_inputs()
     with torch.no_grad():
-        eager, _ = block_cross_entropy(hidden, head, labels, weights, 8)
+        eager, _, _ = block_cross_entropy(hidden, head, labels, weights, 8)
     compiled = torch.compile(block_cross_entropy, fullgraph=True, backend="aot_eager")
-    loss, correct = compiled(hidden, head, labels, weights, 8)
+    loss, correct, _ = compiled(hidden, head, labels, weights, 8)
     loss.backward()
     ref_hidden = hidden.detach().clone().requires_grad_()
     reference_loss(ref_hidden, head.detach(), labels, weights).backward()

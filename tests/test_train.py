@@ -1014,14 +1014,14 @@ def test_a_run_whose_export_folder_holds_other_files_is_refused_before_training(
 def test_source_sums_equal_a_loop_over_the_blocks():
     from dflash.metrics import source_sums
 
-    run = torch.tensor([0, 3, 1, 2, 0, 5])
-    counted = torch.tensor([True, True, False, True, True, True])
+    accepted = torch.tensor([1, 4, 0, 3, 1, 6])
+    losses = torch.tensor([0.5, 1.5, 0.0, 2.0, 0.25, 1.0], dtype=torch.float64)
     sources = torch.tensor([1, 0, 1, 1, 2, 0])
-    accepted, blocks_ = [0.0] * 3, [0.0] * 3
-    for r, c, s in zip(run.tolist(), counted.tolist(), sources.tolist()):
-        accepted[s] += (1 + r) * c
-        blocks_[s] += c
-    assert source_sums(run, counted, sources, 3).tolist() == accepted + blocks_
+    expected = [[0.0] * 3 for _ in range(2)]
+    for a, loss_sum, s in zip(accepted.tolist(), losses.tolist(), sources.tolist()):
+        expected[0][s] += a
+        expected[1][s] += loss_sum
+    assert source_sums([accepted, losses], sources, 3).tolist() == expected[0] + expected[1]
 
 
 @pytest.fixture(scope="module")
@@ -1063,8 +1063,9 @@ def test_a_store_of_two_sources_records_each_documents_source(two_source_store, 
 
 
 def test_training_reports_the_accept_length_of_each_source(two_source_store, tmp_path):
-    """Per source, train and validation records hold the blocks and accept length of that source's documents;
-    together they are the record's: blocks add up, and their block-weighted accept length is the record's."""
+    """Per source, train and validation records hold the loss, accept length, blocks and loss weight of that
+    source's documents; together they are the record's: blocks and weights add up, and the block-weighted accept
+    length and weight-weighted loss are the record's."""
     out, _, _ = two_source_store
     run_training(config(out, tmp_path / "run", max_steps=4, log_every=2, val_fraction=0.2))
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -1076,6 +1077,11 @@ def test_training_reports_the_accept_length_of_each_source(two_source_store, tmp
         assert sum(s["blocks"] for s in per_source.values()) == record["blocks"]
         mean = sum(s["accept_len"] * s["blocks"] for s in per_source.values()) / record["blocks"]
         assert mean == pytest.approx(record["accept_len"], rel=1e-9)
+        weight = sum(s["weight"] for s in per_source.values())
+        assert sum(s["loss"] * s["weight"] for s in per_source.values()) / weight == pytest.approx(
+            record["loss"], rel=1e-5
+        )
+        assert all(s["loss"] > 0 for s in per_source.values())
         kinds.add(record["kind"])
     assert kinds == {"train", "val"}
     assert any(len(r["sources"]) == 2 for r in records if "sources" in r)
