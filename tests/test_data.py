@@ -32,19 +32,6 @@ REWRITING_TEMPLATE = THINK_TEMPLATE.replace(
 )
 
 
-@pytest.fixture(scope="module")
-def tokenizer_path(tmp_path_factory):
-    return _save_tokenizer(tmp_path_factory.mktemp("tokenizer"))
-
-
-def _save_tokenizer(folder, template=None):
-    tokenizer = build_tokenizer()
-    if template is not None:
-        tokenizer.chat_template = template
-    tokenizer.save_pretrained(folder)
-    return str(folder)
-
-
 def _jsonl(tmp_path, *lines) -> str:
     path = tmp_path / "data.jsonl"
     path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
@@ -69,8 +56,8 @@ def test_chat_mask_is_exactly_the_assistant_turns_and_their_end_token(tmp_path, 
     assert (stats.chat, stats.text, stats.documents, stats.loss_tokens) == (1, 0, 1, document.loss_mask.sum())
 
 
-def test_template_not_prefix_consistent_falls_back_to_content_search(tmp_path):
-    tokenizer_path = _save_tokenizer(tmp_path / "think", THINK_TEMPLATE)
+def test_template_not_prefix_consistent_falls_back_to_content_search(tmp_path, save_tokenizer):
+    tokenizer_path = save_tokenizer(tmp_path / "think", THINK_TEMPLATE)
     documents, _ = load_documents(DataConfig(_jsonl(tmp_path, {"messages": CONVERSATION})), tokenizer_path)
     # The earlier turn is found by content; the last one, prefix-consistent, includes the think block it generates.
     assert _masked_runs(tokenizer_path, documents[0]) == [
@@ -79,8 +66,8 @@ def test_template_not_prefix_consistent_falls_back_to_content_search(tmp_path):
     ]
 
 
-def test_template_that_rewrites_content_is_refused(tmp_path):
-    tokenizer_path = _save_tokenizer(tmp_path / "rewrite", REWRITING_TEMPLATE)
+def test_template_that_rewrites_content_is_refused(tmp_path, save_tokenizer):
+    tokenizer_path = save_tokenizer(tmp_path / "rewrite", REWRITING_TEMPLATE)
     path = _jsonl(tmp_path, {"text": "fine"}, {"messages": CONVERSATION})
     with pytest.raises(DflashError, match=r"line 2: cannot locate assistant message 2"):
         load_documents(DataConfig(path, workers=2), tokenizer_path)  # raised in a worker, reported here
@@ -319,10 +306,10 @@ def _reference_chat_mask(tokenizer, messages: list[dict]) -> tuple[list[int], li
 
 
 @pytest.mark.parametrize("template", [None, THINK_TEMPLATE, DEFAULT_SYSTEM_TEMPLATE])
-def test_batched_masks_equal_the_reference_algorithm(tmp_path, template):
+def test_batched_masks_equal_the_reference_algorithm(tmp_path, template, save_tokenizer):
     from dflash.data import _encode_chunk
 
-    tokenizer = AutoTokenizer.from_pretrained(_save_tokenizer(tmp_path / "tokenizer", template))
+    tokenizer = AutoTokenizer.from_pretrained(save_tokenizer(tmp_path / "tokenizer", template))
     records = [(f"line {i}", "chat", messages) for i, messages in enumerate(CONVERSATIONS)]
     records.insert(2, ("line t", "text", "plain text between the chats"))
     encoded = _encode_chunk(tokenizer, records)

@@ -11,7 +11,6 @@ from transformers import AutoTokenizer
 from dflash.data import DataConfig, load_documents
 from dflash.errors import DflashError
 from dflash.sources import iter_records, parse_source
-from dflash.tiny import build_tokenizer
 
 SYSTEM, QUESTION, ANSWER = "You answer briefly.", "What does a hash map store?", "Key and value pairs."
 OPENAI = {
@@ -53,19 +52,6 @@ REFUSING_TEMPLATE = SKIPPING_TEMPLATE.replace(
     "{% if m['role'] in ['system', 'user', 'assistant'] %}",
     "{% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('unknown role') }}{% endif %}{% if true %}",
 )
-
-
-@pytest.fixture(scope="module")
-def tokenizer_path(tmp_path_factory):
-    return _save_tokenizer(tmp_path_factory.mktemp("tokenizer"))
-
-
-def _save_tokenizer(folder, template=None):
-    tokenizer = build_tokenizer()
-    if template is not None:
-        tokenizer.chat_template = template
-    tokenizer.save_pretrained(folder)
-    return str(folder)
 
 
 def _lines(records) -> bytes:
@@ -156,8 +142,8 @@ def test_a_rendered_tool_turn_is_kept_with_the_loss_off(tmp_path, tokenizer_path
         (REFUSING_TEMPLATE, "cannot render its tool turns"),
     ],
 )
-def test_a_tool_turn_the_template_cannot_render_is_refused(tmp_path, template, problem):
-    tokenizer_path = _save_tokenizer(tmp_path / "tokenizer", template)
+def test_a_tool_turn_the_template_cannot_render_is_refused(tmp_path, template, problem, save_tokenizer):
+    tokenizer_path = save_tokenizer(tmp_path / "tokenizer", template)
     path = _write(tmp_path / "tool.jsonl", [{"text": "fine"}, TOOL_CHAT])
     with pytest.raises(DflashError, match=f"tool.jsonl line 2: .*{problem}.*tokenizer whose chat template renders"):
         _load(path, tokenizer_path)
