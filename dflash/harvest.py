@@ -22,7 +22,7 @@ import shutil
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -254,17 +254,23 @@ def feature_encoding(cfg: HarvestConfig, num_layers: int, feature_dim: int) -> m
 
 def data_config(cfg: HarvestConfig, **overrides) -> DataConfig:
     """How the harvest (and `dflash plan`) reads cfg.data."""
-    fields = dict(max_length=cfg.max_length, overflow=cfg.overflow, workers=cfg.workers, seed=cfg.data_seed)
-    out = Path(cfg.out)
-    spill_dir = next(p for p in (out, *out.parents) if p.exists())  # the output's disk has room; /tmp may be small
-    return DataConfig(cfg.data, dedup=cfg.dedup, limit=cfg.limit, spill_dir=spill_dir, **{**fields, **overrides})
+    options = dict(
+        max_length=cfg.max_length,
+        overflow=cfg.overflow,
+        workers=cfg.workers,
+        seed=cfg.data_seed,
+        dedup=cfg.dedup,
+        limit=cfg.limit,
+        spill_dir=store.nearest_existing(Path(cfg.out)),  # the output's disk has room; /tmp may be small
+    )
+    return DataConfig(cfg.data, **{**options, **overrides})
 
 
 def _data_identity(cfg: HarvestConfig) -> dict:
     """Size and sha256 of the data (and of the mixing options that are not the defaults): a resumed harvest must
     read the very same documents."""
-    defaults = {"dedup": True, "limit": None, "data_seed": 0}
-    options = {key: getattr(cfg, key) for key, default in defaults.items() if getattr(cfg, key) != default}
+    mixing = [f for f in fields(HarvestConfig) if f.name in ("dedup", "limit", "data_seed")]
+    options = {f.name: getattr(cfg, f.name) for f in mixing if getattr(cfg, f.name) != f.default}
     return sources.identity(cfg.data, **options)
 
 
@@ -512,7 +518,7 @@ def check_free_space(out: Path, cfg: HarvestConfig, fingerprint: dict, rows_left
     counted as this rank's: they usually share the disk); warn when it fits only if the codec compresses."""
     stored = manifest.FeatureSpec(fingerprint["precision"], fingerprint["stored_width"], fingerprint["scale_groups"])
     need = rows_left * cfg.world_size * row_bytes(cfg.token_budget, stored)
-    existing = next(p for p in (out, *out.parents) if p.exists())
+    existing = store.nearest_existing(out)
     free = shutil.disk_usage(existing).free
     sizes = f"the rows left need {need / 1e9:.1f} GB before compression, {existing} has {free / 1e9:.1f} GB free"
     if need / BEST_CODEC_RATIO > free:

@@ -22,6 +22,7 @@ from dflash.errors import DflashError
 from dflash.harvest import BEST_CODEC_RATIO, PartPlan, data_config, feature_encoding, row_bytes
 from dflash.manifest import FeatureSpec
 from dflash.metrics import step_flops
+from dflash.store import nearest_existing
 from dflash.target import default_layer_ids
 from dflash.target_files import checkpoint_file, load_config, tensor_files
 
@@ -169,7 +170,7 @@ def plan_report(cfg: HarvestConfig, sample: int | None, epochs: int, draft_layer
     chosen = cfg.precision + (f", subspace {cfg.subspace}" if chosen_encoding.subspace is not None else "")
     raw, fraction = mode_bytes(chosen_encoding, cfg.token_budget)
     need = raw * data.rows
-    existing = next(p for p in (Path(cfg.out), *Path(cfg.out).parents) if p.exists())
+    existing = nearest_existing(Path(cfg.out))
     free = shutil.disk_usage(existing).free
     fits = (
         "fits"

@@ -204,10 +204,15 @@ def _only_locks(folder: Path) -> bool:
     return folder.is_dir() and all(p.is_dir() or p.name == LOCK_FILE for p in folder.rglob("*"))
 
 
+def nearest_existing(path: Path) -> Path:
+    """`path` if it exists, else the nearest folder above it that does: where it would be created, on its disk."""
+    return next(p for p in (path, *path.parents) if p.exists() or p == p.parent)
+
+
 def check_writable(out: Path, option: str = "--out") -> None:
     """Refuse, before any work, an output that cannot be written: create and remove a file in it (or in the
     nearest folder above it that exists, where it would be created)."""
-    existing = next(p for p in (out, *out.parents) if p.exists() or p == p.parent)
+    existing = nearest_existing(out)
     if existing == out and not out.is_dir():
         return  # a file where the folder should be: the caller's own check names that
     probe = existing / f"{TMP_PREFIX}probe-{uuid.uuid4().hex}"
@@ -478,39 +483,32 @@ def target_path(path: Path, manifest: Manifest) -> str:
     return model
 
 
+def _write_array_once(out: Path, name: str, data: np.ndarray, chunks: tuple, attributes: dict | None = None) -> None:
+    """Write the store-level array `name` unless it is there: into a temporary folder renamed into place (atomic),
+    so that of several ranks writing it the first wins and nobody sees half of one."""
+    if (out / name / "zarr.json").exists():
+        return
+    tmp = out / f"{TMP_PREFIX}{name}.{uuid.uuid4().hex}"
+    zarr.create_array(tmp, data=data, chunks=chunks, compressors=token_compressors(), attributes=attributes)
+    try:
+        os.rename(tmp, out / name)  # fails when another rank's is already there, which then wins
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def write_projection(out: Path, projection: np.ndarray, calibration: dict) -> tuple[np.ndarray, dict]:
     """Store P [width, feature_dim] (float32) with its calibration record, once: the first rank to finish its
     calibration wins and every later rank reads the stored one, so all ranks project with the same matrix.
     Returns the stored (P, calibration)."""
-    if (out / PROJECTION / "zarr.json").exists():
-        return read_projection(out)
-    tmp = out / f"{TMP_PREFIX}{PROJECTION}.{uuid.uuid4().hex}"
-    zarr.create_array(
-        tmp,
-        data=projection.astype(np.float32),
-        chunks=projection.shape,
-        compressors=token_compressors(),
-        attributes={"meaning": "stored features = P @ concatenated features", **calibration},
-    )
-    try:
-        os.rename(tmp, out / PROJECTION)  # atomic; fails when another rank's is already there, which then wins
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
+    attributes = {"meaning": "stored features = P @ concatenated features", **calibration}
+    _write_array_once(out, PROJECTION, projection.astype(np.float32), projection.shape, attributes)
     return read_projection(out)
 
 
 def write_document_sources(out: Path, sources: np.ndarray) -> None:
     """Store each document's data source (int16, indexed by doc id; -1: a record that gave no document) once: every
     rank computes the same array, the first to get here writes it (after harvest.json)."""
-    if (out / DOCUMENT_SOURCES / "zarr.json").exists():
-        return
-    tmp = out / f"{TMP_PREFIX}{DOCUMENT_SOURCES}.{uuid.uuid4().hex}"
-    data = sources.astype(np.int16)
-    zarr.create_array(tmp, data=data, chunks=(max(1, min(len(data), 1 << 20)),), compressors=token_compressors())
-    try:
-        os.rename(tmp, out / DOCUMENT_SOURCES)  # atomic; another rank's identical one may be there first
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
+    _write_array_once(out, DOCUMENT_SOURCES, sources.astype(np.int16), (max(1, min(len(sources), 1 << 20)),))
 
 
 def read_document_sources(out: Path) -> np.ndarray | None:
