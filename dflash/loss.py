@@ -95,6 +95,9 @@ class BlockStats(NamedTuple):
     counted: Tensor  # [B-1] weighted (trained) positions at k = 1..B-1
     accepted: Tensor  # [] sum over counted anchors of 1 + the number of leading correct predictions
     anchors: Tensor  # [] counted anchors: those whose k = 1 position is trained
+    # per block, not sums (`leading_runs`), for what splits the sums by block: the replay, the sources
+    runs: Tensor  # [blocks] the drafts verification accepts
+    counts: Tensor  # [blocks] bool: whether the block counts
 
 
 def block_stats(correct: Tensor, weights: Tensor, block_size: int) -> BlockStats:
@@ -110,6 +113,8 @@ def block_stats(correct: Tensor, weights: Tensor, block_size: int) -> BlockStats
         counted=trained.sum(dim=0).float(),
         accepted=((1 + run) * counted_anchor).sum().float(),
         anchors=counted_anchor.sum().float(),
+        runs=run,
+        counts=counted_anchor,
     )
 
 

@@ -443,7 +443,8 @@ class Trainer:
         return stored if self.lift is None else stored @ self.lift
 
     def _count(self, sums, m: int, x: dict, mean_loss, correct, ce, doc_source: torch.Tensor | None):
-        """Add this micro-batch's metrics to `sums` (device ops only); per data source with `doc_source`."""
+        """Add this micro-batch's metrics to `sums` (device ops only); per data source with `doc_source`. Returns
+        its blocks' stats."""
         B, layout = self.cfg.block_size, self.layout
         stats = loss.block_stats(correct, x["weights"], B)
         weight = x["weights"].sum()
@@ -457,7 +458,7 @@ class Trainer:
         values[layout.correct] = stats.correct
         values[layout.counted] = stats.counted
         if doc_source is not None:
-            run, counted = loss.leading_runs(*loss.block_hits(correct, x["weights"], B))
+            run, counted = stats.runs, stats.counts
             # A block's document is its anchor's (padding anchors are never counted: any valid index will do).
             docs = self.static["doc_ids"][m].gather(1, x["anchors"]).flatten().clamp(min=0)
             sources = doc_source[docs].clamp(min=0)
@@ -465,6 +466,7 @@ class Trainer:
             per_block = [(1 + run) * counted, counted, (weights * ce.reshape(-1, B)).sum(dim=1), weights.sum(dim=1)]
             values[layout.per_source] = source_sums(per_block, sources, layout.sources)
         sums += values
+        return stats
 
     def _train_step(self):
         cfg, G = self.cfg, self.cfg.grad_accum
@@ -495,11 +497,10 @@ class Trainer:
         with torch.no_grad():
             x = self._inputs(0, self.val_window)
             mean_loss, correct, ce = self._micro(0, x)
-            self._count(self.val_sums, 0, x, mean_loss, correct, ce, self.val_doc_source)
-            run, counted = loss.leading_runs(*loss.block_hits(correct, x["weights"], self.cfg.block_size))
+            stats = self._count(self.val_sums, 0, x, mean_loss, correct, ce, self.val_doc_source)
             anchors = x["anchors"]
-            column = torch.where(counted.view_as(anchors), anchors, self.val_runs.shape[1] - 1)
-            self.val_runs.scatter_(1, column, run.view_as(anchors).int())
+            column = torch.where(stats.counts.view_as(anchors), anchors, self.val_runs.shape[1] - 1)
+            self.val_runs.scatter_(1, column, stats.runs.view_as(anchors).int())
 
     # ---- warmup, capture and state
 
