@@ -120,17 +120,25 @@ def fake_target(folder: Path, s: dict, device: torch.device):
     save_file({"model.embed_tokens.weight": weight(), "lm_head.weight": weight()}, folder / "model.safetensors")
 
 
-ENCODINGS = ("bf16", "fp8", "sub1/4", "sub1/4+fp8")
+# --encoding: name -> (precision, the stored width's share of the feature width: 1, or 1/D for a subspace of D)
+ENCODINGS = {
+    "bf16": ("bf16", 1),
+    "fp8": ("fp8", 1),
+    "sub1/4": ("bf16", 4),
+    "sub1/8": ("bf16", 8),
+    "sub1/4+fp8": ("fp8", 4),
+}
 
 
 def store_header(target: Path, s: dict, encoding: str) -> Manifest:
     """harvest.json as a harvest of the fake target would write it, in the store `encoding`."""
     layers = default_layer_ids(s["target_layers"])
     feature_dim = len(layers) * s["hidden"]
-    width = feature_dim // 4 if encoding.startswith("sub") else feature_dim
-    fp8 = encoding.endswith("fp8")
-    groups = features.default_scale_groups(width, len(layers), encoding.startswith("sub")) if fp8 else 0
-    subspace = SubspaceSpec(width, 1.0, 0, 0) if encoding.startswith("sub") else None
+    precision, divisor = ENCODINGS[encoding]
+    width = feature_dim // divisor
+    fp8 = precision == "fp8"
+    groups = features.default_scale_groups(width, len(layers), divisor > 1) if fp8 else 0
+    subspace = SubspaceSpec(width, 1.0, 0, 0) if divisor > 1 else None
     return store.new_manifest(
         target=TargetSpec(
             name=str(target),
@@ -582,7 +590,9 @@ def main():
     parser.add_argument("--ungraphed-steps", type=int, help="timed steps without the graph  [default: 10, tiny 3]")
     parser.add_argument("--tiny", action="store_true", help="toy shapes (runs on the CPU in well under a minute)")
     parser.add_argument("--rows", type=int, default=16, help="rows in the synthetic store (steps cycle through it)")
-    parser.add_argument("--encoding", choices=ENCODINGS, default="bf16", help="the synthetic store's feature encoding")
+    parser.add_argument(
+        "--encoding", choices=list(ENCODINGS), default="bf16", help="the synthetic store's feature encoding"
+    )
     parser.add_argument("--loss-chunk", type=int, help="LM-head rows per loss chunk  [default: the trainer's]")
     parser.add_argument("--work", default="/tmp/dflash-bench-train", help="where the fake target, store and runs go")
     parser.add_argument("--json", help="also write the results (with every step's record) here")

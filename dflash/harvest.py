@@ -524,7 +524,8 @@ def check_free_space(out: Path, cfg: HarvestConfig, fingerprint: dict, rows_left
     if need / BEST_CODEC_RATIO > free:
         raise DflashError(
             f"this harvest cannot fit: {sizes} (the codec saves at most ~30 %); free space, harvest to a larger disk, or "
-            "store fewer bytes per token with --precision fp8 and/or --subspace 1/4 (docs/shard-format.md)"
+            "store fewer bytes per token: --precision fp8 (about half) or --subspace 1/8 (about an eighth; README, "
+            "'Store modes', gives each mode's cost in acceptance length)"
         )
     if need > free:
         logger.warning("%s: the harvest fits only if the codec compresses well; watch the disk", sizes)
