@@ -309,7 +309,6 @@ class Trainer:
         self.source_names, self.doc_source = source_map(self.store, self.device)
         self.layout = SumsLayout(cfg.block_size, len(self.source_names))
         self.sums = self.layout.zeros(self.device)  # the metric sums of the steps since the last log step
-        self.val_sums = torch.zeros_like(self.sums)
         # Validation anchors every eligible position, one window of A positions per replay of its step, and
         # keeps the drafts accepted at each one for the replay of decoding (-1: no counted anchor; column T
         # takes the invalid anchors' writes).
@@ -322,11 +321,12 @@ class Trainer:
             self.val_store = Store.open(cfg.val_store)
             check_val_store(self.store, self.val_store, cfg.store, cfg.val_store)
             self.val_source_names, self.val_doc_source = source_map(self.val_store, self.device)
-            if len(self.val_source_names) != len(self.source_names):  # its sources have no slots in the sums
-                self.val_source_names, self.val_doc_source = [], None
             train_rows, val_rows = np.arange(self.store.num_rows), np.arange(self.val_store.num_rows)
         else:
             train_rows, val_rows = reader.split_rows(self.store.num_rows, cfg.val_fraction)
+        # A held-out store of other sources than the training store's has its own per-source slots.
+        self.val_layout = SumsLayout(cfg.block_size, len(self.val_source_names))
+        self.val_sums = self.val_layout.zeros(self.device)
         rows_per_step = self.shape.rows_per_step
         self.plan = reader.DataPlan(train_rows, val_rows, rows_per_step, cfg.seed, env.rank, env.world_size)
         if self.plan.steps_per_epoch == 0:
@@ -442,10 +442,12 @@ class Trainer:
             stored = s["hidden"][m].to(self.mm_dtype)
         return stored if self.lift is None else stored @ self.lift
 
-    def _count(self, sums, m: int, x: dict, mean_loss, correct, ce, doc_source: torch.Tensor | None):
-        """Add this micro-batch's metrics to `sums` (device ops only); per data source with `doc_source`. Returns
-        its blocks' stats."""
-        B, layout = self.cfg.block_size, self.layout
+    def _count(
+        self, sums, layout: SumsLayout, m: int, x: dict, mean_loss, correct, ce, doc_source: torch.Tensor | None
+    ):
+        """Add this micro-batch's metrics to `sums` (laid out by `layout`; device ops only); per data source with
+        `doc_source`. Returns its blocks' stats."""
+        B = self.cfg.block_size
         stats = loss.block_stats(correct, x["weights"], B)
         weight = x["weights"].sum()
         values = torch.zeros_like(sums)
@@ -481,7 +483,7 @@ class Trainer:
         for m, x in enumerate(inputs):
             mean_loss, correct, ce = self._micro(m, x)
             (mean_loss * (x["weights"].sum() / total.clamp(min=1e-6))).backward()
-            self._count(self.sums, m, x, mean_loss, correct, ce, self.doc_source)
+            self._count(self.sums, self.layout, m, x, mean_loss, correct, ce, self.doc_source)
         if self.env.world_size > 1:
             dist.all_reduce(self.flat_grad)
         # Clipping on the flat buffer is one norm kernel and one scale, whatever the number of parameters.
@@ -497,7 +499,7 @@ class Trainer:
         with torch.no_grad():
             x = self._inputs(0, self.val_window)
             mean_loss, correct, ce = self._micro(0, x)
-            stats = self._count(self.val_sums, 0, x, mean_loss, correct, ce, self.val_doc_source)
+            stats = self._count(self.val_sums, self.val_layout, 0, x, mean_loss, correct, ce, self.val_doc_source)
             anchors = x["anchors"]
             column = torch.where(stats.counts.view_as(anchors), anchors, self.val_runs.shape[1] - 1)
             self.val_runs.scatter_(1, column, stats.runs.view_as(anchors).int())
@@ -667,15 +669,16 @@ class Trainer:
         finally:
             self.feed.drain()
             rows.close()
-        self.val_sums[self.layout["replay_rounds"]] += rounds
-        self.val_sums[self.layout["replay_tokens"]] += tokens
-        self.val_sums[self.layout["damaged_rows"]] += self.damaged.take_new()
+        layout = self.val_layout
+        self.val_sums[layout["replay_rounds"]] += rounds
+        self.val_sums[layout["replay_tokens"]] += tokens
+        self.val_sums[layout["damaged_rows"]] += self.damaged.take_new()
         if self.damaged.defer and any_rank(self.damaged.fatal is not None, self.env.world_size, self.device):
             raise self.damaged.fatal or reader.DamagedRow("another rank met a damaged held-out row (its log names it)")
         if self.env.world_size > 1:
             dist.all_reduce(self.val_sums)
         totals = self.val_sums.tolist()
-        return self.layout.record(totals, "val", step, self.val_source_names) if totals[self.layout["blocks"]] else None
+        return layout.record(totals, "val", step, self.val_source_names) if totals[layout["blocks"]] else None
 
     def _reader(self, store, steps, shape: reader.BatchShape) -> reader.RowReader:
         cfg = self.cfg

@@ -1087,6 +1087,24 @@ def test_training_reports_the_accept_length_of_each_source(two_source_store, tmp
     assert any(len(r["sources"]) == 2 for r in records if "sources" in r)
 
 
+def test_a_held_out_store_reports_its_own_sources(store, two_source_store, tmp_path):
+    """Validation on a --val-shards store reports that store's sources, whatever the training store holds: two
+    sources under a one-source training store, none under a two-source one."""
+    two, _, _ = two_source_store
+    for train_store, val_store, train_sources, val_sources in ((store, two, 0, 2), (two, store, 2, 0)):
+        out = tmp_path / f"run-{val_sources}"
+        run_training(config(train_store, out, max_steps=2, log_every=1, val_every=2, val_store=str(val_store)))
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        by_kind = {kind: [r for r in records if r["kind"] == kind] for kind in ("train", "val")}
+        assert by_kind["train"] and by_kind["val"]
+        assert all(len(r.get("sources", {})) <= train_sources for r in by_kind["train"])
+        assert any(len(r.get("sources", {})) == train_sources for r in by_kind["train"])
+        for record in by_kind["val"]:
+            assert len(record.get("sources", {})) == val_sources
+            if val_sources:
+                assert sum(s["blocks"] for s in record["sources"].values()) == record["blocks"]
+
+
 def test_a_one_source_store_has_no_per_source_metrics(store, tmp_path):
     assert Store.open(store).document_sources is None
     run_training(config(store, tmp_path / "run", max_steps=2, log_every=1))
