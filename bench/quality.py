@@ -369,10 +369,15 @@ def make_prompts(files: dict[str, str], count: int, chars: int, seed: int, one_p
             if prompt:
                 prompts.append({"text": prompt, "file": name})
         return prompts
-    while len(prompts) < count and names:
+    # Distinct prompts: the harvest keeps one copy of identical records, so a repeat would be answered for nothing.
+    seen = set()
+    for _ in range(100 * count):
+        if len(prompts) == count or not names:
+            break
         name = rng.choice(names)
         prompt = code_prompt(files[name], chars, rng)
-        if prompt:
+        if prompt and prompt not in seen:
+            seen.add(prompt)
             prompts.append({"text": prompt, "file": name})
     return prompts
 

@@ -23,3 +23,14 @@ def test_the_three_sets_are_disjoint_and_the_eval_set_does_not_move():
     assert not drafter0
     assert heldout0 == heldout
     assert set(train0) == set(train) | set(drafter)
+
+
+def test_the_drafters_prompts_are_distinct_and_stop_when_the_files_run_out():
+    """Drawn with replacement, prompts repeat; the harvest keeps one copy of a repeated record, so a repeat would
+    be answered for nothing. A corpus with fewer distinct prompts than asked gives all it has."""
+    files = {f"f{i}.py": "".join(f"line_{i}_{j} = {j}\n" for j in range(40)) for i in range(3)}
+    prompts = quality.make_prompts(files, 60, 20, seed=0, one_per_file=False)
+    texts = [p["text"] for p in prompts]
+    assert len(texts) == 60 == len(set(texts))
+    every = quality.make_prompts(files, 300, 20, seed=0, one_per_file=False)  # 3 x 40 lines: < 120
+    assert len({p["text"] for p in every}) == len(every) < 120
