@@ -62,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from dflash.data import jsonl_lines  # noqa: E402
 from dflash.errors import describe_differences  # noqa: E402
+from dflash.evaluate import tau_difference_interval, tau_interval, tau_ratio_interval  # noqa: E402
 from dflash.tiny import build_tokenizer  # noqa: E402
 
 logger = logging.getLogger("quality")
@@ -1191,33 +1192,6 @@ def merge_shares(
     )
     with named_drafters(drafter) as drafters:
         return evaluate(cfg, drafters=drafters, resume=merged)
-
-
-def tau_interval(
-    prompts: list[tuple[list[int], ...]], statistic=lambda tau: tau[0], draws: int = 5000, seed: int = 0
-) -> list[float]:
-    """95 % percentile-bootstrap interval over prompts of statistic(tau), tau the taus of the methods.
-
-    prompts: per prompt, the drafts accepted in each round by each method (in the same order on every prompt). A
-    draw takes as many prompts as there are, with replacement, and computes every method's tau over the drawn
-    prompts' rounds, as the report does (1 + accepted / rounds); `statistic` gets the [methods, draws] array and
-    returns one value per draw, so that a ratio or difference of two methods pairs them on the same prompts: the
-    interval says how far it could move on other prompts like these."""
-    counts = np.array([[x for accepted in row for x in (len(accepted), sum(accepted))] for row in prompts], np.float64)
-    drawn = counts[np.random.default_rng(seed).integers(0, len(prompts), size=(draws, len(prompts)))].sum(axis=1)
-    tau = 1 + drawn[:, 1::2] / drawn[:, 0::2]
-    return np.percentile(statistic(tau.T), [2.5, 97.5]).tolist()
-
-
-def tau_ratio_interval(pairs: list[tuple[list[int], list[int]]], draws: int = 5000, seed: int = 0) -> list[float]:
-    """95 % percentile-bootstrap interval of tau(a) / tau(b) over prompts; pairs: per prompt, (a's, b's) accepted
-    drafts per round (`tau_interval`)."""
-    return tau_interval(pairs, lambda tau: tau[0] / tau[1], draws, seed)
-
-
-def tau_difference_interval(pairs: list[tuple[list[int], list[int]]], draws: int = 5000, seed: int = 0) -> list[float]:
-    """The same of tau(a) - tau(b)."""
-    return tau_interval(pairs, lambda tau: tau[0] - tau[1], draws, seed)
 
 
 def bar(report, complete: bool) -> dict:

@@ -291,7 +291,14 @@ class EvalConfig:
     model: str = option(help="Target model folder.", path=True)
     # From Python, `data` may also be the prompt records themselves (any form a prompt file holds).
     data: str = option(help="Prompts JSONL: chat 'messages', 'text' or 'prompt'.", path=True)
-    drafter: str | None = option(None, "Exported drafter folder.", path=True)
+    # From Python, `drafter` may also be one folder.
+    drafter: list[str] = option(
+        help="Exported drafter folder; repeat it to compare drafters on the same prompts (each against the first, "
+        "paired over prompts).",
+        factory=list,
+        multiple=True,
+        default_doc=None,
+    )
     untrained: bool = option(False, "Use a randomly initialised drafter shaped from the target (baseline).")
     block_size: int = option(16, "Block size of the --untrained drafter.")
     num_prompts: int | None = option(None, "Only the first N prompts.", default_doc="all")
@@ -321,7 +328,10 @@ class EvalConfig:
 
         at_least = {"block_size": 2, "num_prompts": 1, "max_new_tokens": 1, "temperature": 0, "prompt_lookup": 0}
         _check_generation(self, at_least)
+        self.drafter = [self.drafter] if isinstance(self.drafter, (str, Path)) else list(self.drafter)
         if self.drafter and self.untrained:
             raise DflashError("give either --drafter or --untrained, not both")
+        if len(set(map(str, self.drafter))) < len(self.drafter):
+            raise DflashError("a --drafter folder is given twice; give each drafter to compare once")
         if self.resume and not self.json_path:
             raise DflashError("--resume goes on from the report at --json: give --json REPORT")

@@ -9,9 +9,10 @@ decoding's; a mismatch is reported with the plain target's top-2 logit gap there
 
 import hashlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from dflash.config import EvalConfig
@@ -81,22 +82,32 @@ class EvalReport:
     prompts: list[
         dict
     ]  # per prompt: index, prompt_tokens, prompt_sha256, plain {new_tokens, seconds}, runs {method: Run}
+    # Several drafters: each one's tau against the first one's, paired over the prompts (`compare_drafters`).
+    comparisons: dict[str, dict] = field(default_factory=dict)
 
     def table(self) -> str:
+        w = max(22, *(len(name) + 2 for name in self.methods))
         lines = [
             f"target {self.target}  drafter {self.drafter}  temperature {self.temperature}  "
             f"max_new_tokens {self.max_new_tokens}  {self.device} {self.dtype}  prompts {len(self.prompts)}",
-            f"{'method':<22}{'tau':>7}{'tokens/s':>11}{'speedup':>9}{'mismatches':>12}  accepted drafts per round (0, 1, ...)",
-            f"{'plain greedy':<22}{'-':>7}{self.plain_tokens_per_s:>11.1f}{'1.00x':>9}{'-':>12}",
+            f"{'method':<{w}}{'tau':>7}{'tokens/s':>11}{'speedup':>9}{'mismatches':>12}  accepted drafts per round (0, 1, ...)",
+            f"{'plain greedy':<{w}}{'-':>7}{self.plain_tokens_per_s:>11.1f}{'1.00x':>9}{'-':>12}",
         ]
         for m in self.methods.values():
             tau = f"{m.tau:.2f}" if m.tau is not None else "-"
             mismatches = "-" if m.mismatches is None else str(m.mismatches)
             histogram = " ".join(map(str, m.accepted_histogram)) or "-"
-            lines.append(f"{m.name:<22}{tau:>7}{m.tokens_per_s:>11.1f}{m.speedup:>8.2f}x{mismatches:>12}  {histogram}")
+            lines.append(f"{m.name:<{w}}{tau:>7}{m.tokens_per_s:>11.1f}{m.speedup:>8.2f}x{mismatches:>12}  {histogram}")
         for m in self.methods.values():
             if m.first_mismatch:
                 lines.append(f"{m.name}: first mismatch {m.first_mismatch}")
+        for name, c in self.comparisons.items():
+            low, high = c["difference_95"]
+            lines.append(
+                f"{name} - {c['reference']}: tau {c['difference']:+.3f} (95 %: {low:+.3f} to {high:+.3f}), "
+                f"{c['relative']:+.1%} ({low / c['reference_tau']:+.1%} to {high / c['reference_tau']:+.1%}), "
+                f"paired bootstrap over {c['prompts']} prompts"
+            )
         return "\n".join(lines)
 
     def prompt_table(self) -> str:
@@ -195,6 +206,33 @@ class GenerateLookupMethod:
         return sum(r.new_tokens for r in runs) / forwards if forwards else None
 
 
+def tau_interval(
+    prompts: list[tuple[list[int], ...]], statistic=lambda tau: tau[0], draws: int = 5000, seed: int = 0
+) -> list[float]:
+    """95 % percentile-bootstrap interval over prompts of statistic(tau), tau the taus of the methods.
+
+    prompts: per prompt, the drafts accepted in each round by each method (in the same order on every prompt). A
+    draw takes as many prompts as there are, with replacement, and computes every method's tau over the drawn
+    prompts' rounds, as the report does (1 + accepted / rounds); `statistic` gets the [methods, draws] array and
+    returns one value per draw, so that a ratio or difference of two methods pairs them on the same prompts: the
+    interval says how far it could move on other prompts like these."""
+    counts = np.array([[x for accepted in row for x in (len(accepted), sum(accepted))] for row in prompts], np.float64)
+    drawn = counts[np.random.default_rng(seed).integers(0, len(prompts), size=(draws, len(prompts)))].sum(axis=1)
+    tau = 1 + drawn[:, 1::2] / drawn[:, 0::2]
+    return np.percentile(statistic(tau.T), [2.5, 97.5]).tolist()
+
+
+def tau_ratio_interval(pairs: list[tuple[list[int], list[int]]], draws: int = 5000, seed: int = 0) -> list[float]:
+    """95 % percentile-bootstrap interval of tau(a) / tau(b) over prompts; pairs: per prompt, (a's, b's) accepted
+    drafts per round (`tau_interval`)."""
+    return tau_interval(pairs, lambda tau: tau[0] / tau[1], draws, seed)
+
+
+def tau_difference_interval(pairs: list[tuple[list[int], list[int]]], draws: int = 5000, seed: int = 0) -> list[float]:
+    """The same of tau(a) - tau(b)."""
+    return tau_interval(pairs, lambda tau: tau[0] - tau[1], draws, seed)
+
+
 def _summarise(name: str, method, rows: list[dict], plain_tokens_per_s: float) -> Method:
     """One method over the prompt rows (in prompt order) of a report."""
     runs = [row["runs"][name] for row in rows]
@@ -244,7 +282,7 @@ def evaluate(
     from tqdm import tqdm
 
     if drafters is None:
-        drafters = ["untrained"] if cfg.untrained else [cfg.drafter] if cfg.drafter else []
+        drafters = ["untrained"] if cfg.untrained else cfg.drafter
     if not drafters and not cfg.prompt_lookup:
         raise DflashError("nothing to evaluate: give --drafter, --untrained or --prompt-lookup N")
     for drafter in drafters:
@@ -271,10 +309,11 @@ def evaluate(
     methods = _methods(cfg, target, tokenizer, drafters, eos_ids)
     generator = torch.Generator(target.device).manual_seed(cfg.seed)
 
-    def report(rows: list[dict]) -> EvalReport:
+    def report(rows: list[dict], compare: bool = False) -> EvalReport:
         plain_tokens = sum(row["plain"]["new_tokens"] for row in rows)
         plain_seconds = sum(row["plain"]["seconds"] for row in rows)
         plain_tokens_per_s = plain_tokens / plain_seconds if plain_seconds else 0.0
+        summaries = {name: _summarise(name, method, rows, plain_tokens_per_s) for name, method in methods.items()}
         return EvalReport(
             target=str(cfg.model),
             drafter=", ".join(_drafter_label(d) for d in drafters) or None,
@@ -286,8 +325,9 @@ def evaluate(
             block_size=cfg.block_size,
             seed=cfg.seed,
             plain_tokens_per_s=plain_tokens_per_s,
-            methods={name: _summarise(name, method, rows, plain_tokens_per_s) for name, method in methods.items()},
+            methods=summaries,
             prompts=rows,
+            comparisons=compare_drafters(summaries, rows) if compare else {},
         )
 
     def in_order(rows: list[dict]) -> list[dict]:
@@ -314,7 +354,32 @@ def evaluate(
         ran += 1
         if on_prompt is not None:
             on_prompt(report(in_order(rows)))
-    return report(in_order(rows))
+    return report(in_order(rows), compare=True)
+
+
+def compare_drafters(methods: dict[str, Method], rows: list[dict]) -> dict[str, dict]:
+    """Each trained drafter's tau against the first one's when several are evaluated (`dflash[FOLDER]`): the
+    difference, relative to the first's tau, with its 95 % percentile-bootstrap interval over the prompts, both
+    drafters' rounds drawn on the same prompts (`tau_difference_interval`)."""
+    names = [name for name in methods if name.startswith("dflash[")]
+    if len(names) < 2 or not rows:
+        return {}
+    reference = names[0]
+    comparisons = {}
+    for name in names[1:]:
+        ref_tau, tau = methods[reference].tau, methods[name].tau
+        if ref_tau is None or tau is None:
+            continue
+        pairs = [(row["runs"][name].accepted, row["runs"][reference].accepted) for row in rows]
+        comparisons[name] = {
+            "reference": reference,
+            "reference_tau": ref_tau,
+            "difference": tau - ref_tau,
+            "difference_95": tau_difference_interval(pairs),
+            "relative": (tau - ref_tau) / ref_tau,
+            "prompts": len(rows),
+        }
+    return comparisons
 
 
 def _resumed_rows(earlier: dict, empty: EvalReport, encoded: list[torch.Tensor]) -> list[dict]:
@@ -383,9 +448,10 @@ def _drafter_label(drafter) -> str:
 
 def _methods(cfg: EvalConfig, target, tokenizer, drafters: list, eos_ids: set[int]) -> dict:
     methods = {}
+    several = sum(isinstance(d, (str, Path)) and d != "untrained" for d in drafters) > 1
     for drafter in drafters:
         model, config = _drafter_and_config(drafter, target, tokenizer, cfg.block_size, cfg.seed)
-        name = "untrained-dflash" if drafter == "untrained" else "dflash"
+        name = "untrained-dflash" if drafter == "untrained" else f"dflash[{drafter}]" if several else "dflash"
         if name in methods:
             raise DflashError(f"two drafters would both be reported as {name!r}; evaluate them in separate runs")
         methods[name] = SpeculativeMethod(DFlashProposer(model, config, target), config.block_size - 1, cfg.temperature)

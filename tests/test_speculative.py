@@ -309,6 +309,76 @@ def test_evaluate_several_drafters_against_one_plain_run_within_a_time_budget(ti
         evaluate(dataclasses.replace(cfg, data=PROMPTS, max_new_tokens=4), drafters=["untrained", "untrained"])
 
 
+def test_eval_compares_several_drafters_paired_over_the_prompts(tiny_target, tmp_path):
+    """`--drafter A --drafter B ...`: every drafter on the same prompts, each compared with the first (a copy of A
+    differs by exactly 0); the same folder twice is refused."""
+    import shutil
+    from pathlib import Path
+
+    from cli.main import main
+    from dflash.drafter import export_drafter
+    from dflash.evaluate import untrained_drafter
+
+    target_path = tiny_target("qwen3_5")
+    target, tokenizer = load_target(target_path, "cpu", "float32")
+    a, b, copy = (str(tmp_path / name) for name in ("a", "b", "copy"))
+    for seed, folder in ((1, a), (2, b)):
+        export_drafter(*untrained_drafter(target, tokenizer, BLOCK, seed=seed), Path(folder))
+    shutil.copytree(a, copy)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS * 2))
+    out = tmp_path / "report.json"
+    args = ["eval", "--model", str(target_path), "--data", str(data), "--max-new-tokens", "10", "--device", "cpu"]
+    args += ["--prompt-lookup", "0", "--json", str(out)]
+    result = CliRunner().invoke(main, args + ["--drafter", a, "--drafter", b, "--drafter", copy])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert list(report["methods"]) == [f"dflash[{a}]", f"dflash[{b}]", f"dflash[{copy}]"]
+    same = report["comparisons"][f"dflash[{copy}]"]
+    assert same["difference"] == 0 and same["difference_95"] == [0, 0]
+    other = report["comparisons"][f"dflash[{b}]"]
+    taus = {name: m["tau"] for name, m in report["methods"].items()}
+    assert other["reference"] == f"dflash[{a}]" and other["difference"] == pytest.approx(
+        taus[f"dflash[{b}]"] - taus[f"dflash[{a}]"]
+    )
+    assert f"dflash[{b}] - dflash[{a}]: tau" in result.output
+    twice = CliRunner().invoke(main, args[:-2] + ["--drafter", a, "--drafter", a])
+    assert twice.exit_code == 2 and "given twice" in twice.output
+
+
+def test_drafter_comparison_equals_a_loop_over_the_same_bootstrap_draws():
+    """compare_drafters: tau difference to the first drafter and its 95 % interval, each draw taking both drafters'
+    rounds on the same prompts; checked against a plain loop in float64 over the same draws."""
+    import types
+
+    import numpy as np
+
+    from dflash.evaluate import Run, compare_drafters
+
+    rng = np.random.default_rng(7)
+    names = ["dflash[a]", "dflash[b]", "prompt-lookup"]
+    rows = [
+        {"runs": {n: Run(0, 0.0, 0, None, rng.integers(0, 16, rng.integers(1, 9)).tolist()) for n in names}}
+        for _ in range(11)
+    ]
+
+    def tau(rounds):
+        return sum(x + 1 for x in rounds) / len(rounds)
+
+    methods = {n: types.SimpleNamespace(tau=tau([x for r in rows for x in r["runs"][n].accepted])) for n in names}
+    result = compare_drafters(methods, rows)
+    assert list(result) == ["dflash[b]"]  # prompt lookup is not a drafter of the comparison
+    b = result["dflash[b]"]
+    assert b["difference"] == pytest.approx(methods["dflash[b]"].tau - methods["dflash[a]"].tau, abs=1e-12)
+    assert b["relative"] == pytest.approx(b["difference"] / methods["dflash[a]"].tau, abs=1e-12)
+    differences = []
+    for drawn in np.random.default_rng(0).integers(0, len(rows), size=(5000, len(rows))):
+        a_rounds, b_rounds = ([x for i in drawn for x in rows[i]["runs"][n].accepted] for n in names[:2])
+        differences.append(tau(b_rounds) - tau(a_rounds))
+    assert b["difference_95"] == pytest.approx(np.percentile(differences, [2.5, 97.5]).tolist(), abs=1e-12)
+    assert b["difference_95"][0] < b["difference_95"][1]
+
+
 def test_evaluate_resumes_a_partial_report(tiny_target):
     prompts = PROMPTS + [{"prompt": "import os\nimport sys\n\ndef main():\n"}]
     cfg = EvalConfig(
