@@ -1117,30 +1117,10 @@ def share_path(work: Path, name: str, share: tuple[int, int]) -> Path:
     return work / f"{name}_{share[0]}of{share[1]}.json"
 
 
-@contextlib.contextmanager
-def named_drafters(drafters: str | dict[str, str]):
-    """The `drafters` list for `evaluate` of a run's drafter: one folder (or "untrained"), or {report name:
-    folder} for several trained drafters in one run, which `evaluate` would all name "dflash" (and refuse):
-    while it runs, its method table names each drafter's method by its key."""
-    import dflash.evaluate as evaluation
-
-    if isinstance(drafters, str):
-        yield [drafters]
-        return
-    build = evaluation._methods
-
-    def methods(cfg, target, tokenizer, folders, eos_ids):
-        named = {}
-        for name, folder in zip(drafters, folders):
-            (method,) = build(dataclasses.replace(cfg, prompt_lookup=0), target, tokenizer, [folder], eos_ids).values()
-            named[name] = method
-        return {**named, **build(cfg, target, tokenizer, [], eos_ids)}
-
-    evaluation._methods = methods
-    try:
-        yield list(drafters.values())
-    finally:
-        evaluation._methods = build
+def named_drafters(drafters: str | dict[str, str]) -> list[str] | dict[str, str]:
+    """`evaluate`'s drafters for a run's drafter: one folder (or "untrained"), or {method name: folder} for the
+    drafters of the store modes, evaluated on the same prompts as the bf16 one."""
+    return [drafters] if isinstance(drafters, str) else drafters
 
 
 def evaluate_share(runs: dict, share: tuple[int, int], work: Path, budget: float | None, **settings):
@@ -1164,13 +1144,12 @@ def evaluate_share(runs: dict, share: tuple[int, int], work: Path, budget: float
                 else f"going on after {done} of {len(subset)} prompts",
             )
         left = None if budget is None or name == "eval_baseline" else max(0.0, budget - (time.perf_counter() - start))
-        with named_drafters(drafter) as drafters:
-            evaluate(
-                EvalConfig(data=subset, prompt_lookup=lookup, time_budget=left, **settings),
-                drafters=drafters,
-                resume=earlier,
-                on_prompt=lambda partial, path=path: write_json_atomic(path, asdict(partial)),
-            )
+        evaluate(
+            EvalConfig(data=subset, prompt_lookup=lookup, time_budget=left, **settings),
+            drafters=named_drafters(drafter),
+            resume=earlier,
+            on_prompt=lambda partial, path=path: write_json_atomic(path, asdict(partial)),
+        )
 
 
 def merge_shares(
@@ -1190,8 +1169,7 @@ def merge_shares(
     cfg = EvalConfig(
         data=records, prompt_lookup=lookup, time_budget=0.0, warmup=False, **{**settings, "min_prompts": 0}
     )
-    with named_drafters(drafter) as drafters:
-        return evaluate(cfg, drafters=drafters, resume=merged)
+    return evaluate(cfg, drafters=named_drafters(drafter), resume=merged)
 
 
 def bar(report, complete: bool) -> dict:

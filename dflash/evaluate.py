@@ -266,15 +266,21 @@ def _summarise(name: str, method, rows: list[dict], plain_tokens_per_s: float) -
 
 
 def evaluate(
-    cfg: EvalConfig, *, drafters: list | None = None, resume: dict | None = None, on_prompt=None, progress: bool = False
+    cfg: EvalConfig,
+    *,
+    drafters: list | dict | None = None,
+    resume: dict | None = None,
+    on_prompt=None,
+    progress: bool = False,
 ) -> EvalReport:
     """Plain greedy decoding, then each method, prompt by prompt; tokens/s and speedups compare measurements of the
     same process (or, resumed, of the runs that made the report: same settings and device), and plain greedy is
     every method's reference.
 
     `drafters`: the drafters to compare, each an exported drafter folder, "untrained" (random init from the
-    target's config with `cfg.block_size`, the baseline) or a `(model, config)` pair; None takes `cfg.drafter`
-    or `cfg.untrained`. `cfg.data`: a JSONL path or a list of records as a prompt file holds them.
+    target's config with `cfg.block_size`, the baseline) or a `(model, config)` pair, named by `drafter_names`,
+    or {method name: drafter}; None takes `cfg.drafter` or `cfg.untrained`. Several trained drafters are each
+    compared with the first (`compare_drafters`). `cfg.data`: a JSONL path or a list of records as a prompt file holds them.
     `on_prompt(report)`: called after each prompt with the report so far (to save it). `resume`: an earlier,
     partial report of this evaluation as a JSON object: its prompts are not run again and count in the totals,
     so that a long eval can be spread over several runs.
@@ -285,6 +291,8 @@ def evaluate(
         drafters = ["untrained"] if cfg.untrained else cfg.drafter
     if not drafters and not cfg.prompt_lookup:
         raise DflashError("nothing to evaluate: give --drafter, --untrained or --prompt-lookup N")
+    named = drafters if isinstance(drafters, dict) else drafter_names(drafters)
+    drafters = list(named.values())
     for drafter in drafters:
         if isinstance(drafter, (str, Path)) and drafter != "untrained" and not Path(drafter).is_dir():
             what = "is a file, not a folder" if Path(drafter).exists() else "does not exist"
@@ -306,7 +314,8 @@ def evaluate(
         ) from None
     eos_ids = eos_token_ids(target, tokenizer)
     encoded = [torch.tensor(encode_prompt(tokenizer, r), device=target.device) for r in records]
-    methods = _methods(cfg, target, tokenizer, drafters, eos_ids)
+    methods = _methods(cfg, target, tokenizer, named, eos_ids)
+    trained = [name for name, drafter in named.items() if drafter != "untrained"]
     generator = torch.Generator(target.device).manual_seed(cfg.seed)
 
     def report(rows: list[dict], compare: bool = False) -> EvalReport:
@@ -327,7 +336,7 @@ def evaluate(
             plain_tokens_per_s=plain_tokens_per_s,
             methods=summaries,
             prompts=rows,
-            comparisons=compare_drafters(summaries, rows) if compare else {},
+            comparisons=compare_drafters(summaries, rows, trained) if compare else {},
         )
 
     def in_order(rows: list[dict]) -> list[dict]:
@@ -357,11 +366,10 @@ def evaluate(
     return report(in_order(rows), compare=True)
 
 
-def compare_drafters(methods: dict[str, Method], rows: list[dict]) -> dict[str, dict]:
-    """Each trained drafter's tau against the first one's when several are evaluated (`dflash[FOLDER]`): the
+def compare_drafters(methods: dict[str, Method], rows: list[dict], names: list[str]) -> dict[str, dict]:
+    """Each of the methods `names[1:]` against `names[0]` (the trained drafters, in the order given): the tau
     difference, relative to the first's tau, with its 95 % percentile-bootstrap interval over the prompts, both
     drafters' rounds drawn on the same prompts (`tau_difference_interval`)."""
-    names = [name for name in methods if name.startswith("dflash[")]
     if len(names) < 2 or not rows:
         return {}
     reference = names[0]
@@ -446,14 +454,29 @@ def _drafter_label(drafter) -> str:
     return str(drafter) if isinstance(drafter, (str, Path)) else "in-memory"
 
 
-def _methods(cfg: EvalConfig, target, tokenizer, drafters: list, eos_ids: set[int]) -> dict:
-    methods = {}
-    several = sum(isinstance(d, (str, Path)) and d != "untrained" for d in drafters) > 1
+def drafter_names(drafters: list) -> dict:
+    """{method name: drafter}: "dflash" for a trained drafter, "dflash[FOLDER]" for each of several,
+    "untrained-dflash" for the baseline."""
+    several = sum(d != "untrained" for d in drafters) > 1
+    named = {}
     for drafter in drafters:
-        model, config = _drafter_and_config(drafter, target, tokenizer, cfg.block_size, cfg.seed)
-        name = "untrained-dflash" if drafter == "untrained" else f"dflash[{drafter}]" if several else "dflash"
-        if name in methods:
+        name = (
+            "untrained-dflash"
+            if drafter == "untrained"
+            else f"dflash[{_drafter_label(drafter)}]"
+            if several
+            else "dflash"
+        )
+        if name in named:
             raise DflashError(f"two drafters would both be reported as {name!r}; evaluate them in separate runs")
+        named[name] = drafter
+    return named
+
+
+def _methods(cfg: EvalConfig, target, tokenizer, named: dict, eos_ids: set[int]) -> dict:
+    methods = {}
+    for name, drafter in named.items():
+        model, config = _drafter_and_config(drafter, target, tokenizer, cfg.block_size, cfg.seed)
         methods[name] = SpeculativeMethod(DFlashProposer(model, config, target), config.block_size - 1, cfg.temperature)
     if cfg.prompt_lookup:
         proposer = PromptLookupProposer(cfg.prompt_lookup, eos_ids=eos_ids)

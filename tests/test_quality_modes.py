@@ -152,7 +152,7 @@ def test_several_trained_drafters_in_one_run(tiny_target, tmp_path):
     quality.evaluate_share({"eval_m": (drafters, prompts, 4)}, (0, 1), tmp_path, budget=None, **settings)
     merged = quality.merge_shares("eval_m", drafters, prompts, 4, 1, tmp_path, settings)
     assert set(merged.methods) == {"dflash", "dflash[fp8]", "prompt-lookup"}
-    assert evaluation._methods.__module__ == "dflash.evaluate"  # the naming is undone
+    assert list(merged.comparisons) == ["dflash[fp8]"] and merged.comparisons["dflash[fp8]"]["reference"] == "dflash"
     alone = evaluation.evaluate(
         EvalConfig(target_path, prompts, drafter=folders[1], max_new_tokens=8, device="cpu", prompt_lookup=0)
     )
