@@ -62,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from dflash.data import jsonl_lines  # noqa: E402
 from dflash.errors import describe_differences  # noqa: E402
-from dflash.evaluate import tau_difference_interval, tau_interval, tau_ratio_interval  # noqa: E402
+from dflash.evaluate import tau_interval, tau_ratio_interval  # noqa: E402
 from dflash.tiny import build_tokenizer  # noqa: E402
 
 logger = logging.getLogger("quality")
@@ -1220,7 +1220,6 @@ def mode_rows(report, complete: bool, modes: dict) -> list[dict]:
             if {mode.method, BF16.method} <= r["runs"].keys()
         ]
         tau = method.tau if method else None
-        difference = tau - reference if tau is not None and reference is not None else None
         row = {
             "mode": mode.name,
             "bytes_per_token": store["bytes_per_token"],
@@ -1238,10 +1237,11 @@ def mode_rows(report, complete: bool, modes: dict) -> list[dict]:
             "data_wait": data_wait_share(drafter["records"]),
         }
         if mode != BF16:
-            relative = difference / reference if difference is not None and reference else None
-            interval = tau_difference_interval(prompts) if prompts and difference is not None else None
+            # evaluate compared each mode's drafter with the bf16 one (the first), paired over the same prompts
+            comparison = report.comparisons.get(mode.method, {})
+            relative, interval = comparison.get("relative"), comparison.get("difference_95")
             row.update(
-                difference=difference,
+                difference=comparison.get("difference"),
                 difference_95=interval,
                 relative=relative,
                 # the bar, as measured: the point estimate, and whether the whole interval stays within it

@@ -15,6 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import quality  # noqa: E402
 from quality import BF16, StoreMode  # noqa: E402
 
+from dflash.evaluate import compare_drafters, tau_difference_interval  # noqa: E402
+
 # Two prompts, the drafts accepted per round by a mode's drafter and by the bf16 drafter (as in test_quality_calls):
 # prompt A: taus 1 + 18/3 = 7 and 1 + 1/4 = 1.25; prompt B: 1 + 1/2 = 1.5 and 1 + 4/2 = 3.
 A, B = ([3, 0, 15], [0, 0, 1, 0]), ([0, 1], [2, 2])
@@ -45,7 +47,7 @@ def test_tau_intervals_of_two_prompts_are_the_one_prompt_draws():
     (each 1/4 likely). The difference is taken on each draw: {A, A} gives 7 - 1.25, {B, B} 1.5 - 3."""
     assert quality.tau_interval([(A[0],), (B[0],)]) == pytest.approx([1.5, 7])
     assert quality.tau_interval([A, B]) == pytest.approx([1.5, 7])  # the first method's tau by default
-    assert quality.tau_difference_interval([A, B]) == pytest.approx([1.5 - 3, 7 - 1.25])
+    assert tau_difference_interval([A, B]) == pytest.approx([1.5 - 3, 7 - 1.25])
     assert quality.tau_ratio_interval([A, B]) == pytest.approx([1.5 / 3, 7 / 1.25])  # as before the helper
 
 
@@ -53,9 +55,9 @@ def test_the_difference_is_paired_on_the_same_prompts():
     """One more draft accepted in every round than bf16: tau is bf16's + 1 on every draw, so the difference's
     interval is exactly [1, 1], however far each tau alone moves from prompt to prompt."""
     plus_one = [([a + 1 for a in A[1]], A[1]), ([a + 1 for a in B[1]], B[1])]
-    assert quality.tau_difference_interval(plus_one) == pytest.approx([1, 1])
+    assert tau_difference_interval(plus_one) == pytest.approx([1, 1])
     assert quality.tau_interval([(A[1],), (B[1],)]) == pytest.approx([1.25, 3])
-    assert quality.tau_difference_interval([(A[1], A[1]), (B[1], B[1])]) == pytest.approx([0, 0])
+    assert tau_difference_interval([(A[1], A[1]), (B[1], B[1])]) == pytest.approx([0, 0])
 
 
 def test_data_wait_share_weights_each_record_by_its_time():
@@ -92,9 +94,10 @@ def test_the_mode_table_of_two_prompts():
         sub.method: SimpleNamespace(tau=1 + 5 / 6, mismatches=1),
         "prompt-lookup": SimpleNamespace(tau=1.0, mismatches=0),
     }
-    report = SimpleNamespace(
-        methods=methods, prompts=[{"runs": {k: SimpleNamespace(accepted=v) for k, v in r.items()}} for r in runs]
-    )
+    prompts = [{"runs": {k: SimpleNamespace(accepted=v) for k, v in r.items()}} for r in runs]
+    # evaluate's comparison of each mode's drafter with the bf16 one, which the table reads
+    comparisons = compare_drafters(methods, prompts, [BF16.method, fp8.method, sub.method])
+    report = SimpleNamespace(methods=methods, prompts=prompts, comparisons=comparisons)
     modes = {"bf16": fake_mode(BF16, 0.8), "fp8": fake_mode(fp8, 0.4), sub.name: fake_mode(sub, 0.11, 0.96)}
     rows = quality.mode_rows(report, True, modes)
     assert [r["mode"] for r in rows] == ["bf16", "fp8", "sub1/4+fp8"]
