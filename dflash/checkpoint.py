@@ -293,7 +293,7 @@ class Checkpointer:
                     shutil.rmtree(stale, ignore_errors=True)
                 tmp.mkdir(parents=True)
             self._barrier()
-            rng = {"torch": torch.get_rng_state(), "save_id": save_id, "sums": trainer.sums.detach().cpu()}
+            rng = {"torch": torch.get_rng_state(), "save_id": save_id, "sums": trainer.train_tally.sums.detach().cpu()}
             if trainer.cuda:
                 rng["cuda"] = torch.cuda.get_rng_state(trainer.device)
             _write(tmp / f"rng_rank{self.rank}.pt", rng)
@@ -358,8 +358,8 @@ class Checkpointer:
         torch.set_rng_state(rng["torch"])
         if trainer.cuda and "cuda" in rng:
             torch.cuda.set_rng_state(rng["cuda"], trainer.device)
-        if "sums" in rng and rng["sums"].shape == trainer.sums.shape:
-            trainer.sums.copy_(rng["sums"])
+        if "sums" in rng and rng["sums"].shape == trainer.train_tally.sums.shape:
+            trainer.train_tally.sums.copy_(rng["sums"])
 
     def check_replicas(self, trainer):
         """Every rank must hold the same weights (same gradients, same update): compare per-tensor checksums."""

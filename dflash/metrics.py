@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -88,6 +89,20 @@ class SumsLayout:
 
 
 SOURCE_SUMS = ("accepted", "blocks", "loss_sum", "weight_sum")  # per data source, as the scalars of the same name
+
+
+@dataclass
+class Tally:
+    """The metric sums of one kind of step (train or validation) on the device, laid out by `layout`, split by the
+    data sources of the store it reads when it has several (`doc_source`: each doc id's source; else None)."""
+
+    layout: SumsLayout
+    sums: torch.Tensor
+    source_names: list[str]
+    doc_source: torch.Tensor | None
+
+    def record(self, totals: list[float], kind: str, step: int) -> dict:
+        return self.layout.record(totals, kind, step, self.source_names)
 
 
 def source_sums(per_block: list[torch.Tensor], sources: torch.Tensor, count: int) -> torch.Tensor:
@@ -174,17 +189,18 @@ class Meter:
     def read(self, step: int) -> dict:
         trainer, world_size = self.trainer, self.trainer.env.world_size
         new_damaged = trainer.damaged.take_new()
+        tally = trainer.train_tally
         if new_damaged:  # counted on the host by the readers
-            trainer.sums[trainer.layout["damaged_rows"]] += new_damaged
+            tally.sums[tally.layout["damaged_rows"]] += new_damaged
         if world_size > 1:  # sums over all ranks: the record describes the global batch
-            dist.all_reduce(trainer.sums)
-        sums = trainer.sums.tolist()  # the one host sync of a log step
-        trainer.sums.zero_()
+            dist.all_reduce(tally.sums)
+        sums = tally.sums.tolist()  # the one host sync of a log step
+        tally.sums.zero_()
         now = time.perf_counter()
         elapsed, self.last = now - self.last, now
-        layout, B = trainer.layout, trainer.cfg.block_size
+        layout, B = tally.layout, trainer.cfg.block_size
         steps = max(sums[layout["steps"]], 1)  # summed over ranks, like grad_norm
-        record = layout.record(sums, "train", step, trainer.source_names)
+        record = tally.record(sums, "train", step)
         labelled = sum(sums[layout.counted])
         drafted = sums[layout["blocks"]] * B
         lifted = trainer.encoding.width if trainer.lift is not None else 0

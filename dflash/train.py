@@ -49,6 +49,7 @@ from dflash.metrics import (
     Meter,
     MetricsLog,
     SumsLayout,
+    Tally,
     drop_records_after,
     read_records,
     source_sums,
@@ -125,13 +126,15 @@ STORE_FIXED_FIELDS = {
 }
 
 
-def source_map(store: Store, device) -> tuple[list[str], torch.Tensor | None]:
-    """A store's data sources and each doc id's source on the device, for metrics per source; ([], None) for a
-    store of one source."""
-    if store.document_sources is None or len(store.manifest.sources) < 2:
-        return [], None
-    names = [source["source"] for source in store.manifest.sources]
-    return names, torch.from_numpy(store.document_sources.astype(np.int64)).to(device)
+def tally_for(store: Store, block_size: int, device) -> Tally:
+    """Zeroed metric sums for the steps over `store`: split by its data sources when it has several, with each doc
+    id's source on the device."""
+    names, doc_source = [], None
+    if store.document_sources is not None and len(store.manifest.sources) > 1:
+        names = [source["source"] for source in store.manifest.sources]
+        doc_source = torch.from_numpy(store.document_sources.astype(np.int64)).to(device)
+    layout = SumsLayout(block_size, len(names))
+    return Tally(layout, layout.zeros(device), names, doc_source)
 
 
 def drafter_config(cfg: TrainConfig, store: Store, target_path: str) -> DrafterConfig:
@@ -305,10 +308,9 @@ class Trainer:
         self.shape = reader.BatchShape(cfg.grad_accum, cfg.rows_per_step, reader.row_fields(self.store.row_layout))
         self.static = graph.StaticBuffers(reader.allocate_batch(self.shape, self.device))
         self.feed = reader.DeviceFeed(self.static)
-        # Per data source metrics: each doc id's source on the device, for a store of several sources.
-        self.source_names, self.doc_source = source_map(self.store, self.device)
-        self.layout = SumsLayout(cfg.block_size, len(self.source_names))
-        self.sums = self.layout.zeros(self.device)  # the metric sums of the steps since the last log step
+        self.train_tally = tally_for(
+            self.store, cfg.block_size, self.device
+        )  # the sums of the steps since the last log
         # Validation anchors every eligible position, one window of A positions per replay of its step, and
         # keeps the drafts accepted at each one for the replay of decoding (-1: no counted anchor; column T
         # takes the invalid anchors' writes).
@@ -316,17 +318,15 @@ class Trainer:
         self.val_window = torch.zeros((), dtype=torch.int64, device=self.device)
         self.val_runs = torch.full((cfg.rows_per_step, T + 1), -1, dtype=torch.int32, device=self.device)
 
-        self.val_store, self.val_source_names, self.val_doc_source = self.store, self.source_names, self.doc_source
+        self.val_store = self.store
         if cfg.val_store:
             self.val_store = Store.open(cfg.val_store)
             check_val_store(self.store, self.val_store, cfg.store, cfg.val_store)
-            self.val_source_names, self.val_doc_source = source_map(self.val_store, self.device)
+            self.val_tally = tally_for(self.val_store, cfg.block_size, self.device)  # its own sources
             train_rows, val_rows = np.arange(self.store.num_rows), np.arange(self.val_store.num_rows)
-        else:
+        else:  # held-out rows of the training store: its sources, and their map on the device
+            self.val_tally = dataclasses.replace(self.train_tally, sums=self.train_tally.layout.zeros(self.device))
             train_rows, val_rows = reader.split_rows(self.store.num_rows, cfg.val_fraction)
-        # A held-out store of other sources than the training store's has its own per-source slots.
-        self.val_layout = SumsLayout(cfg.block_size, len(self.val_source_names))
-        self.val_sums = self.val_layout.zeros(self.device)
         rows_per_step = self.shape.rows_per_step
         self.plan = reader.DataPlan(train_rows, val_rows, rows_per_step, cfg.seed, env.rank, env.world_size)
         if self.plan.steps_per_epoch == 0:
@@ -442,12 +442,10 @@ class Trainer:
             stored = s["hidden"][m].to(self.mm_dtype)
         return stored if self.lift is None else stored @ self.lift
 
-    def _count(
-        self, sums, layout: SumsLayout, m: int, x: dict, mean_loss, correct, ce, doc_source: torch.Tensor | None
-    ):
-        """Add this micro-batch's metrics to `sums` (laid out by `layout`; device ops only); per data source with
-        `doc_source`. Returns its blocks' stats."""
-        B = self.cfg.block_size
+    def _count(self, tally: Tally, m: int, x: dict, mean_loss, correct, ce):
+        """Add this micro-batch's metrics to `tally`'s sums (device ops only), per data source when it has several.
+        Returns its blocks' stats."""
+        B, layout, sums, doc_source = self.cfg.block_size, tally.layout, tally.sums, tally.doc_source
         stats = loss.block_stats(correct, x["weights"], B)
         weight = x["weights"].sum()
         values = torch.zeros_like(sums)
@@ -483,7 +481,7 @@ class Trainer:
         for m, x in enumerate(inputs):
             mean_loss, correct, ce = self._micro(m, x)
             (mean_loss * (x["weights"].sum() / total.clamp(min=1e-6))).backward()
-            self._count(self.sums, self.layout, m, x, mean_loss, correct, ce, self.doc_source)
+            self._count(self.train_tally, m, x, mean_loss, correct, ce)
         if self.env.world_size > 1:
             dist.all_reduce(self.flat_grad)
         # Clipping on the flat buffer is one norm kernel and one scale, whatever the number of parameters.
@@ -492,14 +490,15 @@ class Trainer:
         self.lr_t.copy_(learning_rate(self.step_t, cfg, self.total_steps))
         self.optimizer.step()
         self.step_t += 1
-        self.sums[self.layout["grad_norm"]] += norm
-        self.sums[self.layout["steps"]] += 1
+        train = self.train_tally
+        train.sums[train.layout["grad_norm"]] += norm
+        train.sums[train.layout["steps"]] += 1
 
     def _val_step(self):
         with torch.no_grad():
             x = self._inputs(0, self.val_window)
             mean_loss, correct, ce = self._micro(0, x)
-            stats = self._count(self.val_sums, self.val_layout, 0, x, mean_loss, correct, ce, self.val_doc_source)
+            stats = self._count(self.val_tally, 0, x, mean_loss, correct, ce)
             anchors = x["anchors"]
             column = torch.where(stats.counts.view_as(anchors), anchors, self.val_runs.shape[1] - 1)
             self.val_runs.scatter_(1, column, stats.runs.view_as(anchors).int())
@@ -527,8 +526,8 @@ class Trainer:
                 for value in state.values():
                     value.zero_()
             self.step_t.zero_()
-        self.sums.zero_()
-        self.val_sums.zero_()
+        self.train_tally.sums.zero_()
+        self.val_tally.sums.zero_()
         if checkpoint is not None:
             self.checkpoints.load(self, checkpoint)  # (with the sums of its steps after the last record)
         elif self.env.world_size > 1:
@@ -653,7 +652,8 @@ class Trainer:
         --val-fraction 0)."""
         shape = dataclasses.replace(self.shape, micro_batches=1)
         rows = self._reader(self.val_store, self.plan.val_batches(self.cfg.rows_per_step), shape)
-        self.val_sums.zero_()
+        val = self.val_tally
+        val.sums.zero_()
         rounds = tokens = 0
         try:
             with graph.no_recompiles():
@@ -669,16 +669,16 @@ class Trainer:
         finally:
             self.feed.drain()
             rows.close()
-        layout = self.val_layout
-        self.val_sums[layout["replay_rounds"]] += rounds
-        self.val_sums[layout["replay_tokens"]] += tokens
-        self.val_sums[layout["damaged_rows"]] += self.damaged.take_new()
+        layout = val.layout
+        val.sums[layout["replay_rounds"]] += rounds
+        val.sums[layout["replay_tokens"]] += tokens
+        val.sums[layout["damaged_rows"]] += self.damaged.take_new()
         if self.damaged.defer and any_rank(self.damaged.fatal is not None, self.env.world_size, self.device):
             raise self.damaged.fatal or reader.DamagedRow("another rank met a damaged held-out row (its log names it)")
         if self.env.world_size > 1:
-            dist.all_reduce(self.val_sums)
-        totals = self.val_sums.tolist()
-        return layout.record(totals, "val", step, self.val_source_names) if totals[layout["blocks"]] else None
+            dist.all_reduce(val.sums)
+        totals = val.sums.tolist()
+        return val.record(totals, "val", step) if totals[layout["blocks"]] else None
 
     def _reader(self, store, steps, shape: reader.BatchShape) -> reader.RowReader:
         cfg = self.cfg
