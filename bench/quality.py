@@ -654,19 +654,22 @@ def drafter_steps(scale: Scale, rows: int) -> int:
     return min(scale.drafter_epochs * (rows // scale.rows_per_step), scale.drafter_max_steps)
 
 
-def train_drafter(scale: Scale, store: str, val_store: str, out: Path, steps: int, device, seed: int) -> dict:
-    """`run_training` of the quality run's drafter (5 layers, B = 16) on `store`, validated on `val_store` 8 times
-    over the run; its final numbers, held-out curve and metric records."""
+def train_drafter(
+    scale: Scale, store: str, val_store: str, out: Path, steps: int, device, seed: int, overrides: dict | None = None
+) -> dict:
+    """`run_training` of the quality run's drafter (5 layers, B = 16, DFlash unless `overrides` say otherwise) on
+    `store`, validated on `val_store` 8 times over the run; its final numbers, held-out curve and metric records."""
     from dflash.config import TrainConfig
     from dflash.train import run_training
 
     cuda = str(device).startswith("cuda")
     result = run_training(
         TrainConfig(
+            **(overrides or {}),
             store=str(store),
             out=str(out),
             draft_layers=5,
-            block_size=16,
+            block_size=(overrides or {}).get("block_size", 16),
             rows_per_step=scale.rows_per_step,
             max_steps=max(steps, 1),
             val_store=str(val_store),
@@ -711,11 +714,21 @@ MODES = "modes"  # WORK/modes/FOLDER: a store mode's stores and drafter run
 
 @dataclass(frozen=True)
 class StoreMode:
-    """A feature encoding of the store (issue 16), as `--modes` names it, with its harvest options."""
+    """A variant of the drafter run, as `--modes` names it: a feature encoding of the store (issue 16) with its
+    harvest options, or a drafter method on the bf16 store (issue 23) with its training options."""
 
     name: str
     precision: str = "bf16"
     subspace: str = "none"  # HarvestConfig.subspace: K or a fraction of the feature width ("1/4")
+    train: tuple = ()  # TrainConfig overrides, (field, value) pairs
+
+    def __post_init__(self):  # read back from JSON: lists of lists
+        object.__setattr__(self, "train", tuple(tuple(pair) for pair in self.train))
+
+    @property
+    def on_bf16_store(self) -> bool:
+        """A method variant trains on the bf16 run's own stores: nothing to harvest."""
+        return (self.precision, self.subspace) == ("bf16", "none")
 
     @property
     def folder(self) -> str:
@@ -729,6 +742,15 @@ class StoreMode:
 
 BF16 = StoreMode("bf16")
 
+# Drafter methods and loss options on the bf16 store (issue 23), by --modes name; "bf16" is DFlash (v1, decay).
+METHOD_VARIANTS = {
+    "dpace": {"position_weights": "dpace"},
+    "dflash2": {"method": "dflash2"},
+    "dflash2-dpace": {"method": "dflash2", "position_weights": "dpace"},
+    "dflash2-drop": {"method": "dflash2", "selector_outside": "drop"},
+    "dflash2-b8": {"method": "dflash2", "block_size": 8},
+}
+
 
 def parse_modes(text: str) -> list[StoreMode]:
     """`--modes`: store modes besides bf16, comma-separated: `fp8` (e4m3 values), `subK` or `subA/B` (the top K
@@ -737,12 +759,19 @@ def parse_modes(text: str) -> list[StoreMode]:
     for name in (part.strip() for part in text.split(",")):
         if not name:
             continue
+        if name in METHOD_VARIANTS:
+            mode = StoreMode(name, train=tuple(METHOD_VARIANTS[name].items()))
+            if mode in modes:
+                raise ValueError(f"--modes: {name} is given twice")
+            modes.append(mode)
+            continue
         match = re.fullmatch(r"fp8|sub(\d+)(?:/(\d+))?(\+fp8)?", name)
         numerator, denominator = (int(match[1]), int(match[2] or 0)) if match and match[1] else (1, 1)
         if not match or numerator < 1 or (match[2] is not None and not numerator <= denominator):
             raise ValueError(
                 f"--modes: {name!r} is not a store mode; give fp8, subK or subA/B (the top K directions, or A/B <= 1 "
-                "of the feature width), a subspace optionally +fp8, e.g. fp8,sub1/4,sub1/4+fp8 (bf16 is always run)"
+                "of the feature width), a subspace optionally +fp8, e.g. fp8,sub1/4,sub1/4+fp8 (bf16 is always run), "
+                f"or a drafter method: {', '.join(METHOD_VARIANTS)}"
             )
         if name == "fp8":
             mode = StoreMode(name, "fp8")
@@ -835,8 +864,16 @@ def train_mode(scale: Scale, folder: str, steps: int, device: str, seed: int, ha
     folder = Path(folder)
     shutil.rmtree(folder / "run", ignore_errors=True)
     t0 = time.perf_counter()
+    mode = StoreMode(**result["mode"])
     result["drafter"] = train_drafter(
-        scale, result["store"]["path"], result["val_store"]["path"], folder / "run", steps, device, seed
+        scale,
+        result["store"]["path"],
+        result["val_store"]["path"],
+        folder / "run",
+        steps,
+        device,
+        seed,
+        dict(mode.train),
     )
     result["drafter_s"] = round(time.perf_counter() - t0, 1)
     write_json_atomic(Path(done), result)
@@ -875,6 +912,16 @@ def run_modes(
     paths = {
         m: dict(folder=str(work / MODES / m.folder), harvested=str(mode_harvested(stages, m.folder))) for m in modes
     }
+    from dflash.store import write_json_atomic
+
+    bf16_stores = None
+    for m in [m for m in unharvested if m.on_bf16_store]:  # a method variant: the bf16 run's stores
+        bf16_stores = bf16_stores or {
+            "store": store_stats(results["harvest"]["path"]),
+            "val_store": store_stats(results["harvest"]["val_path"]),
+        }
+        write_json_atomic(Path(paths[m]["harvested"]), {"mode": asdict(m), **bf16_stores, "harvest_s": 0.0})
+    unharvested = [m for m in unharvested if not m.on_bf16_store]
     in_workers(
         harvest_mode,
         [
@@ -1067,6 +1114,7 @@ def evaluate_all(
     work: Path,
     log: Path,
     modes: dict[str, str] | None = None,
+    temperature: float = 0.0,
 ):
     """The trained drafter and prompt lookup in one `dflash.evaluate.evaluate` run (one plain greedy decoding
     per prompt is the reference of both: tokens/s and the mismatch check), with the drafters of the store modes
@@ -1079,7 +1127,8 @@ def evaluate_all(
     through its share in order until `budget` is spent. Each worker saves its reports in `work` after every
     prompt and a later call goes on from them (`evaluate`'s resume), so that every held-out prompt is evaluated
     however many calls that takes. The shares are then merged into one report in prompt order. Returns the
-    report and whether it covers every prompt."""
+    report and whether it covers every prompt. At a temperature above 0: the drafters alone (bf16's and the
+    modes'), sampled with `seed`, verified losslessly, in a report of their own."""
     records = [{"prompt": p["text"]} for p in prompts]
     gpus = gpu_count(device)
     count = max(gpus, 1) * scale.eval_workers_per_gpu
@@ -1087,7 +1136,7 @@ def evaluate_all(
         model=str(target_path),
         device=device.type,
         dtype="float32",
-        temperature=0.0,
+        temperature=temperature,
         seed=seed,
         max_new_tokens=scale.new_tokens,
         min_prompts=scale.min_eval_prompts,
@@ -1101,8 +1150,14 @@ def evaluate_all(
         "eval_baseline": ("untrained", records[: scale.baseline_prompts], 0),
         main: (drafters, records, scale.prompt_lookup_tokens),
     }
+    if temperature > 0:
+        runs = {f"{main}_T{temperature:g}": (drafters, records, 0)}
     jobs = [dict(runs=runs, share=(w, count), work=work, budget=budget, **settings) for w in range(count)]
     in_workers(evaluate_share, jobs, gpus, log)
+    if temperature > 0:
+        ((name, run),) = runs.items()
+        report = merge_shares(name, *run, count, work, settings)
+        return report, len(report.prompts) == len(records)
     baseline, report = (merge_shares(name, *run, count, work, settings) for name, run in runs.items())
     report.methods.update(baseline.methods)
     report.drafter = f"{report.drafter}, {baseline.drafter}"
@@ -1206,29 +1261,40 @@ def verdict(b: dict) -> str:
     return word if b["complete"] else f"{word} so far (PARTIAL: not every held-out prompt yet)"
 
 
-def mode_rows(report, complete: bool, modes: dict) -> list[dict]:
-    """Issue 16's table, one row per store mode (bf16 first): the store's size, the drafter's tau on the held-out
-    prompts with its interval, and the paired difference to the bf16 drafter's over the same prompts."""
+def tau_and_comparison(report, method: str) -> tuple[float | None, list | None, int, dict]:
+    """A drafter's tau in `report`, its 95 % interval over the prompts, the number of prompts, and `evaluate`'s
+    paired comparison of it with the bf16 drafter (the report's first)."""
+    result = report.methods.get(method)
+    prompts = [
+        (r["runs"][method].accepted, r["runs"][BF16.method].accepted)
+        for r in report.prompts
+        if {method, BF16.method} <= r["runs"].keys()
+    ]
+    tau = result.tau if result else None
+    interval = tau_interval(prompts) if prompts and tau is not None else None
+    return tau, interval, len(prompts), report.comparisons.get(method, {})
+
+
+def mode_rows(report, complete: bool, modes: dict, sampled=None) -> list[dict]:
+    """One row per store mode or drafter method (bf16 first): the store's size, the drafter's tau on the held-out
+    prompts with its interval, and the paired difference to the bf16 drafter's over the same prompts; with the
+    `sampled` report (temperature > 0), the same there."""
     reference = report.methods[BF16.method].tau
     rows = []
     for saved in modes.values():
         mode, store, drafter = StoreMode(**saved["mode"]), saved["store"], saved["drafter"]
         method = report.methods.get(mode.method)
-        prompts = [
-            (r["runs"][mode.method].accepted, r["runs"][BF16.method].accepted)
-            for r in report.prompts
-            if {mode.method, BF16.method} <= r["runs"].keys()
-        ]
-        tau = method.tau if method else None
+        tau, tau_95, prompts, comparison = tau_and_comparison(report, mode.method)
         row = {
             "mode": mode.name,
+            "train": dict(mode.train),
             "bytes_per_token": store["bytes_per_token"],
             "raw_bf16_ratio": store["raw_bf16_ratio"],
             "feature_ratio": store["feature_ratio"],
             "captured": store["captured"],
-            "prompts": len(prompts),
+            "prompts": prompts,
             "tau": tau,
-            "tau_95": tau_interval(prompts) if prompts and tau is not None else None,
+            "tau_95": tau_95,
             "mismatches": method.mismatches if method else None,
             "train_loss": drafter["train_loss"],
             "val_loss": drafter["val_loss"],
@@ -1238,7 +1304,6 @@ def mode_rows(report, complete: bool, modes: dict) -> list[dict]:
         }
         if mode != BF16:
             # evaluate compared each mode's drafter with the bf16 one (the first), paired over the same prompts
-            comparison = report.comparisons.get(mode.method, {})
             relative, interval = comparison.get("relative"), comparison.get("difference_95")
             row.update(
                 difference=comparison.get("difference"),
@@ -1249,6 +1314,14 @@ def mode_rows(report, complete: bool, modes: dict) -> list[dict]:
                 within_2pct_95=interval is not None and interval[0] >= -0.02 * reference,
                 size_goal=store["raw_bf16_ratio"] <= 0.125,
                 complete=complete,
+            )
+        if sampled is not None:
+            tau_s, tau_s_95, _, comparison_s = tau_and_comparison(sampled, mode.method)
+            row.update(
+                tau_sampled=tau_s,
+                tau_sampled_95=tau_s_95,
+                relative_sampled=comparison_s.get("relative"),
+                difference_sampled_95=comparison_s.get("difference_95"),
             )
         rows.append(row)
     return rows
@@ -1306,6 +1379,46 @@ def modes_markdown(rows: list[dict], report, complete: bool, steps: int) -> str:
             f"{r['mode']} {r['raw_bf16_ratio']:.3f} ({'met' if r['size_goal'] else 'not met'})" for r in others
         ),
     ]
+    return "\n".join(lines)
+
+
+def methods_markdown(rows: list[dict], complete: bool, steps: int, temperature: float | None) -> str:
+    """Issue 23's table: DFlash (the bf16 row) and each drafter method on the same store, answers and prompts."""
+    number = lambda x, f: format(x, f) if x is not None else "-"  # noqa: E731
+    span = lambda i, f: f" ({format(i[0], f)} to {format(i[1], f)})" if i else ""  # noqa: E731
+
+    def relative(r, key, interval_key, tau_key):
+        if r.get(key) is None:
+            return "-" if "difference" in r else "reference"
+        base = r[tau_key] / (1 + r[key])  # the bf16 drafter's tau in that report
+        low, high = (x / base for x in r[interval_key]) if r.get(interval_key) else (None, None)
+        return f"{100 * r[key]:+.1f} %" + (f" ({100 * low:+.1f} to {100 * high:+.1f} %)" if low is not None else "")
+
+    sampled = temperature is not None
+    header = "| method | training options | tau T=0 (95 %) | vs DFlash T=0 (95 %) |"
+    header += f" tau T={temperature:g} (95 %) | vs DFlash T={temperature:g} (95 %) |" if sampled else ""
+    header += " mismatches | val tau | step ms |"
+    lines = [
+        f"drafter methods (issue 23): the same target, store, answers and {steps} steps for every method, on "
+        f"{rows[0]['prompts']} held-out prompts{'' if complete else ' (PARTIAL)'}; intervals: 95 % percentile "
+        "bootstrap over prompts (differences paired on each draw)",
+        "",
+        header,
+        "|" + "---|" * (header.count("|") - 1),
+    ]
+    for r in rows:
+        options = ", ".join(f"{k}={v}" for k, v in r["train"].items()) or "dflash, decay"
+        line = (
+            f"| {r['mode'] if r['train'] else 'dflash'} | {options} | {number(r['tau'], '.3f')}{span(r['tau_95'], '.2f')} | "
+            f"{relative(r, 'relative', 'difference_95', 'tau')} |"
+        )
+        if sampled:
+            line += (
+                f" {number(r.get('tau_sampled'), '.3f')}{span(r.get('tau_sampled_95'), '.2f')} | "
+                f"{relative(r, 'relative_sampled', 'difference_sampled_95', 'tau_sampled')} |"
+            )
+        line += f" {number(r['mismatches'], 'd')} | {number(r['val_tau'], '.3f')} | {number(r['step_ms'], '.1f')} |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -1406,6 +1519,14 @@ def main(argv=None) -> int:
         metavar="MODE,...",
         help="store modes to measure besides bf16 (issue 16): fp8, subK or subA/B, a subspace "
         "optionally +fp8, e.g. fp8,sub1/2,sub1/4,sub1/8,sub1/4+fp8",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        metavar="T",
+        help="with --modes: evaluate the drafters a second time sampling at temperature T (lossless verification), "
+        "after the temperature-0 eval (issue 23's table)",
     )
     parser.add_argument(
         "--stop-after",
@@ -1640,13 +1761,42 @@ def main(argv=None) -> int:
             len(eval_prompts),
             work,
         )
+    sampled = None
+    if modes and args.temperature:
+        budget = max(0.0, min(scale.eval_seconds, run.left() - 10))
+        sampled, sampled_complete = run.stage(
+            f"eval_T{args.temperature:g}",
+            budget,
+            lambda: evaluate_all(
+                scale,
+                target,
+                Path(run.results["drafter"]["export"]),
+                eval_prompts,
+                device,
+                budget,
+                args.seed,
+                work,
+                log,
+                modes=mode_drafters,
+                temperature=args.temperature,
+            ),
+        )
+        run.results[f"eval_T{args.temperature:g}"] = asdict(sampled)
+        complete = complete and sampled_complete
     table = markdown(run.results, report)
     run.results["table"] = table
     if modes:
-        rows = mode_rows(report, complete, run.results["modes"])
+        rows = mode_rows(report, complete, run.results["modes"], sampled)
         steps = drafter_steps(scale, run.results["harvest"]["rows"])
-        run.results["modes_table"] = {"rows": rows, "markdown": modes_markdown(rows, report, complete, steps)}
-        table += "\n\n" + run.results["modes_table"]["markdown"]
+        store_rows = [r for r in rows if not r["train"]]
+        method_rows = [rows[0], *(r for r in rows if r["train"])]
+        parts = {"rows": rows}
+        if len(store_rows) > 1:
+            parts["markdown"] = modes_markdown(store_rows, report, complete, steps)
+        if len(method_rows) > 1:
+            parts["methods_markdown"] = methods_markdown(method_rows, complete, steps, args.temperature)
+        run.results["modes_table"] = parts
+        table += "".join("\n\n" + parts[k] for k in ("markdown", "methods_markdown") if k in parts)
     run.save()
     logger.info("wrote %s (%.0f s in all)", out, run.elapsed())
     print("\n" + table, flush=True)

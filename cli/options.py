@@ -172,6 +172,8 @@ def _key_values(ctx, param, values):
 
 
 def _number(raw: str):
+    if raw.lower() == "none":  # an optional field switched off, e.g. sliding_window=none
+        return None
     for cast in (int, float):
         try:
             return cast(raw)

@@ -150,12 +150,16 @@ def block_inputs(
     return block_ids, q_positions, labels, weights
 
 
-def block_attention_mask(anchors: Tensor, valid: Tensor, doc_ids: Tensor, block_size: int) -> BlockMask:
+def block_attention_mask(
+    anchors: Tensor, valid: Tensor, doc_ids: Tensor, block_size: int, window: int | None = None
+) -> BlockMask:
     """The flex_attention BlockMask of a step: Q_LEN = A*B, KV_LEN = T + A*B, one mask per row, shared by heads.
 
     Query q of block j = q // B sees context kv < T iff doc[kv] == doc[a_j], kv < a_j and block j is valid, and
-    block kv >= T iff it is in block j. A block always sees itself, so no query row is empty. Same structure every
-    step (only tensor values change), so a compiled caller does not recompile.
+    block kv >= T iff it is in block j. A block always sees itself, so no query row is empty. With a sliding
+    `window`, context kv is visible to the query at a_j + k only if a_j + k - kv < window (positions run with the
+    row within a document). Same structure every step (only tensor values change): a compiled caller does not
+    recompile.
     """
     R, A = anchors.shape
     T = doc_ids.shape[1]
@@ -166,6 +170,8 @@ def block_attention_mask(anchors: Tensor, valid: Tensor, doc_ids: Tensor, block_
         in_context = kv < T
         same_doc = doc_ids[b, kv.clamp(max=T - 1)] == anchor_doc[b, j]
         sees_context = in_context & same_doc & (kv < anchors[b, j]) & valid[b, j]
+        if window is not None:
+            sees_context = sees_context & (anchors[b, j] + q % block_size - kv < window)
         sees_own_block = ~in_context & ((kv - T) // block_size == j)
         return sees_context | sees_own_block
 
@@ -173,7 +179,9 @@ def block_attention_mask(anchors: Tensor, valid: Tensor, doc_ids: Tensor, block_
     return create_block_mask(mask_mod, B=R, H=None, Q_LEN=Q, KV_LEN=T + Q, device=anchors.device)
 
 
-def dense_block_mask(anchors: Tensor, valid: Tensor, doc_ids: Tensor, block_size: int) -> Tensor:
+def dense_block_mask(
+    anchors: Tensor, valid: Tensor, doc_ids: Tensor, block_size: int, window: int | None = None
+) -> Tensor:
     """The same rule as a dense bool [R, Q, T + Q] tensor, every (query, key) pair evaluated (the reference)."""
     R, A = anchors.shape
     T = doc_ids.shape[1]
@@ -188,5 +196,8 @@ def dense_block_mask(anchors: Tensor, valid: Tensor, doc_ids: Tensor, block_size
         & (context[None, None, :] < anchor[:, :, None])
         & anchor_valid[:, :, None]
     )
+    if window is not None:
+        query_position = anchor + torch.arange(Q, device=anchors.device) % block_size  # row index of the query
+        sees_context &= query_position[:, :, None] - context[None, None, :] < window
     sees_blocks = (block_of_query[:, None] == block_of_query[None, :]).expand(R, Q, Q)
     return torch.cat([sees_context, sees_blocks], dim=2)

@@ -23,9 +23,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dflash import methods
 from dflash.config import TrainConfig
-from dflash.drafter import DFlashDrafter, DrafterConfig, check_export_target, export_drafter
 from dflash.errors import DflashError, describe_differences
+from dflash.export import check_export_target, export_drafter
 from dflash.locks import LOCK_FILE, FileLock
 
 logger = logging.getLogger("dflash")
@@ -150,6 +151,11 @@ class _Hashing:
 
     def flush(self):
         self.f.flush()
+
+
+def drafter_config_of(state: dict):
+    """The drafter config a checkpoint's state.json records (a run from before methods existed is DFlash's)."""
+    return methods.get(state.get("method", methods.DEFAULT)).config_cls(**state["drafter"])
 
 
 def _write(path: Path, obj) -> str:
@@ -310,6 +316,7 @@ class Checkpointer:
                     "total_steps": trainer.total_steps,
                     "fingerprint": fingerprint(trainer.cfg, self.world_size),
                     "config": dataclasses.asdict(trainer.cfg),
+                    "method": trainer.dcfg.method,
                     "drafter": dataclasses.asdict(trainer.dcfg),
                     "world_size": self.world_size,
                     "store_identity": trainer.store.manifest.identity,
@@ -397,9 +404,9 @@ class Checkpointer:
                 f"{self.run} has no {which} (looked in {self.folder}); train first or pick another --step"
             )
         try:
-            dcfg = DrafterConfig(**read_state(path)["drafter"])
+            dcfg = drafter_config_of(read_state(path))
             with torch.device("meta"):
-                model = DFlashDrafter(dcfg)
+                model = methods.model_for(dcfg)
             model.load_state_dict(torch.load(path / "model.pt", map_location="cpu"), assign=True)
             projection = torch.load(path / "projection.pt") if (path / "projection.pt").exists() else None
         except DflashError:

@@ -107,6 +107,10 @@ class HarvestConfig:
 
 
 EXPORT_DTYPES = ["bfloat16", "float32"]
+# The names of dflash.methods.METHODS and dflash.loss.POSITION_WEIGHTS (this module stays torch-free; a test keeps
+# the lists equal).
+DRAFTER_METHODS = ("dflash", "dflash2")
+POSITION_WEIGHTS = ("decay", "dpace")
 
 
 @dataclass
@@ -117,6 +121,11 @@ class TrainConfig:
         None, "Checkpoint to read the embedding / LM head from.", path=True, default_doc="the store's target"
     )
     # drafter
+    method: str = option(
+        "dflash",
+        "Drafter method: dflash (the paper's), dflash2 (dynamic block convs and a candidate selector); README, 'Drafter methods'.",
+        choices=list(DRAFTER_METHODS),
+    )
     draft_layers: int = option(5, "Drafter layers.")
     block_size: int = option(16, "Tokens per block (1 known + B-1 drafted).")
     drafter_overrides: dict = option(
@@ -127,6 +136,19 @@ class TrainConfig:
         None, "Anchors per row.", default_doc="512 per 3072 tokens of the store's token budget"
     )
     gamma: float | None = option(None, "Loss decay exp(-(k-1)/gamma).", default_doc="7 for B=16, 5 for 10, 4 for 8")
+    position_weights: str = option(
+        "decay",
+        "Loss weight of each block position: decay (exp(-(k-1)/gamma), the paper's) or dpace (from the drafter's own "
+        "per-position accuracy, D-PACE).",
+        choices=list(POSITION_WEIGHTS),
+    )
+    selector_weight: float = option(1.0, "dflash2: weight of the candidate selector's CE beside the unary CE.")
+    selector_outside: str = option(
+        "replace",
+        "dflash2: a true token outside the top-K candidates replaces the K-th one in the selector's CE (replace), or "
+        "that position leaves the selector's CE (drop).",
+        choices=["replace", "drop"],
+    )
     rows_per_step: int = option(1, "Rows per micro-step on each rank.")
     grad_accum: int = option(1, "Micro-steps per optimizer step.")
     loss_chunk: int | None = option(
@@ -204,6 +226,15 @@ class TrainConfig:
             bad.append(f"--val-fraction {self.val_fraction} (must be in [0, 1))")
         if not 0 <= self.warmup_ratio <= 1:
             bad.append(f"--warmup-ratio {self.warmup_ratio} (must be in [0, 1])")
+        for flag, value, allowed in (
+            ("--method", self.method, DRAFTER_METHODS),
+            ("--position-weights", self.position_weights, POSITION_WEIGHTS),
+            ("--selector-outside", self.selector_outside, ("replace", "drop")),
+        ):
+            if value not in allowed:
+                bad.append(f"{flag} {value} ({' or '.join(allowed)})")
+        if self.selector_weight < 0:
+            bad.append(f"--selector-weight {self.selector_weight} (must be at least 0)")
         if self.lr <= 0 or self.clip <= 0 or (self.gamma is not None and self.gamma <= 0):
             bad.append("--lr, --clip and --gamma must be positive")
         if self.export_dtype not in EXPORT_DTYPES:

@@ -22,9 +22,7 @@ A generation records the drafts each round accepted, cut at EOS; dflash.evaluate
 
 import inspect
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -32,34 +30,11 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 from dflash.errors import DflashError
+from dflash.proposers import Draft, Proposer, draw
 
 # ---------------------------------------------------------------------------------------------------------------
-# Drafts and their acceptance
+# Acceptance of drafts
 # ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Draft:
-    tokens: torch.Tensor  # [k] proposed continuation of the committed tokens
-    probs: torch.Tensor | None = None  # [k, V] distribution q each token was sampled from; None = a point mass
-
-
-class Proposer(Protocol):
-    """Anything that drafts tokens: the DFlash drafter, prompt lookup, test stubs."""
-
-    layer_ids: list[int]  # target layers whose outputs it needs as features ([] = none)
-
-    def propose(
-        self, committed: torch.Tensor, features: torch.Tensor, num_tokens: int, temperature: float, generator
-    ) -> Draft: ...
-
-
-def draw(logits: torch.Tensor, temperature: float, generator=None) -> Draft:
-    """Pick one token per row of `logits` [k, V]: argmax at temperature 0, else a sample kept with its q."""
-    if temperature == 0:
-        return Draft(logits.argmax(-1))
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return Draft(torch.multinomial(probs, 1, generator=generator).squeeze(-1), probs)
 
 
 def accept_greedy(draft: Draft, target_logits: torch.Tensor) -> tuple[int, int]:
@@ -308,56 +283,8 @@ def plain_greedy(target, prompt: torch.Tensor, max_new_tokens: int, eos_ids: set
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Proposers
+# transformers' prompt lookup, for comparison
 # ---------------------------------------------------------------------------------------------------------------
-
-
-class DFlashProposer:
-    """Drafts with a DFlash drafter through the target's own embeddings and LM head."""
-
-    def __init__(self, drafter, config, target):
-        self.drafter = drafter
-        self.block_size = config.block_size
-        self.mask_token_id = config.mask_token_id
-        self.layer_ids = list(config.target_layer_ids)
-        self.embed = target.get_input_embeddings()
-        self.head = target.get_output_embeddings()
-
-    def propose(self, committed, features, num_tokens, temperature, generator) -> Draft:
-        if num_tokens == 0:
-            return Draft(committed.new_empty(0))
-        n, device = committed.numel(), committed.device
-        block = torch.full((1, self.block_size), self.mask_token_id, dtype=committed.dtype, device=device)
-        block[0, 0] = committed[-1]
-        q_positions = torch.arange(n - 1, n - 1 + self.block_size, device=device)[None]
-        ctx_positions = torch.arange(n - 1, device=device)[None]
-        hidden = self.drafter(self.embed(block), features[None], q_positions, ctx_positions)
-        # Block slot 0 holds the known token; slots 1.. predict the tokens after it.
-        logits = self.head(hidden[0, 1 : 1 + num_tokens])
-        return draw(logits, temperature, generator)
-
-
-class PromptLookupProposer:
-    """Prompt-lookup drafts from transformers' own n-gram matcher (`PromptLookupCandidateGenerator`), verified
-    by our loop: transformers' `generate(prompt_lookup_num_tokens=...)` refuses stateful (hybrid) targets."""
-
-    layer_ids: list[int] = []
-
-    def __init__(self, num_tokens: int = 10, max_ngram: int = 2, eos_ids: Sequence[int] = ()):
-        from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
-
-        self.matcher = PromptLookupCandidateGenerator(
-            eos_token_id=torch.tensor(sorted(eos_ids)) if eos_ids else None,
-            num_output_tokens=num_tokens,
-            max_matching_ngram_size=max_ngram,
-            max_length=2**62,  # our loop caps the draft length itself
-        )
-
-    def propose(self, committed, features, num_tokens, temperature, generator) -> Draft:
-        if self.matcher.eos_token_id is not None:
-            self.matcher.eos_token_id = self.matcher.eos_token_id.to(committed.device)
-        candidates, _ = self.matcher.get_candidates(committed[None])
-        return Draft(candidates[0, committed.numel() :][:num_tokens])
 
 
 @torch.inference_mode()

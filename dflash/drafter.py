@@ -10,10 +10,9 @@ drafter loads in the public inference code and in SGLang / vLLM:
 The drafter has no embedding and no LM head: both are the target's, frozen, and live with the caller.
 """
 
-import json
 from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields
-from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +40,11 @@ class DrafterConfig:
     mask_token_id: int
     target_layer_ids: list[int] = field(default_factory=list)
     num_target_layers: int | None = None
+    # Attention over the context limited to the last `sliding_window` positions before each block token (None: all).
+    sliding_window: int | None = None
+
+    method: ClassVar[str] = "dflash"  # the key of dflash.methods.METHODS
+    architecture: ClassVar[str] = "DFlashDraftModel"  # config.json's `architectures`, what the engines dispatch on
 
     @property
     def feature_dim(self) -> int:
@@ -70,7 +74,7 @@ class DrafterConfig:
             target_layer_ids=[int(i) for i in target_layer_ids],
             num_target_layers=_get(text, "num_hidden_layers"),
         )
-        check_overrides(overrides)
+        check_overrides(cls, overrides)
         fields.update(overrides)
         return cls(**fields)
 
@@ -78,7 +82,7 @@ class DrafterConfig:
         """The `config.json` of a public DFlash checkpoint: a Qwen3 config plus the DFlash fields."""
         dflash = {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id}
         config = {
-            "architectures": ["DFlashDraftModel"],
+            "architectures": [self.architecture],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -95,9 +99,9 @@ class DrafterConfig:
             "vocab_size": self.vocab_size,
             "attention_bias": False,
             "attention_dropout": 0.0,
-            "layer_types": ["full_attention"] * self.num_layers,
-            "use_sliding_window": False,
-            "sliding_window": None,
+            "layer_types": [self.layer_type] * self.num_layers,
+            "use_sliding_window": self.sliding_window is not None,
+            "sliding_window": self.sliding_window,
             "tie_word_embeddings": False,
             "initializer_range": INIT_STD,
             "block_size": self.block_size,
@@ -109,6 +113,36 @@ class DrafterConfig:
             name = str(dtype).removeprefix("torch.")
             config["dtype"] = config["torch_dtype"] = name  # transformers 5 name and the 4.x one
         return config
+
+    @property
+    def layer_type(self) -> str:
+        return "full_attention" if self.sliding_window is None else "sliding_attention"
+
+    def checkpoint_keys(self) -> list[str]:
+        """The tensor names of a public checkpoint of this config, sorted."""
+        per_layer = [
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+            *(f"self_attn.{p}_proj.weight" for p in "qkvo"),
+            "self_attn.q_norm.weight",
+            "self_attn.k_norm.weight",
+            *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+            *self.extra_layer_keys(),
+        ]
+        layers = [f"layers.{i}.{name}" for i in range(self.num_layers) for name in per_layer]
+        return sorted(["fc.weight", "hidden_norm.weight", "norm.weight", *layers, *self.extra_keys()])
+
+    def method_flops_per_token(self) -> float:
+        """Forward matmul FLOPs per block token of a method's modules beyond DFlash's (dflash.metrics.step_flops)."""
+        return 0.0
+
+    def extra_layer_keys(self) -> list[str]:
+        """A method's tensors in every layer, beyond DFlash's (names under layers.{i}.)."""
+        return []
+
+    def extra_keys(self) -> list[str]:
+        """A method's tensors outside the layers, beyond DFlash's."""
+        return []
 
     @classmethod
     def from_hf_config(cls, config: dict) -> "DrafterConfig":
@@ -139,16 +173,29 @@ class DrafterConfig:
             mask_token_id=int(dflash_field("mask_token_id")),
             target_layer_ids=[int(i) for i in dflash_field("target_layer_ids")],
             num_target_layers=config.get("num_target_layers"),
+            sliding_window=sliding_window_of(config),
+            **cls.extra_from_hf(dflash_field),
         )
 
+    @classmethod
+    def extra_from_hf(cls, dflash_field) -> dict:
+        """A method's own fields, read from config.json by `dflash_field(name, default)` (dflash_config first)."""
+        return {}
 
-def check_overrides(overrides: dict) -> None:
-    """`--drafter-option KEY=VALUE` values: known DrafterConfig fields with values of their type."""
+
+def sliding_window_of(config: dict) -> int | None:
+    """The drafter's window: set when config.json says its layers slide (layer_types, or use_sliding_window)."""
+    slides = "sliding_attention" in (config.get("layer_types") or []) or config.get("use_sliding_window")
+    return int(config["sliding_window"]) if slides and config.get("sliding_window") else None
+
+
+def check_overrides(config_cls: type, overrides: dict) -> None:
+    """`--drafter-option KEY=VALUE` values: known fields of the method's config with values of their type."""
     import types
     import typing
 
-    hints = typing.get_type_hints(DrafterConfig)
-    known = sorted(f.name for f in dataclass_fields(DrafterConfig))
+    hints = typing.get_type_hints(config_cls)
+    known = sorted(f.name for f in dataclass_fields(config_cls))
     unknown = sorted(set(overrides) - set(known))
     if unknown:
         raise DflashError(
@@ -282,12 +329,14 @@ class Layer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
+    layer_cls: ClassVar[type[nn.Module]] = Layer  # a method's drafter may change the layers, not their interface
+
     def __init__(self, config: DrafterConfig):
         super().__init__()
         self.config = config
         self.fc = nn.Linear(config.feature_dim, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(self.layer_cls(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         for module in self.modules():
             if isinstance(module, nn.Linear):
@@ -325,189 +374,3 @@ class DFlashDrafter(nn.Module):
         for layer in self.layers:
             x = layer(x, ctx, q_rope, kv_rope, mask)
         return self.norm(x)
-
-
-def checkpoint_keys(config: DrafterConfig) -> list[str]:
-    """The tensor names of a public DFlash checkpoint for this config, sorted."""
-    per_layer = [
-        "input_layernorm.weight",
-        "post_attention_layernorm.weight",
-        *(f"self_attn.{p}_proj.weight" for p in "qkvo"),
-        "self_attn.q_norm.weight",
-        "self_attn.k_norm.weight",
-        *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
-    ]
-    layers = [f"layers.{i}.{name}" for i in range(config.num_layers) for name in per_layer]
-    return sorted(["fc.weight", "hidden_norm.weight", "norm.weight", *layers])
-
-
-def fold_projection(state: dict, config: DrafterConfig, projection: Tensor) -> dict:
-    """The weights of a drafter trained on a subspace store for full features: it saw the lifted features
-    P^T (P h) in training, so fc <- fc P^T P (a float64 product) gives it the same input from h."""
-    if projection.ndim != 2 or projection.shape[1] != config.feature_dim:
-        raise DflashError(
-            f"the projection is {tuple(projection.shape)} but the drafter fuses {config.feature_dim} features; "
-            "export with the store the drafter was trained on"
-        )
-    fc, p = state["fc.weight"], projection.to(state["fc.weight"].device, torch.float64)
-    folded = ((fc.double() @ p.T) @ p).to(fc.dtype)
-    return {**state, "fc.weight": folded}
-
-
-EXPORT_MODELING = "modeling_dflash.py"  # dflash/export_modeling.py, copied: AutoModel(trust_remote_code) loads it
-EXPORT_FILES = ("config.json", "model.safetensors", EXPORT_MODELING)
-AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
-
-
-def is_export(folder) -> bool:
-    """Whether `folder` holds an earlier dflash export (a DFlash config.json and nothing but the export's files)."""
-    folder = Path(folder)
-    try:
-        names = {p.name for p in folder.iterdir()}
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return (
-        names <= {*EXPORT_FILES, "__pycache__"}
-        and isinstance(config, dict)
-        and config.get("architectures") == ["DFlashDraftModel"]
-    )
-
-
-def check_export_target(folder, replace_export: bool, force_flag: str = "--force") -> Path:
-    """Refuse to export into `folder` unless it is absent, empty, or (with `replace_export`) an earlier export."""
-    folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise DflashError(f"{folder} is a file, not a folder; give --out a new folder for the drafter")
-    try:
-        if not folder.is_dir() or not any(folder.iterdir()):
-            return folder
-    except OSError as exc:
-        raise DflashError(f"cannot read {folder} ({exc.strerror}); give --out a folder you can write") from None
-    if not is_export(folder):
-        shown = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
-        listing = ", ".join(shown[:8]) + (f" and {len(shown) - 8} more" if len(shown) > 8 else "")
-        raise DflashError(
-            f"{folder} is not empty and is not a dflash export (it holds {listing}); "
-            "give --out a new or empty folder: an export never overwrites other files"
-        )
-    if not replace_export:
-        raise DflashError(f"{folder} holds an earlier drafter export; pass {force_flag} to replace it")
-    return folder
-
-
-def export_drafter(
-    model,
-    config: DrafterConfig,
-    folder,
-    dtype: torch.dtype | None = None,
-    projection: Tensor | None = None,
-    replace_export: bool = True,
-) -> Path:
-    """Write `config.json` + `model.safetensors` in the public layout, plus `modeling_dflash.py` and an `auto_map`
-    so that `AutoModel.from_pretrained(folder, trust_remote_code=True)` gives the drafter; returns the folder.
-
-    model: the drafter (compiled or not) or a full state dict (e.g. gathered from FSDP).
-    dtype: the saved dtype; None keeps the parameters' dtype, which makes a reload reproduce outputs exactly.
-    projection: P [k, n*H] of the subspace store it was trained on, folded into fc (`fold_projection`).
-    replace_export: whether an earlier dflash export in `folder` may be replaced. A folder holding anything else is
-    always refused. The files are written into a temporary sibling folder that is renamed into place, so that an
-    interruption leaves either the earlier folder or the whole new export, never half of one.
-    """
-    import os
-    import shutil
-
-    from safetensors.torch import save_file
-
-    folder = check_export_target(folder, replace_export)
-    state = model if isinstance(model, dict) else getattr(model, "_orig_mod", model).state_dict()
-    if projection is not None:
-        state = fold_projection(state, config, projection)
-    expected = checkpoint_keys(config)
-    if sorted(state) != expected:
-        extra, missing = sorted(set(state) - set(expected)), sorted(set(expected) - set(state))
-        raise DflashError(
-            f"the drafter's weights do not match the DFlash layout (unexpected {extra[:5]}, missing {missing[:5]}); "
-            "pass the bare drafter or its full state dict, not a DDP/FSDP wrapper"
-        )
-    tensors = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in state.items()}
-    saved_dtype = dtype or next(iter(tensors.values())).dtype
-    try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise DflashError(f"cannot create {folder.parent} ({exc.strerror}); give --out a writable folder") from None
-    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
-    old = folder.parent / f".{folder.name}.old-{os.getpid()}"
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-        hf_config = {**config.to_hf_config(saved_dtype), "auto_map": dict(AUTO_MAP)}
-        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        shutil.copyfile(Path(__file__).with_name("export_modeling.py"), tmp / EXPORT_MODELING)
-        if folder.exists():  # empty, or an earlier export (checked above): moved aside, removed once replaced
-            folder.rename(old)
-        tmp.rename(folder)
-    except BaseException as exc:  # a full disk, or Ctrl-C: put the earlier folder back, drop the partial one
-        if old.exists() and not folder.exists():
-            old.rename(folder)
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not isinstance(exc, Exception) or isinstance(exc, DflashError):  # Ctrl-C, or already worded
-            raise
-        # OSError, or safetensors' SafetensorError wrapping one
-        reason = getattr(exc, "strerror", None) or str(exc)
-        raise DflashError(
-            f"cannot write the drafter to {folder} ({reason}); give --out a writable folder with free space"
-        ) from None
-    shutil.rmtree(old, ignore_errors=True)
-    return folder
-
-
-def read_drafter_config(folder) -> DrafterConfig:
-    """The DrafterConfig of an exported (or public) drafter folder, without reading its weights."""
-    folder = Path(folder)
-    if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
-        raise DflashError(f"{folder} is not a drafter folder: it needs config.json and model.safetensors")
-    try:
-        config = json.loads((folder / "config.json").read_text())
-        return DrafterConfig.from_hf_config(config)
-    except DflashError:
-        raise
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise DflashError(
-            f"{folder / 'config.json'} is not a DFlash drafter config ({type(exc).__name__}: {exc}); "
-            "export the drafter again with `dflash export`"
-        ) from None
-
-
-def load_drafter(folder, device="cpu", dtype: torch.dtype | None = None) -> tuple[DFlashDrafter, DrafterConfig]:
-    """Load an exported (or public) DFlash checkpoint; dtype None keeps the file's dtype."""
-    from safetensors.torch import load_file
-
-    folder = Path(folder)
-    config = read_drafter_config(folder)
-    try:
-        state = load_file(folder / "model.safetensors", device=str(device))
-    except Exception as exc:  # safetensors raises its own SafetensorError for damaged files, OSError for I/O
-        raise DflashError(
-            f"cannot read {folder / 'model.safetensors'}: it is damaged or cut short ({exc}); export the drafter again"
-        ) from None
-    expected = checkpoint_keys(config)
-    if sorted(state) != expected:
-        extra, missing = sorted(set(state) - set(expected)), sorted(set(expected) - set(state))
-        raise DflashError(
-            f"{folder / 'model.safetensors'} does not match its config.json (unexpected {extra[:5]}, missing "
-            f"{missing[:5]}); export the drafter again"
-        )
-    if dtype is not None:
-        state = {k: v.to(dtype) for k, v in state.items()}
-    with torch.device("meta"):  # no random init of weights that are overwritten right away
-        model = DFlashDrafter(config)
-    try:
-        model.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as exc:  # a shape that does not match the config
-        raise DflashError(
-            f"{folder / 'model.safetensors'} does not match its config.json ({str(exc).splitlines()[-1].strip()}); "
-            "export the drafter again"
-        ) from None
-    return model, config

@@ -15,18 +15,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash import methods as drafter_methods
 from dflash.config import EvalConfig
-from dflash.decoding import (
-    DFlashProposer,
-    Generation,
-    PromptLookupProposer,
-    Proposer,
-    generate_prompt_lookup,
-    plain_greedy,
-    speculative_generate,
-)
-from dflash.drafter import DFlashDrafter, DrafterConfig, load_drafter, read_drafter_config
+from dflash.decoding import Generation, generate_prompt_lookup, plain_greedy, speculative_generate
+from dflash.drafter import DFlashDrafter, DrafterConfig
 from dflash.errors import DflashError, describe_differences
+from dflash.export import load_drafter, read_drafter_config
+from dflash.proposers import PromptLookupProposer, Proposer
 from dflash.regenerate import encode_prompt, eos_token_ids, load_prompts, prompt_records
 from dflash.target import default_layer_ids, load_target
 from dflash.target_files import MASK_TOKEN, check_target_folder
@@ -477,7 +472,8 @@ def _methods(cfg: EvalConfig, target, tokenizer, named: dict, eos_ids: set[int])
     methods = {}
     for name, drafter in named.items():
         model, config = _drafter_and_config(drafter, target, tokenizer, cfg.block_size, cfg.seed)
-        methods[name] = SpeculativeMethod(DFlashProposer(model, config, target), config.block_size - 1, cfg.temperature)
+        proposer = drafter_methods.of_config(config).proposer_cls(model, config, target)
+        methods[name] = SpeculativeMethod(proposer, config.block_size - 1, cfg.temperature)
     if cfg.prompt_lookup:
         proposer = PromptLookupProposer(cfg.prompt_lookup, eos_ids=eos_ids)
         methods["prompt-lookup"] = SpeculativeMethod(proposer, cfg.prompt_lookup, cfg.temperature)

@@ -1,10 +1,10 @@
-"""DFlash drafter for `AutoModel.from_pretrained(folder, trust_remote_code=True)`: copied into every export.
+"""DFlash drafters for `AutoModel.from_pretrained(folder, trust_remote_code=True)`: copied into every export.
 
-dflash writes this file as `modeling_dflash.py` beside `config.json` (whose `auto_map` names `DFlashDraftModel`)
-and never imports it itself. It must stay self-contained, depending on torch and transformers only: transformers
+dflash writes this file as `modeling_dflash.py` beside `config.json` (whose `auto_map` names `DFlashDraftModel`, or
+`DFlash2DraftModel` for a DFlash 2 drafter) and never imports it itself. It must stay self-contained, depending on torch and transformers only: transformers
 loads it from the exported folder on machines where dflash is not installed, so it cannot import `dflash`. It
-repeats the forward of `dflash.drafter.DFlashDrafter` (inference form: no mask, or a dense boolean one) with the
-same parameter names; tests/test_export.py compares the two so that they cannot drift apart.
+repeats the forward of `dflash.drafter.DFlashDrafter` and `dflash.methods.dflash2.DFlash2Drafter` (inference form:
+no mask, or a dense boolean one) with the same parameter names; tests compare them so that they cannot drift apart.
 
     ctx = hidden_norm(fc(concat of n target layers))               # the fused target context
     per layer: K, V = [k/v_proj(ctx) ; k/v_proj(x)], Q = q_proj(x)  # queries only from the block tokens
@@ -105,7 +105,8 @@ class DFlashDraftModel(PreTrainedModel):
 
     config_class = Qwen3Config
     base_model_prefix = "dflash"
-    _no_split_modules = ["DFlashLayer"]
+    _no_split_modules = ["DFlashLayer", "DFlash2Layer"]
+    layer_cls = DFlashLayer
 
     def __init__(self, config):
         super().__init__(config)
@@ -118,15 +119,24 @@ class DFlashDraftModel(PreTrainedModel):
         width = len(self.target_layer_ids) * config.hidden_size
         self.fc = nn.Linear(width, config.hidden_size, bias=False)
         self.hidden_norm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_cls(config) for _ in range(config.num_hidden_layers))
         self.norm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.add_method_modules(config)
         self.post_init()
+
+    def add_method_modules(self, config):
+        """DFlash has none; DFlash 2 adds its candidate selector."""
 
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
             module.weight.data.normal_(0.0, getattr(self.config, "initializer_range", 0.02))
         elif isinstance(module, DFlashRMSNorm):
             module.weight.data.fill_(1.0)
+        elif isinstance(module, DFlash2Conv):
+            module.reset_to_identity()  # after its projection's normal init: children are initialised first
+        elif isinstance(module, DFlash2CandidateSelector):
+            module.predecessor_codebook.data.normal_(0.0, getattr(self.config, "initializer_range", 0.02))
+            module.successor_codebook.data.zero_()
 
     def forward(self, block_embeds, features, q_positions, ctx_positions, attention_mask=None):
         """Final-normed hidden states [R, Q, H] of the block tokens.
@@ -144,3 +154,96 @@ class DFlashDraftModel(PreTrainedModel):
         for layer in self.layers:
             x = layer(x, ctx, q_rope, kv_rope, attention_mask)
         return self.norm(x)
+
+
+# ---- DFlash 2: a grouped dynamic causal conv around attention and MLP, a candidate selector over the LM head's top K
+
+
+class DFlash2Conv(nn.Module):
+    """y_t = sum_{o<K} (base[side][o] + d[t, side, o, c // G]) * x_{t-o}, taps never crossing a block."""
+
+    def __init__(self, config):
+        super().__init__()
+        H = config.hidden_size
+        self.taps = int(_dflash_field(config, "conv_kernel_size"))
+        self.group_size = int(_dflash_field(config, "conv_group_size"))
+        self.block_size = int(_dflash_field(config, "block_size", 16))
+        self.base_kernel = nn.Parameter(torch.zeros(2, self.taps, H))
+        self.kernel_projection = nn.Linear(H, 2 * self.taps * (H // self.group_size), bias=False)
+        self.reset_to_identity()
+
+    def reset_to_identity(self):
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def convolve(self, x, side, dynamic):
+        R, Q, H = x.shape
+        B = self.block_size
+        blocks = x.view(R, Q // B, B, H)
+        kernel = self.base_kernel[side] + dynamic.repeat_interleave(self.group_size, dim=-1)
+        kernel = kernel.view(R, Q // B, B, self.taps, H).to(x.dtype)
+        out = blocks * kernel[..., 0, :]
+        for o in range(1, self.taps):
+            out = out + F.pad(blocks[:, :, : B - o], (0, 0, o, 0)) * kernel[..., o, :]
+        return out.view(R, Q, H)
+
+    def dynamic(self, x):
+        R, Q, H = x.shape
+        return self.kernel_projection(x).view(R, Q, 2, self.taps, H // self.group_size)
+
+
+class DFlash2Layer(DFlashLayer):
+    def __init__(self, config):
+        super().__init__(config)
+        self.attention_conv = DFlash2Conv(config)
+        self.mlp_conv = DFlash2Conv(config)
+
+    def forward(self, x, ctx, q_rope, kv_rope, mask):
+        h = self.input_layernorm(x)
+        d = self.attention_conv.dynamic(h)
+        a = self.self_attn(self.attention_conv.convolve(h, 0, d[:, :, 0]), ctx, q_rope, kv_rope, mask)
+        x = x + self.attention_conv.convolve(a, 1, d[:, :, 1])
+        h = self.post_attention_layernorm(x)
+        d = self.mlp_conv.dynamic(h)
+        m = self.mlp(self.mlp_conv.convolve(h, 0, d[:, :, 0]))
+        return x + self.mlp_conv.convolve(m, 1, d[:, :, 1])
+
+
+class DFlash2CandidateSelector(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        rank = int(_dflash_field(config, "selector_rank"))
+        self.predecessor_codebook = nn.Parameter(torch.zeros(config.vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.zeros(config.vocab_size, rank))
+        self.hidden_projection = nn.Linear(config.hidden_size, rank, bias=False)
+
+    def edge_scores(self, hidden, unary, previous, candidates):
+        """S [N, K] = unary [N, K] + <A[previous] * (P hidden), B[candidates]>: hidden [N, H], previous [N]."""
+        gate = self.predecessor_codebook[previous] * self.hidden_projection(hidden)
+        return unary + (gate[:, None, :] * self.successor_codebook[candidates]).sum(-1).to(unary.dtype)
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    """DFlash 2: `forward` as DFlash's (the input embeddings scaled by input_embedding_scale); the drafts of a block
+    come from `unary_logits` and the selector's `edge_scores`, walked left to right from the anchor token."""
+
+    layer_cls = DFlash2Layer
+
+    def add_method_modules(self, config):
+        self.candidate_selector = DFlash2CandidateSelector(config)
+        self.input_embedding_scale = float(_dflash_field(config, "input_embedding_scale", 1.0))
+        self.output_multiplier = float(_dflash_field(config, "output_multiplier", 1.0))
+        cap = _dflash_field(config, "final_logit_softcapping", None)
+        self.final_logit_softcapping = float(cap) if cap else None
+
+    def forward(self, block_embeds, features, q_positions, ctx_positions, attention_mask=None):
+        embeds = block_embeds * self.input_embedding_scale
+        return super().forward(embeds, features, q_positions, ctx_positions, attention_mask)
+
+    def unary_logits(self, hidden, lm_head_weight):
+        logits = (hidden * self.output_multiplier) @ lm_head_weight.T.to(hidden.dtype)
+        if self.final_logit_softcapping:
+            logits = self.final_logit_softcapping * torch.tanh(logits / self.final_logit_softcapping)
+        return logits

@@ -1,9 +1,10 @@
-"""The decayed block cross-entropy through the target's frozen LM head, and the block acceptance metrics.
+"""The block cross-entropy through the target's frozen LM head, and the block acceptance metrics.
 
 Memory is the point: [N x V] logits (32 K drafted tokens x 248 K vocabulary = 16 GB in bf16) must never exist at
-once, and no chunk's logits may stay alive for the backward pass. Since the loss is a scalar, the gradient with
-respect to the hidden states is known as soon as a chunk's logits are: the forward pass computes it chunk by
-chunk and keeps only that [N x H] gradient; backward just scales it. That is two LM-head matmuls per chunk
+once, and no chunk's logits may stay alive for the backward pass. Each position's CE depends on its own logits
+only, so its gradient with respect to its hidden row is known as soon as a chunk's logits are: the forward pass
+computes it chunk by chunk and keeps only that [N x H] gradient; backward scales each row by its CE's weight,
+whatever weighting the caller applied (the paper's decay, or D-PACE's, which is computed from the CEs). That is two LM-head matmuls per chunk
 (logits, input gradient), never the weight gradient of the frozen head, and no recomputation of the logits.
 """
 
@@ -20,14 +21,13 @@ def _matmul_dtype(hidden: Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
 
 
-class _BlockCrossEntropy(torch.autograd.Function):
+class _HeadCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, head, labels, weights, chunk_size, mm_dtype, need_grad):
+    def forward(ctx, hidden, head, labels, chunk_size, mm_dtype, need_grad, top_k):
         head = head.to(mm_dtype)  # a no-op when the caller keeps the frozen head in the matmul dtype
         math_dtype = torch.promote_types(mm_dtype, torch.float32)  # softmax math in fp32 (fp64 stays fp64)
-        scale = weights.to(math_dtype) / weights.to(math_dtype).sum().clamp(min=1e-6)
         vocab = torch.arange(head.shape[0], device=hidden.device)
-        losses, corrects, grads = [], [], []
+        losses, corrects, candidates, grads = [], [], [], []
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             logits = hidden[rows].to(mm_dtype) @ head.T
@@ -36,24 +36,26 @@ class _BlockCrossEntropy(torch.autograd.Function):
             lse = logits.to(math_dtype).logsumexp(dim=-1)
             losses.append(lse - logits.gather(1, label)[:, 0].to(math_dtype))
             corrects.append(logits.argmax(dim=-1) == labels[rows])
+            if top_k:
+                candidates.append(logits.topk(top_k, dim=-1).indices)
             if need_grad:
-                # d(sum_i s_i * CE_i)/d logits = s_i * (softmax_i - onehot_i), then through the head to hidden.
-                # One pointwise expression (no scatter), so compiled it is one kernel writing mm_dtype directly.
+                # dCE_i/d logits = softmax_i - onehot_i, then through the head to hidden; backward scales each row
+                # by its CE's upstream gradient, so any weighting of the CEs (even one computed from them) is exact.
+                # One pointwise expression (no scatter): compiled, one kernel writing mm_dtype directly.
                 softmax = (logits.to(math_dtype) - lse[:, None]).exp()
-                grad_logits = (softmax - (vocab == label).to(math_dtype)) * scale[rows, None]
+                grad_logits = softmax - (vocab == label).to(math_dtype)
                 grads.append((grad_logits.to(mm_dtype) @ head).to(hidden.dtype))
-        ce = torch.cat(losses)
-        loss = (ce * scale).sum()
-        correct = torch.cat(corrects)
-        ctx.mark_non_differentiable(correct, ce)
+        ce, correct = torch.cat(losses), torch.cat(corrects)
+        top = torch.cat(candidates) if top_k else labels.new_empty(labels.shape[0], 0)
+        ctx.mark_non_differentiable(correct, top)
         if need_grad:
             ctx.save_for_backward(torch.cat(grads))
-        return loss, correct, ce
+        return ce, correct, top
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_correct, grad_ce):
+    def backward(ctx, grad_ce, grad_correct, grad_top):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None, None
+        return grad_hidden * grad_ce[:, None].to(grad_hidden.dtype), None, None, None, None, None, None
 
 
 def default_chunk_size(vocab_size: int) -> int:
@@ -65,22 +67,60 @@ def default_chunk_size(vocab_size: int) -> int:
     return 1 << max(0, (2**29 // vocab_size).bit_length() - 1)
 
 
-def block_cross_entropy(
-    hidden: Tensor, lm_head_weight: Tensor, labels: Tensor, weights: Tensor, chunk_size: int | None = None
+def head_cross_entropy(
+    hidden: Tensor, lm_head_weight: Tensor, labels: Tensor, chunk_size: int | None = None, top_k: int = 0
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """loss = sum(w * CE(hidden @ W.T, labels)) / sum(w) (fp32 scalar), correct [N] bool (argmax == label), and
-    CE [N] of every position (fp32, no gradient: for metrics).
+    """CE [N] of every position through the frozen LM head (fp32, differentiable with respect to hidden),
+    correct [N] bool (argmax == label) and the top_k highest-logit token ids [N, top_k] (int64; [N, 0] for 0).
 
     hidden [N, H] (the drafter's final-normed outputs), lm_head_weight [V, H] frozen: it never gets a gradient,
-    so keep it in the matmul dtype (bf16 on GPU) to avoid a cast per call. labels [N] in [0, V), weights [N] >= 0;
-    all-zero weights give loss 0 and zero gradients. Logits exist one chunk of `chunk_size` rows at a time
-    (None: default_chunk_size(V)).
+    so keep it in the matmul dtype (bf16 on GPU) to avoid a cast per call. labels [N] in [0, V). Logits exist one
+    chunk of `chunk_size` rows at a time (None: default_chunk_size(V)); the forward keeps each row's gradient
+    [N, H] (two LM-head matmuls per chunk, none in backward), so the CEs can be weighted by anything afterwards.
     """
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
     chunk_size = chunk_size or default_chunk_size(lm_head_weight.shape[0])
-    return _BlockCrossEntropy.apply(
-        hidden, lm_head_weight, labels.long(), weights, chunk_size, _matmul_dtype(hidden), need_grad
+    return _HeadCrossEntropy.apply(
+        hidden, lm_head_weight, labels.long(), chunk_size, _matmul_dtype(hidden), need_grad, top_k
     )
+
+
+# ---------------------------------------------------------------------------------------------- position weights
+
+POSITION_WEIGHTS = ("decay", "dpace")
+
+
+def dpace_weights(ce: Tensor, trained: Tensor, block_size: int, floor: float = 0.5) -> Tensor:
+    """D-PACE position weights [N] (no gradient) from the CEs [N] of blocks in block-major order.
+
+    Per block, q_i = exp(-CE_i) estimates the chance that draft i is accepted, q~_i = (1 - floor) q_i + floor
+    (1 at untrained positions, so the anchor slot of a DFlash block counts as certain), and w_j = sum over m >= j of
+    prod over i <= m of q~_i: how much the expected accepted length grows with log q_j. Untrained positions get 0.
+    """
+    q = torch.exp(-ce.detach().reshape(-1, block_size).to(torch.float32))
+    on = trained.reshape(-1, block_size)
+    smoothed = torch.where(on, (1 - floor) * q + floor, 1.0)
+    reach = smoothed.cumprod(dim=1)
+    weights = reach.flip(1).cumsum(dim=1).flip(1)
+    return torch.where(on, weights, 0.0).flatten()
+
+
+def position_weights(kind: str, ce: Tensor, weights: Tensor, block_size: int) -> Tensor:
+    """The loss weights [N] of the block CEs [N]; the loss is sum(w * CE) / sum(normaliser(kind, weights)).
+
+    weights: block_inputs' decayed weights, positive exactly where a position is trained. "decay" keeps them (the
+    paper's loss); "dpace" replaces them by dpace_weights.
+    """
+    if kind == "decay":
+        return weights
+    return dpace_weights(ce, weights > 0, block_size).to(weights.dtype)
+
+
+def normaliser(kind: str, weights: Tensor) -> Tensor:
+    """What the weighted CEs are divided by, summed, for `kind`; it does not depend on the model, so a step knows
+    its global total before the first forward. The decay: the weights' sum; D-PACE: the trained positions (as
+    speculators normalises it)."""
+    return weights if kind == "decay" else (weights > 0).to(weights.dtype)
 
 
 class BlockStats(NamedTuple):

@@ -134,6 +134,9 @@ def visible_pairs(anchors, valid, doc_ids, block_size) -> torch.Tensor:
 #   trainable forward = n * [D * 2 * (H*h*d + h*d*H + 3*H*F + 2*H*g*d)    q, o, gate / up / down, k / v of blocks
 #                            + C * 2 * (2*H*g*d)]                         k / v of the context (KV injection)
 #                       + C * 2 * W*H                                     fc fusion (W = f*H)
+#                       + D * E                                           a method's own matmuls per block token
+#                                                   (DrafterConfig.method_flops_per_token; DFlash 2: its conv
+#                                                   projections, the selector's projection, candidates and edges)
 #   LM head forward   = L * 2 * V * H
 #   lift forward      = C * 2 * k * W                                     a subspace store's P h back to P^T P h
 #   attention forward = n * 4 * P * h * d                                 QK^T and PV
@@ -151,6 +154,7 @@ def step_flops(
     per_layer_context = 2 * (2 * H * kv_width)  # k / v projections of the context
     trainable = dcfg.num_layers * (per_layer_block * drafted + per_layer_context * context_tokens)
     trainable += 2 * dcfg.feature_dim * H * context_tokens  # fc
+    trainable += dcfg.method_flops_per_token() * drafted
     head = 2 * dcfg.vocab_size * H * labelled
     lift = 2 * lifted_width * dcfg.feature_dim * context_tokens
     attention = dcfg.num_layers * 4 * pairs * dcfg.num_attention_heads * hd

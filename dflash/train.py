@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dflash import blocks, features, graph, loss, reader
+from dflash import blocks, features, graph, loss, methods, reader
 from dflash.checkpoint import (
     DISK_ERRORS,
     Checkpointer,
@@ -42,8 +42,9 @@ from dflash.checkpoint import (
 )
 from dflash.config import TrainConfig
 from dflash.device import local_device
-from dflash.drafter import DFlashDrafter, DrafterConfig, check_export_target, export_drafter
+from dflash.drafter import DrafterConfig
 from dflash.errors import DflashError
+from dflash.export import check_export_target, export_drafter
 from dflash.manifest import Manifest
 from dflash.metrics import (
     Meter,
@@ -155,7 +156,7 @@ def drafter_config(cfg: TrainConfig, store: Store, target_path: str) -> DrafterC
             "pass --drafter-option mask_token_id=ID (a token id of the target's vocabulary)"
         )
     text = manifest.target.text_config() if manifest.target.has_text_config else load_config(target_path, "--target")
-    return DrafterConfig.from_target_config(
+    return methods.get(cfg.method).config_cls.from_target_config(
         text, list(manifest.layer_ids), mask, num_layers=cfg.draft_layers, **overrides
     )
 
@@ -291,6 +292,13 @@ class Trainer:
         self.num_anchors = cfg.anchors or max(1, round(T * ANCHORS_PER_3072 / 3072))
         check_shapes(cfg, T, self.num_anchors, manifest.feature_dim, self.dcfg)
         self.gamma = blocks.default_gamma(cfg.block_size) if cfg.gamma is None else cfg.gamma
+        self.method = methods.get(cfg.method)
+        self.objective_options = methods.ObjectiveOptions(
+            position_weights=cfg.position_weights,
+            loss_chunk=cfg.loss_chunk,
+            selector_weight=cfg.selector_weight,
+            selector_outside=cfg.selector_outside,
+        )
 
         self.mm_dtype = torch.bfloat16 if self.cuda else torch.float32
         # Frozen and only ever read by matmuls under autocast: stored in the matmul dtype, no per-step cast.
@@ -298,7 +306,7 @@ class Trainer:
         self.lift = None if self.projection is None else self.projection.to(self.device, self.mm_dtype)
         torch.manual_seed(cfg.seed)
         with torch.device(self.device):
-            self.model = DFlashDrafter(self.dcfg)
+            self.model = self.method.model_cls(self.dcfg)
         self.params = [p for p in self.model.parameters()]
         self.flat_grad = self._flat_grad()
         self.step_t = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -353,7 +361,7 @@ class Trainer:
         self.mask_fn = graph.compile_fn(
             blocks.block_attention_mask, compile_on and self.cuda, options=blocks.MASK_COMPILE_OPTIONS
         )
-        self.loss_fn = graph.compile_fn(loss.block_cross_entropy, compile_on)
+        self.objective = graph.compile_fn(self.method.objective_fn, compile_on)
         hint = "--anchors, --rows-per-step (or the store's token budget) or --loss-chunk"
         self.train_step = graph.GraphedStep(self._train_step, device=self.device, cuda_graph=cfg.cuda_graph, hint=hint)
         self.val_step = graph.GraphedStep(self._val_step, device=self.device, cuda_graph=cfg.cuda_graph, hint=hint)
@@ -421,16 +429,21 @@ class Trainer:
             weights=weights,
         )
 
-    def _micro(self, m: int, x: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(weighted-mean loss of micro-batch m, correct [N], CE [N]) through drafter and frozen head."""
-        s = self.static
-        mask = self.mask_fn(x["anchors"], x["valid"], x["segments"], self.cfg.block_size)
+    def _micro(self, m: int, x: dict) -> methods.Objective:
+        """Micro-batch m through the drafter and the method's objective (frozen head)."""
+        s, B = self.static, self.cfg.block_size
+        mask = self.mask_fn(x["anchors"], x["valid"], x["segments"], B, self.dcfg.sliding_window)
         features = self._features(m)
         with self._autocast():
             embeds = F.embedding(x["block_ids"], self.embed)
             hidden = self.forward(embeds, features, x["q_positions"], s["position_ids"][m], mask)
             labels, weights = x["labels"].flatten(), x["weights"].flatten()
-            return self.loss_fn(hidden.flatten(0, 1), self.head, labels, weights, self.cfg.loss_chunk)
+            return self.objective(
+                self.model, hidden.flatten(0, 1), self.head, labels, weights, B, self.objective_options
+            )
+
+    def _normaliser(self, x: dict) -> torch.Tensor:
+        return loss.normaliser(self.cfg.position_weights, x["weights"])
 
     def _features(self, m: int) -> torch.Tensor:
         """Micro-batch m's features in the matmul dtype, decoded here, on the device, in the step: fp8 values
@@ -442,15 +455,15 @@ class Trainer:
             stored = s["hidden"][m].to(self.mm_dtype)
         return stored if self.lift is None else stored @ self.lift
 
-    def _count(self, tally: Tally, m: int, x: dict, mean_loss, correct, ce):
+    def _count(self, tally: Tally, m: int, x: dict, objective: methods.Objective):
         """Add this micro-batch's metrics to `tally`'s sums (device ops only), per data source when it has several.
         Returns its blocks' stats."""
         B, layout, sums, doc_source = self.cfg.block_size, tally.layout, tally.sums, tally.doc_source
-        stats = loss.block_stats(correct, x["weights"], B)
-        weight = x["weights"].sum()
+        stats = loss.block_stats(objective.correct, x["weights"], B)
+        normaliser = self._normaliser(x)
         values = torch.zeros_like(sums)
-        values[layout["loss_sum"]] = mean_loss.detach() * weight
-        values[layout["weight_sum"]] = weight
+        values[layout["loss_sum"]] = objective.loss_sum.detach()
+        values[layout["weight_sum"]] = normaliser.sum()
         values[layout["accepted"]] = stats.accepted
         values[layout["blocks"]] = stats.anchors
         values[layout["context_tokens"]] = (x["segments"] >= 0).sum()
@@ -462,8 +475,8 @@ class Trainer:
             # A block's document is its anchor's (padding anchors are never counted: any valid index will do).
             docs = self.static["doc_ids"][m].gather(1, x["anchors"]).flatten().clamp(min=0)
             sources = doc_source[docs].clamp(min=0)
-            weights = x["weights"].reshape(-1, B).double()
-            per_block = [(1 + run) * counted, counted, (weights * ce.reshape(-1, B)).sum(dim=1), weights.sum(dim=1)]
+            block_loss = objective.position_loss.reshape(-1, B).double().sum(dim=1)
+            per_block = [(1 + run) * counted, counted, block_loss, normaliser.reshape(-1, B).double().sum(dim=1)]
             values[layout.per_source] = source_sums(per_block, sources, layout.sources)
         sums += values
         return stats
@@ -474,14 +487,14 @@ class Trainer:
         # Normalise by the weight of the whole global batch (all micro-steps, all ranks), so that accumulation
         # and any number of ranks give the gradient of one big batch. Weights do not depend on the model, so the
         # total is known before the first forward.
-        total = torch.stack([x["weights"].sum() for x in inputs]).sum()
+        total = torch.stack([self._normaliser(x).sum() for x in inputs]).sum()
         if self.env.world_size > 1:
             dist.all_reduce(total)
         self.flat_grad.zero_()
         for m, x in enumerate(inputs):
-            mean_loss, correct, ce = self._micro(m, x)
-            (mean_loss * (x["weights"].sum() / total.clamp(min=1e-6))).backward()
-            self._count(self.train_tally, m, x, mean_loss, correct, ce)
+            objective = self._micro(m, x)
+            (objective.loss_sum / total.clamp(min=1e-6)).backward()
+            self._count(self.train_tally, m, x, objective)
         if self.env.world_size > 1:
             dist.all_reduce(self.flat_grad)
         # Clipping on the flat buffer is one norm kernel and one scale, whatever the number of parameters.
@@ -497,8 +510,7 @@ class Trainer:
     def _val_step(self):
         with torch.no_grad():
             x = self._inputs(0, self.val_window)
-            mean_loss, correct, ce = self._micro(0, x)
-            stats = self._count(self.val_tally, 0, x, mean_loss, correct, ce)
+            stats = self._count(self.val_tally, 0, x, self._micro(0, x))
             anchors = x["anchors"]
             column = torch.where(stats.counts.view_as(anchors), anchors, self.val_runs.shape[1] - 1)
             self.val_runs.scatter_(1, column, stats.runs.view_as(anchors).int())

@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from dflash.blocks import block_attention_mask, dense_block_mask, sample_anchors
-from dflash.drafter import DFlashDrafter, DrafterConfig, export_drafter, load_drafter
+from dflash.drafter import DFlashDrafter, DrafterConfig
 from dflash.errors import DflashError
+from dflash.export import export_drafter, load_drafter
 from dflash.tiny import tiny_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -60,9 +61,32 @@ def make_drafter(cfg, seed=0):
     return model
 
 
+def conv_reference(x, source, base, projection, side, block_size, group_size):
+    """DFlash 2's tap formula as loops: y[t, c] = sum over o <= t mod B of (base[side, o, c] + d[t, side, o, c // G])
+    * x[t - o, c], with d = projection(source) read as [Q, 2, K, H / G] (source: the prepare side's input)."""
+    R, Q, H = x.shape
+    K = base.shape[1]
+    d = (source @ projection.T).view(R, Q, 2, K, H // group_size)
+    group_of = torch.arange(H) // group_size
+    out = torch.zeros_like(x)
+    for t in range(Q):
+        for o in range(K):
+            if t % block_size >= o:
+                out[:, t] += (base[side, o] + d[:, t, side, o][:, group_of]) * x[:, t - o]
+    return out
+
+
 def reference_drafter(params, cfg, embeds, features, q_pos, ctx_pos, visible):
-    """A straightforward float64 DFlash drafter with explicit dense attention; visible [R, Q, T + Q] bool."""
+    """A straightforward float64 DFlash drafter with explicit dense attention; visible [R, Q, T + Q] bool. With
+    DFlash 2 tensors in `params`, its convs wrap attention and MLP (conv_reference) and the embeddings are scaled."""
     eps, D = cfg.rms_norm_eps, cfg.head_dim
+    embeds = embeds * getattr(cfg, "input_embedding_scale", 1.0)
+
+    def conv(p, name, x, source, side):
+        if f"{name}.base_kernel" not in p:
+            return x
+        weights = p[f"{name}.base_kernel"], p[f"{name}.kernel_projection.weight"]
+        return conv_reference(x, source, *weights, side, cfg.block_size, cfg.conv_group_size)
 
     def rms(x, w):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
@@ -79,7 +103,8 @@ def reference_drafter(params, cfg, embeds, features, q_pos, ctx_pos, visible):
     x = embeds
     for i in range(cfg.num_layers):
         p = {k.removeprefix(f"layers.{i}."): v for k, v in params.items() if k.startswith(f"layers.{i}.")}
-        h = rms(x, p["input_layernorm.weight"])
+        normed = rms(x, p["input_layernorm.weight"])
+        h = conv(p, "attention_conv", normed, normed, 0)
         q = rms((h @ p["self_attn.q_proj.weight"].T).view(R, Q, -1, D), p["self_attn.q_norm.weight"])
         source = torch.cat([ctx, h], dim=1)  # keys and values: the fused context, then the block tokens
         k = rms((source @ p["self_attn.k_proj.weight"].T).view(R, source.shape[1], -1, D), p["self_attn.k_norm.weight"])
@@ -89,10 +114,11 @@ def reference_drafter(params, cfg, embeds, features, q_pos, ctx_pos, visible):
         scores = torch.einsum("rqhd,rkhd->rhqk", q, k) / math.sqrt(D)
         scores = scores.masked_fill(~visible[:, None], float("-inf"))
         attn = torch.einsum("rhqk,rkhd->rqhd", scores.softmax(-1), v).reshape(R, Q, -1)
-        x = x + attn @ p["self_attn.o_proj.weight"].T
-        h = rms(x, p["post_attention_layernorm.weight"])
+        x = x + conv(p, "attention_conv", attn @ p["self_attn.o_proj.weight"].T, normed, 1)
+        normed = rms(x, p["post_attention_layernorm.weight"])
+        h = conv(p, "mlp_conv", normed, normed, 0)
         mlp = F.silu(h @ p["mlp.gate_proj.weight"].T) * (h @ p["mlp.up_proj.weight"].T)
-        x = x + mlp @ p["mlp.down_proj.weight"].T
+        x = x + conv(p, "mlp_conv", mlp @ p["mlp.down_proj.weight"].T, normed, 1)
     return rms(x, params["norm.weight"])
 
 

@@ -10,9 +10,10 @@ from click.testing import CliRunner
 
 from cli.main import main
 from dflash.config import EvalConfig
-from dflash.drafter import DFlashDrafter, DrafterConfig, export_drafter
+from dflash.drafter import DFlashDrafter, DrafterConfig
 from dflash.errors import DflashError
 from dflash.evaluate import evaluate
+from dflash.export import export_drafter
 from dflash.target_files import read_config_json
 
 PROMPTS = [{"text": "def add(a, b):"}]

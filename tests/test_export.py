@@ -8,8 +8,9 @@ import torch
 from click.testing import CliRunner
 
 from cli.main import main
-from dflash.drafter import DFlashDrafter, checkpoint_keys, export_drafter, load_drafter
+from dflash.drafter import DFlashDrafter
 from dflash.errors import DflashError
+from dflash.export import export_drafter, load_drafter
 from tests.test_drafter import small_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -147,7 +148,7 @@ def test_automodel_with_remote_code_loads_our_drafter(tmp_path, overrides):
     )
     assert type(model).__name__ == "DFlashDraftModel"
     assert {k: v for k, v in info.items() if v} == {}, info  # no missing, unexpected or mismatched keys
-    assert sorted(model.state_dict()) == checkpoint_keys(cfg)
+    assert sorted(model.state_dict()) == cfg.checkpoint_keys()
     assert model.target_layer_ids == cfg.target_layer_ids and model.mask_token_id == cfg.mask_token_id
     assert model.block_size == cfg.block_size
     embeds, features, q_pos, ctx_pos, visible = inputs(cfg)

@@ -222,7 +222,8 @@ def test_a_drafter_trained_on_a_compact_store_exports_a_standard_one(harvest, ti
     full features h, the exported drafter gives the logits the trained drafter gives on P h (float32)."""
     from dflash.checkpoint import Checkpointer, read_state
     from dflash.config import TrainConfig
-    from dflash.drafter import DFlashDrafter, DrafterConfig, checkpoint_keys, load_drafter
+    from dflash.drafter import DFlashDrafter, DrafterConfig
+    from dflash.export import load_drafter
     from dflash.target_files import load_embedding_and_head
     from dflash.train import run_training
 
@@ -253,7 +254,7 @@ def test_a_drafter_trained_on_a_compact_store_exports_a_standard_one(harvest, ti
     assert raw_config["hidden_size"] == config.hidden_size
     full_store, compact = store.Store.open(harvest()), store.Store.open(path)
     assert exported.fc.weight.shape == (config.hidden_size, full_store.feature_dim)
-    assert sorted(exported.state_dict()) == checkpoint_keys(config)
+    assert sorted(exported.state_dict()) == config.checkpoint_keys()
 
     checkpoint = Checkpointer(run).latest()
     trained_config = DrafterConfig(**read_state(checkpoint)["drafter"])

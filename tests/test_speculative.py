@@ -11,9 +11,6 @@ from click.testing import CliRunner
 
 from dflash.config import EvalConfig
 from dflash.decoding import (
-    DFlashProposer,
-    Draft,
-    PromptLookupProposer,
     accept_greedy,
     accept_sampled,
     generate_prompt_lookup,
@@ -23,6 +20,7 @@ from dflash.decoding import (
 from dflash.drafter import DFlashDrafter, DrafterConfig
 from dflash.errors import DflashError
 from dflash.evaluate import SpeculativeMethod, evaluate
+from dflash.proposers import DFlashProposer, Draft, PromptLookupProposer
 from dflash.regenerate import encode_prompt, eos_token_ids
 from dflash.target import load_target
 
@@ -95,6 +93,36 @@ def test_greedy_speculative_equals_plain_greedy(loaded, arch):
         assert speculative.tokens == plain.tokens
         # A random drafter is rejected in (nearly) every round: many rollbacks happened.
         assert len(speculative.accepted) >= len(plain.tokens) // 2
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_greedy_and_sampled_dflash2_decoding_on_real_targets(loaded, arch):
+    """A DFlash 2 drafter (selector away from its identity start, a window shorter than the prompts) through the
+    real decoding loop: at temperature 0 it reproduces plain greedy decoding, sampled it runs to the end."""
+    from dflash.methods.dflash2 import DFlash2Config, DFlash2Drafter, DFlash2Proposer
+
+    target, eos_ids, prompts, tokenizer = loaded(arch)
+    config = DFlash2Config.from_target_config(
+        target.config,
+        [1, 3, 5],
+        tokenizer.convert_tokens_to_ids("<|MASK|>"),
+        num_layers=1,
+        block_size=BLOCK,
+        selector_rank=8,
+        selector_top_k=4,
+        sliding_window=5,
+    )
+    torch.manual_seed(0)
+    drafter = DFlash2Drafter(config).eval()
+    with torch.no_grad():
+        drafter.candidate_selector.successor_codebook.normal_()
+    proposer = DFlash2Proposer(drafter, config, target)
+    for prompt in prompts:
+        plain = plain_greedy(target, prompt, 30, eos_ids)
+        assert speculative_generate(target, proposer, prompt, 30, eos_ids, max_drafts=BLOCK - 1).tokens == plain.tokens
+    generator = torch.Generator().manual_seed(1)
+    out = speculative_generate(target, proposer, prompts[0], 20, eos_ids, 1.0, generator, BLOCK - 1)
+    assert sum(a + 1 for a in out.accepted) == len(out.tokens) - 1
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
@@ -176,8 +204,8 @@ def test_dflash_proposer_block_and_positions(loaded):
     _, config = random_drafter(target, tokenizer)
     seen = {}
 
-    def fake_drafter(block_embeds, features, q_positions, ctx_positions):
-        seen.update(embeds=block_embeds, features=features, q=q_positions, ctx=ctx_positions)
+    def fake_drafter(block_embeds, features, q_positions, ctx_positions, mask):
+        seen.update(embeds=block_embeds, features=features, q=q_positions, ctx=ctx_positions, mask=mask)
         return torch.zeros(*block_embeds.shape)
 
     committed = torch.tensor([11, 12, 13, 14, 15])
@@ -187,7 +215,7 @@ def test_dflash_proposer_block_and_positions(loaded):
     torch.testing.assert_close(seen["embeds"][0], target.get_input_embeddings()(block))
     assert torch.equal(seen["features"][0], features)
     assert seen["q"].tolist() == [list(range(4, 4 + BLOCK))] and seen["ctx"].tolist() == [[0, 1, 2, 3]]
-    assert draft.tokens.numel() == 5 and draft.probs is None
+    assert draft.tokens.numel() == 5 and draft.probs is None and seen["mask"] is None  # no window: all visible
 
 
 def test_accept_greedy_hand_built():
@@ -283,8 +311,8 @@ def test_evaluate_report_and_cli(tiny_target, tmp_path, caplog):
 
 
 def test_evaluate_several_drafters_against_one_plain_run_within_a_time_budget(tiny_target, tmp_path):
-    from dflash.drafter import export_drafter
     from dflash.evaluate import untrained_drafter
+    from dflash.export import export_drafter
 
     target_path = tiny_target("qwen3_5")
     target, tokenizer = load_target(target_path, "cpu", "float32")
@@ -316,8 +344,8 @@ def test_eval_compares_several_drafters_paired_over_the_prompts(tiny_target, tmp
     from pathlib import Path
 
     from cli.main import main
-    from dflash.drafter import export_drafter
     from dflash.evaluate import untrained_drafter
+    from dflash.export import export_drafter
 
     target_path = tiny_target("qwen3_5")
     target, tokenizer = load_target(target_path, "cpu", "float32")

@@ -4,6 +4,7 @@ Every run trains from a real store: a tiny harvest of the bundled corpus (rows o
 target; the alignment tests rewrite its arrays with features that make the labels knowable.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -25,8 +26,8 @@ from cli.main import main
 from dflash import blocks, graph, reader
 from dflash.checkpoint import Checkpointer, fingerprint
 from dflash.config import HarvestConfig, TrainConfig
-from dflash.drafter import load_drafter
 from dflash.errors import DflashError
+from dflash.export import load_drafter
 from dflash.harvest import run_harvest
 from dflash.metrics import visible_pairs
 from dflash.store import Store
@@ -66,6 +67,18 @@ def config(store, out, **overrides) -> TrainConfig:
         device="cpu",
     )
     return TrainConfig(**{**base, **overrides})
+
+
+# Every drafter method (and loss option) through the trainer's contract; DFlash 2 small enough for the tiny target.
+METHOD_OPTIONS = {
+    "dflash": {},
+    "dflash+dpace": {"position_weights": "dpace"},
+    "dflash2": {
+        "method": "dflash2",
+        "drafter_overrides": {"selector_rank": 8, "selector_top_k": 4, "sliding_window": 24},
+    },
+    "dflash2-drop": {"method": "dflash2", "selector_outside": "drop", "drafter_overrides": {"selector_top_k": 4}},
+}
 
 
 def train_records(out) -> list[dict]:
@@ -113,7 +126,7 @@ def write_knowable_store(src: Path, dst: Path, head: torch.Tensor, seed: int = 0
     part["hidden"][:] = torch.from_numpy(hidden).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
 
 
-def inclusive_mask(anchors, valid, doc_ids, block_size):
+def inclusive_mask(anchors, valid, doc_ids, block_size, window=None):
     """The historical bug: context visible up to and including the anchor (kv <= a)."""
     R, A = anchors.shape
     T = doc_ids.shape[1]
@@ -276,12 +289,14 @@ def test_validation_time_counts_in_no_training_step(store, tmp_path, monkeypatch
 # ---------------------------------------------------------------------------------------------- compile, resume
 
 
-def test_compiled_step_matches_eager_without_recompiles(store, tmp_path):
-    """20 steps over different rows: compiled drafter + loss agree with eager, and nothing recompiles after
+@pytest.mark.parametrize("method", ["dflash", "dflash2"])
+def test_compiled_step_matches_eager_without_recompiles(method, store, tmp_path):
+    """20 steps over different rows: compiled drafter + objective agree with eager, and nothing recompiles after
     warmup (a recompile would raise), validation's windows included. The BlockMask builder stays eager on the
     CPU (see Trainer.__init__)."""
-    eager = run_training(config(store, tmp_path / "eager", max_steps=20, compile=False))
-    compiled = run_training(config(store, tmp_path / "compiled", max_steps=20, compile=True))
+    options = METHOD_OPTIONS[method]
+    eager = run_training(config(store, tmp_path / "eager", max_steps=20, compile=False, **options))
+    compiled = run_training(config(store, tmp_path / "compiled", max_steps=20, compile=True, **options))
     assert [r["recompiles"] for r in compiled["records"]] == [0] * 20
     for key, rtol in (("loss", 1e-5), ("grad_norm", 1e-4)):
         np.testing.assert_allclose([r[key] for r in compiled["records"]], [r[key] for r in eager["records"]], rtol=rtol)
@@ -460,6 +475,32 @@ def test_export_round_trip(store, tmp_path):
             halved(*(x.to(torch.bfloat16) if x.is_floating_point() else x for x in inputs)),
             reference(*(x.to(torch.bfloat16) if x.is_floating_point() else x for x in inputs)),
         )
+
+
+@pytest.mark.parametrize("method", sorted(METHOD_OPTIONS))
+def test_every_method_resumes_exactly_exports_and_decodes_greedily(method, store, target, tmp_path):
+    """Train 8 steps with a checkpoint at 6 and validation; a resume from step 6 gives the same records, the
+    export loads as the method's drafter, and speculative decoding with it reproduces plain greedy decoding."""
+    from dflash import methods
+    from dflash.config import EvalConfig
+    from dflash.evaluate import evaluate
+    from dflash.tiny import PROMPTS
+
+    options = METHOD_OPTIONS[method]
+    cfg = config(store, tmp_path / "run", max_steps=8, ckpt_every=6, log_every=2, export=True, **options)
+    full = run_training(cfg)
+    assert full["val"]["blocks"] > 0 and full["val"]["rounds"] > 0
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_8")
+    resumed = run_training(dataclasses.replace(cfg, resume=True))["records"]
+    assert [r["loss"] for r in resumed if r["kind"] == "train"] == [r["loss"] for r in full["records"]][3:]
+    model, dcfg = load_drafter(tmp_path / "run" / "drafter")
+    assert dcfg.method == options.get("method", "dflash") and isinstance(model, methods.get(dcfg.method).model_cls)
+    prompts = [json.loads(line) for line in Path(PROMPTS).read_text().splitlines()[:2]]
+    report = evaluate(
+        EvalConfig(str(target), prompts, drafter=[str(tmp_path / "run" / "drafter")], max_new_tokens=10, device="cpu")
+    )
+    result = report.methods["dflash"]
+    assert result.mismatches == 0 and result.tau >= 1
 
 
 def _train_cli(store, out, *extra):

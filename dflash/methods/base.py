@@ -1,0 +1,44 @@
+"""What a drafter method is: its config and model classes, its training objective and its decoding proposer.
+
+The store, the reader, the captured step, the checkpointer and the metrics are shared by every method and know
+nothing of it: the trainer calls `Method.objective` on the drafter's final-normed block outputs, evaluation builds
+`Method.proposer`, export and loading go through the config class (`to_hf_config`, `checkpoint_keys`).
+"""
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class ObjectiveOptions:
+    """The training options an objective reads (from TrainConfig)."""
+
+    position_weights: str = "decay"  # loss.POSITION_WEIGHTS
+    loss_chunk: int | None = None
+    selector_weight: float = 1.0  # DFlash 2: the selector CE's weight beside the unary CE
+    selector_outside: str = "replace"  # DFlash 2: a true token outside the top-K replaces the K-th candidate, or "drop"
+
+
+class Objective(NamedTuple):
+    """One micro-batch's loss terms and what the shared metrics read."""
+
+    loss_sum: Tensor  # [] the weighted sum of the loss terms; the trainer divides it by the global normaliser
+    position_loss: Tensor  # [N] each position's share of loss_sum (no gradient), for the per-source metrics
+    correct: Tensor  # [N] bool: the method's temperature-0 decoding, teacher-forced, drafts the label here
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str  # --method
+    config_cls: type  # a dflash.drafter.DrafterConfig
+    model_cls: type  # a dflash.drafter.DFlashDrafter
+    proposer_cls: type  # a dflash.proposers.DFlashProposer: (model, config, target)
+    objective_fn: (
+        object  # (model, hidden [N, H], head [V, H], labels [N], weights [N], block_size, options) -> Objective
+    )
+    summary: str  # one line for --help and the docs
+
+    def objective(self, model, hidden, head, labels, weights, block_size: int, options: ObjectiveOptions) -> Objective:
+        return self.objective_fn(model, hidden, head, labels, weights, block_size, options)

@@ -1,0 +1,24 @@
+"""DFlash as the paper of February 2026 describes it: the backbone of dflash.drafter, the block CE through the
+target's LM head, drafts by argmax (or sampling) of those logits."""
+
+from dflash import loss
+from dflash.drafter import DFlashDrafter, DrafterConfig
+from dflash.methods.base import Method, Objective
+from dflash.proposers import DFlashProposer
+
+
+def objective(model, hidden, head, labels, weights, block_size, options) -> Objective:
+    """The block CE of the LM head's logits under the chosen position weights; drafts are its argmax."""
+    ce, correct, _ = loss.head_cross_entropy(hidden, head, labels, options.loss_chunk)
+    terms = loss.position_weights(options.position_weights, ce, weights, block_size) * ce
+    return Objective(terms.sum(), terms.detach(), correct)
+
+
+METHOD = Method(
+    name="dflash",
+    config_cls=DrafterConfig,
+    model_cls=DFlashDrafter,
+    proposer_cls=DFlashProposer,
+    objective_fn=objective,
+    summary="DFlash (the paper's drafter: KV-injected block diffusion, argmax of the target's LM head)",
+)

@@ -1,0 +1,280 @@
+"""DFlash 2 (`DFlash2DraftModel`): the DFlash backbone with a grouped dynamic causal conv around attention and MLP in
+every layer, and a candidate selector that re-scores the LM head's top-K tokens given the previous token.
+
+    per layer:  h = x + finish(attn(prepare(norm(x))));  out = h + finish(mlp(prepare(norm(h))))
+    prepare:    y_t = sum_{o<K} (base[0][o] + d0[t, o, g(c)]) * x_{t-o}   (d = kernel_projection(x), kept for finish)
+    finish:     the same with base[1] and d1, on the sublayer's output; taps never cross a block boundary
+    unary:      U_l = lm_head(h_l) * output_multiplier
+    edge:       S_l(p -> c) = U_l[c] + <A[p] * (P h_l), B[c]>   over the K candidates c = top-K(U_l)
+
+Decoding walks a block left to right from the verified anchor token: the previous token p of slot l is the
+anchor (l = 1) or the token chosen at l - 1; greedy takes the best edge, at T > 0 a sample of softmax(S / T) over
+the K candidates, and that K-way q is what verification checks against. Training: the paper's block CE on U plus
+`selector_weight` x the CE of the edge scores over the candidates with the true previous token as predecessor
+(teacher forcing equals decoding along every accepted prefix, so the teacher-forced argmax is the replay's draft).
+Conv and selector start as the identity and the plain LM head (base taps [1, 0, ...], zero projection and
+successor codebook): an untrained DFlash 2 drafter is a DFlash one with extra parameters.
+"""
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from dflash import loss
+from dflash.drafter import INIT_STD, DFlashDrafter, DrafterConfig, Layer
+from dflash.errors import DflashError
+from dflash.methods.base import Method, Objective
+from dflash.proposers import DFlashProposer, Draft
+
+
+@dataclass(kw_only=True)
+class DFlash2Config(DrafterConfig):
+    conv_kernel_size: int = 2  # K taps, the current token's included
+    conv_group_size: int = 16  # channels sharing one dynamic coefficient; divides hidden_size
+    selector_rank: int = 256  # r of the codebooks and the hidden projection
+    selector_top_k: int = 16  # candidates the selector scores per slot
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None  # read and decoded; training refuses it (see objective)
+    input_embedding_scale: float = 1.0
+    sliding_window: int | None = 2048  # the released configs' window over the context
+
+    method: ClassVar[str] = "dflash2"
+    architecture: ClassVar[str] = "DFlash2DraftModel"
+
+    def __post_init__(self):
+        problems = []
+        if self.conv_kernel_size < 1 or self.conv_group_size < 1 or self.hidden_size % self.conv_group_size:
+            problems.append(
+                f"conv_kernel_size {self.conv_kernel_size} and conv_group_size {self.conv_group_size} must be positive, "
+                f"the group size dividing hidden_size {self.hidden_size}"
+            )
+        if not 1 <= self.selector_top_k <= self.vocab_size or self.selector_rank < 1:
+            problems.append(
+                f"selector_top_k {self.selector_top_k} must be in 1..vocab_size and selector_rank "
+                f"{self.selector_rank} positive"
+            )
+        if problems:
+            raise DflashError(f"invalid DFlash 2 drafter: {'; '.join(problems)}; fix them with --drafter-option")
+
+    @property
+    def conv_groups(self) -> int:
+        return self.hidden_size // self.conv_group_size
+
+    def to_hf_config(self, dtype: torch.dtype | None = None) -> dict:
+        config = super().to_hf_config(dtype)
+        config["dflash_config"].update(
+            conv_kernel_size=self.conv_kernel_size,
+            conv_group_size=self.conv_group_size,
+            selector_rank=self.selector_rank,
+            selector_top_k=self.selector_top_k,
+            output_multiplier=self.output_multiplier,
+            input_embedding_scale=self.input_embedding_scale,
+        )
+        if self.final_logit_softcapping is not None:  # absent means off to every engine
+            config["dflash_config"]["final_logit_softcapping"] = self.final_logit_softcapping
+        # The reference treats sliding layers as causal unless told: the block is bidirectional.
+        config["is_causal"] = False
+        return config
+
+    @classmethod
+    def extra_from_hf(cls, dflash_field) -> dict:
+        defaults = {f: getattr(cls, f) for f in ("conv_kernel_size", "conv_group_size", "selector_rank")}
+        defaults |= {"selector_top_k": cls.selector_top_k, "output_multiplier": cls.output_multiplier}
+        fields = {name: int(dflash_field(name, default)) for name, default in defaults.items()}
+        fields["output_multiplier"] = float(dflash_field("output_multiplier", cls.output_multiplier))
+        cap = dflash_field("final_logit_softcapping", None)
+        fields["final_logit_softcapping"] = None if cap is None else float(cap)
+        fields["input_embedding_scale"] = float(dflash_field("input_embedding_scale", cls.input_embedding_scale))
+        return fields
+
+    def method_flops_per_token(self) -> float:
+        H, K, r = self.hidden_size, self.selector_top_k, self.selector_rank
+        convs = self.num_layers * 2 * (2 * H * 2 * self.conv_kernel_size * self.conv_groups)  # two projections a layer
+        return convs + 2 * H * r + 2 * K * H + 2 * K * r  # P h, candidate logits, edge scores
+
+    def extra_layer_keys(self) -> list[str]:
+        return [f"{conv}.{name}" for conv in ("attention_conv", "mlp_conv") for name in CONV_KEYS]
+
+    def extra_keys(self) -> list[str]:
+        return [f"candidate_selector.{name}" for name in SELECTOR_KEYS]
+
+
+CONV_KEYS = ("base_kernel", "kernel_projection.weight")
+SELECTOR_KEYS = ("predecessor_codebook", "successor_codebook", "hidden_projection.weight")
+
+
+class DynamicBlockConv(nn.Module):
+    """The grouped dynamic causal conv over block positions: `prepare` before a sublayer, `finish` after it."""
+
+    def __init__(self, cfg: DFlash2Config):
+        super().__init__()
+        self.taps, self.group_size, self.block_size = cfg.conv_kernel_size, cfg.conv_group_size, cfg.block_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, self.taps, cfg.hidden_size))
+        self.kernel_projection = nn.Linear(cfg.hidden_size, 2 * self.taps * cfg.conv_groups, bias=False)
+        self.reset_to_identity()
+
+    def reset_to_identity(self) -> None:
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def prepare(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(conv of x [R, Q, H] with the first kernel, the second kernel's dynamic part for `finish`)."""
+        R, Q, H = x.shape
+        dynamic = self.kernel_projection(x).view(R, Q, 2, self.taps, H // self.group_size)
+        return self._conv(x, self.base_kernel[0], dynamic[:, :, 0]), dynamic[:, :, 1]
+
+    def finish(self, y: Tensor, dynamic: Tensor) -> Tensor:
+        return self._conv(y, self.base_kernel[1], dynamic)
+
+    def _conv(self, x: Tensor, base: Tensor, dynamic: Tensor) -> Tensor:
+        """sum over taps o of (base[o] + dynamic[t, o, group of c]) * x[t - o], zero where t - o leaves the block."""
+        R, Q, H = x.shape
+        B = self.block_size
+        blocks = x.view(R, Q // B, B, H)
+        coefficients = base + dynamic.repeat_interleave(self.group_size, dim=-1)  # [R, Q, K, H]
+        coefficients = coefficients.view(R, Q // B, B, self.taps, H).to(x.dtype)
+        out = blocks * coefficients[..., 0, :]
+        for o in range(1, self.taps):
+            shifted = torch.nn.functional.pad(blocks[:, :, : B - o], (0, 0, o, 0))  # x[t - o], zeros before the block
+            out = out + shifted * coefficients[..., o, :]
+        return out.view(R, Q, H)
+
+
+class DFlash2Layer(Layer):
+    def __init__(self, cfg: DFlash2Config):
+        super().__init__(cfg)
+        self.attention_conv = DynamicBlockConv(cfg)
+        self.mlp_conv = DynamicBlockConv(cfg)
+
+    def forward(self, x, ctx, q_rope, kv_rope, mask):
+        y, dynamic = self.attention_conv.prepare(self.input_layernorm(x))
+        x = x + self.attention_conv.finish(self.self_attn(y, ctx, q_rope, kv_rope, mask), dynamic)
+        y, dynamic = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.finish(self.mlp(y), dynamic)
+
+
+class CandidateSelector(nn.Module):
+    def __init__(self, cfg: DFlash2Config):
+        super().__init__()
+        self.predecessor_codebook = nn.Parameter(torch.empty(cfg.vocab_size, cfg.selector_rank))
+        self.successor_codebook = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.selector_rank))
+        self.hidden_projection = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
+        nn.init.normal_(self.predecessor_codebook, std=INIT_STD)
+        nn.init.normal_(self.hidden_projection.weight, std=INIT_STD)
+
+    def edge_scores(self, hidden: Tensor, unary: Tensor, previous: Tensor, candidates: Tensor) -> Tensor:
+        """S [N, K] = unary [N, K] + <A[previous] * (P hidden), B[candidates]> for hidden [N, H], previous [N]."""
+        gate = self.predecessor_codebook[previous] * self.hidden_projection(hidden)  # [N, r]
+        pair = (gate[:, None, :] * self.successor_codebook[candidates]).sum(-1)
+        return unary + pair.to(unary.dtype)
+
+
+class DFlash2Drafter(DFlashDrafter):
+    layer_cls = DFlash2Layer
+
+    def __init__(self, config: DFlash2Config):
+        super().__init__(config)
+        self.candidate_selector = CandidateSelector(config)
+        for layer in self.layers:  # the backbone's init drew the projections: back to the identity
+            layer.attention_conv.reset_to_identity()
+            layer.mlp_conv.reset_to_identity()
+
+    def forward(self, block_embeds, features, q_positions, ctx_positions, block_mask=None):
+        scale = self.config.input_embedding_scale
+        embeds = block_embeds if scale == 1.0 else block_embeds * scale
+        return super().forward(embeds, features, q_positions, ctx_positions, block_mask)
+
+
+class _CandidateLogits(torch.autograd.Function):
+    """hidden [N, H] . head[candidates] [N, K, H] -> [N, K], without keeping the gathered rows for backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, head, candidates):
+        ctx.save_for_backward(hidden, head, candidates)
+        rows = head[candidates].to(hidden.dtype)
+        return torch.einsum("nh,nkh->nk", hidden, rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, head, candidates = ctx.saved_tensors
+        return torch.einsum("nk,nkh->nh", grad.to(hidden.dtype), head[candidates].to(hidden.dtype)), None, None
+
+
+def candidate_logits(hidden: Tensor, head: Tensor, candidates: Tensor) -> Tensor:
+    return _CandidateLogits.apply(hidden, head, candidates)
+
+
+def selector_targets(candidates: Tensor, labels: Tensor, outside: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(candidates [N, K] the selector's CE scores, index [N] of the label among them, in_top [N] whether the
+    label is among the LM head's top K). outside "replace": a label outside the top K takes the K-th candidate's
+    place (speculators); "drop": the candidates stay, and such positions leave the CE (SpecForge)."""
+    hits = candidates == labels[:, None]
+    in_top = hits.any(dim=-1)
+    if outside == "replace":
+        last = torch.zeros_like(hits)
+        last[:, -1] = True
+        candidates = torch.where(last & ~in_top[:, None], labels[:, None], candidates)
+        hits = candidates == labels[:, None]
+    return candidates, hits.int().argmax(dim=-1), in_top
+
+
+def objective(model, hidden, head, labels, weights, block_size, options) -> Objective:
+    cfg = model.config
+    if cfg.final_logit_softcapping is not None:
+        raise DflashError("training a DFlash 2 drafter with final_logit_softcapping is not supported; leave it unset")
+    unary_hidden = hidden * cfg.output_multiplier if cfg.output_multiplier != 1.0 else hidden
+    ce, _, top = loss.head_cross_entropy(unary_hidden, head, labels, options.loss_chunk, cfg.selector_top_k)
+    w = loss.position_weights(options.position_weights, ce, weights, block_size)
+    candidates, target, in_top = selector_targets(top, labels, options.selector_outside)
+    previous = labels.roll(1)  # slot k's predecessor is the token at k - 1 (slot 0, never trained, wraps)
+    unary = candidate_logits(unary_hidden, head, candidates).to(_math_dtype(hidden.dtype))
+    scores = model.candidate_selector.edge_scores(hidden, unary, previous, candidates)
+    selector_ce = scores.logsumexp(dim=-1) - scores.gather(1, target[:, None])[:, 0]
+    kept = in_top if options.selector_outside == "drop" else torch.ones_like(in_top)
+    terms = w * ce + options.selector_weight * w * kept * selector_ce
+    correct = in_top & (scores.argmax(dim=-1) == target)
+    return Objective(terms.sum(), terms.detach(), correct)
+
+
+def _math_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Scores in fp32 for bf16 / fp32 activations; fp64 stays fp64 (the tests' reference)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class DFlash2Proposer(DFlashProposer):
+    """Walks the block left to right through the candidate selector (module docstring)."""
+
+    def choose(self, hidden: Tensor, anchor: Tensor, temperature: float, generator) -> Draft:
+        cfg, selector = self.config, self.drafter.candidate_selector
+        unary = self.head(hidden * cfg.output_multiplier).to(_math_dtype(hidden.dtype))
+        if cfg.final_logit_softcapping is not None:
+            unary = cfg.final_logit_softcapping * torch.tanh(unary / cfg.final_logit_softcapping)
+        top = unary.topk(cfg.selector_top_k, dim=-1)
+        previous, tokens, probs = anchor.reshape(1), [], []
+        for slot in range(hidden.shape[0]):
+            scores = selector.edge_scores(
+                hidden[slot : slot + 1], top.values[slot : slot + 1], previous, top.indices[slot : slot + 1]
+            )[0]
+            if temperature == 0:
+                pick = scores.argmax()
+            else:
+                q = torch.softmax(scores / temperature, dim=-1)
+                pick = torch.multinomial(q, 1, generator=generator)[0]
+                probs.append(torch.zeros_like(unary[slot]).index_put_((top.indices[slot],), q))
+            previous = top.indices[slot, pick].reshape(1)
+            tokens.append(previous)
+        return Draft(torch.cat(tokens), torch.stack(probs) if probs else None)
+
+
+METHOD = Method(
+    name="dflash2",
+    config_cls=DFlash2Config,
+    model_cls=DFlash2Drafter,
+    proposer_cls=DFlash2Proposer,
+    objective_fn=objective,
+    summary="DFlash 2 (dynamic block convs in every layer, a candidate selector over the LM head's top K)",
+)

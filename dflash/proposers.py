@@ -1,0 +1,103 @@
+"""Proposers: what drafts the tokens a speculative round verifies (dflash.decoding runs the rounds).
+
+A proposer sees the committed tokens and the target features of every committed token but the last, and returns
+a Draft: the tokens, and at temperature > 0 the distribution q each was drawn from, which lossless verification
+needs. Torch only (no transformers import), so drafter methods can define theirs beside their model.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class Draft:
+    tokens: torch.Tensor  # [k] proposed continuation of the committed tokens
+    probs: torch.Tensor | None = None  # [k, V] distribution q each token was sampled from; None = a point mass
+
+
+class Proposer(Protocol):
+    """Anything that drafts tokens: the DFlash drafter, prompt lookup, test stubs."""
+
+    layer_ids: list[int]  # target layers whose outputs it needs as features ([] = none)
+
+    def propose(
+        self, committed: torch.Tensor, features: torch.Tensor, num_tokens: int, temperature: float, generator
+    ) -> Draft: ...
+
+
+def draw(logits: torch.Tensor, temperature: float, generator=None) -> Draft:
+    """Pick one token per row of `logits` [k, V]: argmax at temperature 0, else a sample kept with its q."""
+    if temperature == 0:
+        return Draft(logits.argmax(-1))
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return Draft(torch.multinomial(probs, 1, generator=generator).squeeze(-1), probs)
+
+
+class DFlashProposer:
+    """Drafts with a DFlash drafter through the target's own embeddings and LM head: one forward of the block
+    [last committed, MASK x (B-1)] at the next absolute positions, then `choose` (here: draw from the LM head's
+    logits; a method's proposer may choose otherwise from the same hidden states)."""
+
+    def __init__(self, drafter, config, target):
+        self.drafter = drafter
+        self.config = config
+        self.block_size = config.block_size
+        self.mask_token_id = config.mask_token_id
+        self.layer_ids = list(config.target_layer_ids)
+        self.embed = target.get_input_embeddings()
+        self.head = target.get_output_embeddings()
+
+    def propose(self, committed, features, num_tokens, temperature, generator) -> Draft:
+        if num_tokens == 0:
+            return Draft(committed.new_empty(0))
+        n, device = committed.numel(), committed.device
+        block = torch.full((1, self.block_size), self.mask_token_id, dtype=committed.dtype, device=device)
+        block[0, 0] = committed[-1]
+        q_positions = torch.arange(n - 1, n - 1 + self.block_size, device=device)[None]
+        ctx_positions = torch.arange(n - 1, device=device)[None]
+        mask = window_mask(n - 1, self.block_size, self.config.sliding_window, device)
+        hidden = self.drafter(self.embed(block), features[None], q_positions, ctx_positions, mask)
+        # Block slot 0 holds the known token; slots 1.. predict the tokens after it.
+        return self.choose(hidden[0, 1 : 1 + num_tokens], committed[-1], temperature, generator)
+
+    def choose(self, hidden: torch.Tensor, anchor: torch.Tensor, temperature: float, generator) -> Draft:
+        """The drafts from the hidden states [k, H] of the block slots after the anchor token (a 0-d tensor)."""
+        return draw(self.head(hidden), temperature, generator)
+
+
+def window_mask(context: int, block: int, window: int | None, device) -> torch.Tensor | None:
+    """The attention of one block after `context` tokens at inference: None (everything visible) unless a sliding
+    window hides some context, then a bool [1, 1, B, context + B]: context position j is visible to the block token
+    at position p = context + k iff p - j < window; the block's own tokens always are."""
+    if window is None or context + block - 1 < window:
+        return None
+    q = torch.arange(context, context + block, device=device)
+    sees = q[:, None] - torch.arange(context, device=device)[None, :] < window
+    own = torch.ones(block, block, dtype=torch.bool, device=device)
+    return torch.cat([sees, own], dim=1)[None, None]
+
+
+class PromptLookupProposer:
+    """Prompt-lookup drafts from transformers' own n-gram matcher (`PromptLookupCandidateGenerator`), verified
+    by our loop: transformers' `generate(prompt_lookup_num_tokens=...)` refuses stateful (hybrid) targets."""
+
+    layer_ids: list[int] = []
+
+    def __init__(self, num_tokens: int = 10, max_ngram: int = 2, eos_ids: Sequence[int] = ()):
+        from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+        self.matcher = PromptLookupCandidateGenerator(
+            eos_token_id=torch.tensor(sorted(eos_ids)) if eos_ids else None,
+            num_output_tokens=num_tokens,
+            max_matching_ngram_size=max_ngram,
+            max_length=2**62,  # our loop caps the draft length itself
+        )
+
+    def propose(self, committed, features, num_tokens, temperature, generator) -> Draft:
+        if self.matcher.eos_token_id is not None:
+            self.matcher.eos_token_id = self.matcher.eos_token_id.to(committed.device)
+        candidates, _ = self.matcher.get_candidates(committed[None])
+        return Draft(candidates[0, committed.numel() :][:num_tokens])
