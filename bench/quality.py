@@ -60,6 +60,7 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
+from bench.variants import METHOD_VARIANTS  # noqa: E402
 from dflash.data import jsonl_lines  # noqa: E402
 from dflash.errors import describe_differences  # noqa: E402
 from dflash.evaluate import tau_interval, tau_ratio_interval  # noqa: E402
@@ -665,7 +666,7 @@ def train_drafter(
     cuda = str(device).startswith("cuda")
     result = run_training(
         TrainConfig(
-            **(overrides or {}),
+            **{k: v for k, v in (overrides or {}).items() if k != "block_size"},
             store=str(store),
             out=str(out),
             draft_layers=5,
@@ -742,15 +743,6 @@ class StoreMode:
 
 BF16 = StoreMode("bf16")
 
-# Drafter methods and loss options on the bf16 store (issue 23), by --modes name; "bf16" is DFlash (v1, decay).
-METHOD_VARIANTS = {
-    "dpace": {"position_weights": "dpace"},
-    "dflash2": {"method": "dflash2"},
-    "dflash2-dpace": {"method": "dflash2", "position_weights": "dpace"},
-    "dflash2-drop": {"method": "dflash2", "selector_outside": "drop"},
-    "dflash2-b8": {"method": "dflash2", "block_size": 8},
-}
-
 
 def parse_modes(text: str) -> list[StoreMode]:
     """`--modes`: store modes besides bf16, comma-separated: `fp8` (e4m3 values), `subK` or `subA/B` (the top K
@@ -759,7 +751,7 @@ def parse_modes(text: str) -> list[StoreMode]:
     for name in (part.strip() for part in text.split(",")):
         if not name:
             continue
-        if name in METHOD_VARIANTS:
+        if name in METHOD_VARIANTS and name != "dflash":  # the bf16 run itself is DFlash's
             mode = StoreMode(name, train=tuple(METHOD_VARIANTS[name].items()))
             if mode in modes:
                 raise ValueError(f"--modes: {name} is given twice")

@@ -68,6 +68,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repository's dflash
 
+from bench.variants import METHOD_VARIANTS, parse_variants
 from dflash import features, graph, loss, store
 from dflash.config import TrainConfig
 from dflash.errors import DflashError
@@ -410,12 +411,13 @@ def rank_view(summary: dict, trainer: Trainer, baseline: dict | None, path: str 
     return view
 
 
-def bench_one(name: str, s: dict, args, env: Env, baseline: dict | None) -> dict:
+def bench_one(name: str, s: dict, args, env: Env, baseline: dict | None, method: str = "dflash") -> dict:
     device = env.device
     root = Path(args.work) / (f"tiny-{name}" if args.tiny else name)
     build_s = shared_data(root, s, args.rows, env, args.encoding)
     run = root / "run"
     cfg = TrainConfig(
+        **METHOD_VARIANTS[method],
         store=str(root / "store"),
         out=str(run),
         target=str(root / "target"),
@@ -441,7 +443,8 @@ def bench_one(name: str, s: dict, args, env: Env, baseline: dict | None) -> dict
             result = trainer.fit(0, log)
     finally:
         log.close()
-    summary = summarise(name, s, trainer, result["records"], args.steps)
+    summary = summarise(name if method == "dflash" else f"{name} {method}", s, trainer, result["records"], args.steps)
+    summary["method"] = method
     summary.update(data_build_s=build_s, warmup_capture_s=prep["total_s"], warmup_parts_s=prep)
     try:
         summary["ungraphed"] = time_ungraphed(trainer, args.ungraphed_steps)
@@ -553,7 +556,8 @@ def scaling_line(r: dict) -> str:
 def report(info: dict, results: list[dict], args, world: int):
     script = "bench/train.py" if world == 1 else f"torchrun --nproc-per-node {world} bench/train.py"
     print(
-        f"\n## {script} {'--tiny ' if args.tiny else ''}--drafter {args.drafter} --encoding {args.encoding} --steps {args.steps}"
+        f"\n## {script} {'--tiny ' if args.tiny else ''}--drafter {args.drafter} --encoding {args.encoding} "
+        f"--methods {','.join(args.methods)} --steps {args.steps}"
     )
     print(", ".join(f"{k} {v}" for k, v in info.items()))
     for r in results:
@@ -594,10 +598,19 @@ def main():
         "--encoding", choices=list(ENCODINGS), default="bf16", help="the synthetic store's feature encoding"
     )
     parser.add_argument("--loss-chunk", type=int, help="LM-head rows per loss chunk  [default: the trainer's]")
+    parser.add_argument(
+        "--methods",
+        default="dflash",
+        help=f"drafter methods to time, comma-separated, each on every drafter: {', '.join(METHOD_VARIANTS)}",
+    )
     parser.add_argument("--work", default="/tmp/dflash-bench-train", help="where the fake target, store and runs go")
     parser.add_argument("--json", help="also write the results (with every step's record) here")
     parser.add_argument("--compare-to", metavar="ONE.json", help="the --json of a one-GPU run: report the scaling")
     args = parser.parse_args()
+    try:
+        args.methods = parse_variants(args.methods)
+    except ValueError as exc:
+        parser.error(f"--methods {exc}")
     if min(args.steps or 1, args.ungraphed_steps or 1, args.rows) < 1:
         parser.error("--steps, --ungraphed-steps and --rows must be at least 1")
     args.steps = args.steps or (20 if args.tiny else 60)
@@ -621,12 +634,14 @@ def main():
         print(", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
     shapes = TINY if args.tiny else DRAFTERS
     results = []
-    for name in ["a", "b"] if args.drafter == "both" else [args.drafter]:
+    drafters = ["a", "b"] if args.drafter == "both" else [args.drafter]
+    for name, method in ((name, method) for name in drafters for method in args.methods):
         try:
-            results.append(bench_one(name, shapes[name], args, env, baseline))
+            results.append(bench_one(name, shapes[name], args, env, baseline, method))
         except (DflashError, torch.OutOfMemoryError) as exc:  # report it and go on with the other drafter
-            logging.exception("drafter %s failed on rank %d", name, env.rank)
-            results.append({"drafter": name, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"})
+            logging.exception("drafter %s (%s) failed on rank %d", name, method, env.rank)
+            error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+            results.append({"drafter": f"{name} {method}", "error": error})
         free_device(env.device)  # here, after the except block has dropped the failed trainer's frames
         # After each drafter, so that a run stopped at a time limit keeps the drafters that finished.
         if env.main:
