@@ -5,6 +5,8 @@
 code reads attributes, never string keys. Format version 2 adds what training needs about the target (so
 that it reads only the embedding and the LM head from the target's files) and the feature encoding (`features`:
 precision, stored width, scale groups and the subspace projection); version-1 stores read as bf16, full width.
+`teacher` (`--teacher`) is an optional field of version 2, absent from stores without one: those are what they
+were before it existed, and a reader that ignores it reads the rest of a teacher store unchanged.
 """
 
 import dataclasses

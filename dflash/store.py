@@ -3,7 +3,8 @@
     harvest.json                      written first: the manifest without counts (dflash.manifest)
     zarr.json, parts/zarr.json        Zarr v3 groups
     projection/                       subspace stores only: P [width, feature_dim] float32
-    parts/rank00000/<array>/          hidden, (scales,) input_ids, position_ids, doc_ids, loss_mask, documents
+    parts/rank00000/<array>/          hidden, (scales,) input_ids, position_ids, doc_ids, loss_mask, (teacher_*,)
+                                      documents
     parts/rank00000/progress.json     rows committed; rewritten only after those rows' chunks are on disk
     manifest.json                     written last: the store is complete only once it exists
 

@@ -24,7 +24,6 @@ from dflash.errors import DflashError
 from dflash.harvest import run_harvest
 from dflash.plan import mode_bytes
 from dflash.store import Store
-from dflash.target import TappedTarget
 from dflash.tiny import CORPUS
 from tests.test_harvest import OPTIONS, assert_hidden_close, bf16, cli_args, run_cli, store_files, stored_documents
 
@@ -236,14 +235,12 @@ def test_the_self_check_finds_a_teacher_of_the_next_position(harvested, tmp_path
     """The commonest teacher bug is an off-by-one alignment: the distribution of token t+2 stored at t."""
     path = tmp_path / "store"
     shutil.copytree(harvested(f"topk:{K}"), path)
+    result = run_cli(["inspect", str(path), "--reforward", "3", "--device", "cpu"])
+    assert result.exit_code == 0 and "passed: 3 documents" in result.output and "teacher worst error" in result.output
     part = zarr.open_group(path / "parts" / "rank00000", mode="r+")
     for name in ("teacher_ids", "teacher_probs", "teacher_tail"):
         part[name][:] = np.roll(part[name][:], -1, axis=1)
-    opened = Store.open(path)
-    target = TappedTarget(
-        store.target_path(path, opened.manifest), list(opened.manifest.layer_ids), "cpu", torch.float32, True, "topk"
-    )
-    check = selfcheck.reforward_check(path, target, 3)
+    check = selfcheck.run_reforward(path, 3, device="cpu")
     assert not check.passed and not check.failures  # the features are right, the teacher is not
     assert len(check.teacher.failures) == 3 and check.teacher.worst_error > 10 * check.teacher.tolerance
     assert "FAILED on 3 slice(s)" in check.describe()
@@ -277,3 +274,14 @@ def test_a_store_of_other_teacher_arrays_is_refused_naming_the_fix(harvested, tm
     (path / store.MANIFEST_FILE).write_text(json.dumps(raw))
     with pytest.raises(DflashError, match="use the dflash version that harvested the store, or harvest again"):
         Store.open(path)
+
+
+def test_plan_counts_the_teacher_bytes(peaked_target, data_file, tmp_path):
+    args = ["plan", "--model", str(peaked_target), "--data", str(data_file), "--out", str(tmp_path / "s")]
+    args += ["--token-budget", "256", "--workers", "1"]
+    result = run_cli([*args, "--teacher", "topk:32"])
+    assert result.exit_code == 0, result.output
+    assert "--teacher topk:32 adds 194 bytes per token raw" in result.output
+    assert "the chosen mode (bf16, --teacher topk:32) needs" in result.output
+    result = run_cli(args)
+    assert "--teacher hidden adds 2H = 128" in result.output  # hidden size 64, bf16
