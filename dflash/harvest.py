@@ -816,17 +816,13 @@ class TeacherEncoder:
     (`rows()`): its bf16 bits (hidden; a view), or the top-k of the next-token distribution with the tail mass
     computed a chunk of tokens at a time, zeros on padding (topk). Without a teacher it has no arrays."""
 
-    DTYPES = {
-        "teacher_ids": torch.int32,
-        "teacher_probs": torch.float16,
-        "teacher_tail": torch.float16,
-        "teacher_hidden": torch.int16,
-    }
+    TORCH_DTYPES = {"int32": torch.int32, "float16": torch.float16, "bfloat16": torch.int16}  # bf16 as its bits
 
     def __init__(self, spec: manifest.TeacherSpec | None, target: TappedTarget, shape: tuple[int, int]):
         self.spec, self.lm_head, self.shape = spec, target.lm_head, shape
-        names = spec.arrays if spec else ()
-        self.shapes = {name: shape if name == "teacher_tail" else (*shape, spec.width) for name in names}
+        arrays = spec.arrays if spec else {}
+        self.shapes = {name: shape if name == "teacher_tail" else (*shape, spec.width) for name in arrays}
+        self.dtypes = {name: self.TORCH_DTYPES[dtype] for name, dtype in arrays.items()}
         self.identity = spec is None or spec.kind == "hidden"
         # Stored as bf16 (hidden); the LM head's input in the target's own dtype (topk)
         self.final_dtype = torch.bfloat16 if self.identity else target.dtype
@@ -840,7 +836,7 @@ class TeacherEncoder:
 
     def buffers(self, pin: bool = False, device=None) -> dict[str, torch.Tensor]:
         return {
-            name: torch.empty(shape, dtype=self.DTYPES[name], device=device or "cpu", pin_memory=pin)
+            name: torch.empty(shape, dtype=self.dtypes[name], device=device or "cpu", pin_memory=pin)
             for name, shape in self.shapes.items()
         }
 

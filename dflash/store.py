@@ -842,7 +842,6 @@ class Store:
     def read_row_into(self, i: int, out: dict[str, np.ndarray]) -> None:
         """Row i into the caller's arrays (the trainer's pinned slots): integers of the stored size for hidden and
         scales (the stored bits, e.g. int16 for bf16), the token arrays' own dtypes; no copy in between."""
-        part = self.locate(i)[0]
         for name, (shape, _) in self.row_layout.items():
             if out[name].shape != shape:
                 raise DflashError(
@@ -854,7 +853,7 @@ class Store:
                 f"hidden states are stored as {self.features.precision} bits: read them into {stored.itemsize}-byte "
                 f"integers (a view of the tensor), not {out['hidden'].dtype}"
             )
-        self._read_into(i, self.row_readers[part], out)
+        self._read_into(i, self.row_readers, out)
 
     def read_teacher(self, i: int) -> dict[str, np.ndarray]:
         """Row i's teacher arrays as new arrays (`teacher_layout`)."""
@@ -876,11 +875,11 @@ class Store:
                     f"the store's {name} is {np.dtype(dtype)} of shape {shape} per row, the reader gives "
                     f"{got.dtype} of shape {got.shape}"
                 )
-        self._read_into(i, self.teacher_readers[self.locate(i)[0]], out)
+        self._read_into(i, self.teacher_readers, out)
 
-    def _read_into(self, i: int, readers: dict[str, ChunkReader], out: dict[str, np.ndarray]) -> None:
+    def _read_into(self, i: int, readers: list[dict[str, ChunkReader]], out: dict[str, np.ndarray]) -> None:
         part, row = self.locate(i)
-        for name, chunk_reader in readers.items():
+        for name, chunk_reader in readers[part].items():
             try:
                 chunk_reader.read_row_into(row, out[name])
             except Exception as exc:  # a checksum mismatch, a missing chunk file, a codec error
