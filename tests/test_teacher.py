@@ -285,3 +285,12 @@ def test_plan_counts_the_teacher_bytes(peaked_target, data_file, tmp_path):
     assert "the chosen mode (bf16, --teacher topk:32) needs" in result.output
     result = run_cli(args)
     assert "--teacher hidden adds 2H = 128" in result.output  # hidden size 64, bf16
+
+
+def test_another_teacher_into_an_existing_store_is_refused(harvested, peaked_target, data_file):
+    for store_teacher, run_teacher in ((f"topk:{K}", "hidden"), ("none", f"topk:{K}")):
+        path = harvested(store_teacher)
+        result = run_cli(cli_args(peaked_target, data_file, path, teacher=run_teacher))
+        assert result.exit_code == 2, result.output
+        before = "None" if store_teacher == "none" else repr(store_teacher)
+        assert f"teacher: store has {before}, this run {run_teacher!r}" in result.output, result.output
