@@ -196,7 +196,7 @@ def harvest_rows(
     where its forward thread waited."""
     stalls = []
     barrier()
-    run = lambda: stalls.append(harvest._run_rows(cfg, plan, target, part, header.features, projection))  # noqa: E731
+    run = lambda: stalls.append(harvest._run_rows(cfg, plan, target, part, header, projection))  # noqa: E731
     seconds = timed(run, target.device)
     return seconds, stalls[0]
 

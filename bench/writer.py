@@ -81,7 +81,9 @@ def main():
     work = Path(tempfile.mkdtemp(prefix="dflash-bench-writer-"))
     part = part_writer(work / "store", args.rows, args.token_budget, args.feature_dim)
     features = store.FeatureSpec("bf16", args.feature_dim, 0, None)
-    chunk_writer = store.HiddenChunkWriter(part.arrays["hidden"], part.hidden.folder, features, threads=args.threads)
+    chunk_writer = store.HiddenChunkWriter(
+        part.arrays["hidden"], part.chunk_writers["hidden"].folder, features, threads=args.threads
+    )
     writers = {
         "zarr write path": lambda h: part.arrays["hidden"].__setitem__(slice(0, len(h)), h),
         "store.HiddenChunkWriter": lambda h: chunk_writer.write_rows(0, h),

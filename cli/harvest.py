@@ -144,7 +144,8 @@ def _describe(path, manifest) -> str:
         f"tokens     {counts.tokens} ({counts.loss_tokens} with loss), padding {counts.padding_tokens} "
         f"({counts.padding_tokens / max(1, slots):.1%} of row slots)",
         f"disk       {on_disk / 1e9:.3f} GB: {on_disk / max(1, counts.tokens):.0f} bytes per token, "
-        f"{on_disk / max(1, raw):.3f} of raw bf16 features ({manifest.feature_dim * 2} bytes per token)",
+        f"{on_disk / max(1, raw):.3f} of raw bf16 features ({manifest.feature_dim * 2} bytes per token)"
+        + (f", the teacher's {manifest.teacher.name} included" if manifest.teacher else ""),
         "self-check " + (manifest.self_check.describe() if manifest.self_check else "not run (inspect --reforward N)"),
     ]
     return "\n".join(lines)

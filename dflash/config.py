@@ -92,6 +92,11 @@ class HarvestConfig:
         "Use the projection of this subspace store instead of calibrating (a held-out store must share its training store's).",
         path=True,
     )
+    teacher: str = option(
+        "none",
+        "Also store the target's next-token distribution at every position (for DSpark-style training): topk:K (the "
+        "top-K probabilities, their ids and the tail mass), hidden (the final-normed last hidden state, bf16), or none.",
+    )
     self_check: int = option(
         4,
         "Stored documents re-run alone through the target at the end and compared with the store; the result goes "

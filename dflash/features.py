@@ -12,6 +12,10 @@ Subspace: P [k, n*H] holds the top-k eigenvectors of the uncentered second momen
 features; the store holds P h, the trainer lifts it back to P^T P h for a full-width fc, and the export folds
 fc <- fc P^T P, so at inference the drafter computes from full features exactly what it saw in training. What is
 lost is the energy of h outside the subspace.
+
+Teacher top-k (`--teacher topk:K`): the target's next-token distribution reduced to its K most probable tokens
+and the mass of the rest, computed on the device a chunk of tokens at a time, so that the [tokens x vocab] logits
+of a whole batch never exist at once.
 """
 
 import math
@@ -19,6 +23,7 @@ import math
 import torch
 
 E4M3_MAX = 448.0
+LOGITS_BYTES = 512 << 20  # float32 logits of one chunk of tokens in next_token_top_k
 SCALE_MIN, SCALE_MAX = -127, 127  # the int8 exponents a scale may take
 
 
@@ -89,3 +94,22 @@ def default_scale_groups(features_width: int, num_layers: int, subspace: bool) -
     """One scale per token and tapped layer for full features (each layer's outliers stay its own); one per
     token for a subspace, whose coordinates mix every layer."""
     return 1 if subspace else math.gcd(features_width, num_layers)
+
+
+def next_token_top_k(final: torch.Tensor, lm_head: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """final [N, H] (the final-normed hidden state), lm_head [V, H] -> the top-k of softmax(lm_head(final)):
+    (float32 probabilities [N, k] largest first, int64 ids [N, k], float32 tail mass [N]).
+
+    The logits are the LM head's in the target's dtype (what the target samples from), normalised in float32.
+    The tail is the log-sum-exp of the other tokens' log-probabilities, not 1 - sum, which cancels to noise when
+    the top k hold almost all the mass."""
+    chunk = max(1, LOGITS_BYTES // (4 * lm_head.shape[0]))
+    probs, ids, tails = [], [], []
+    for h in final.split(chunk):
+        logp = torch.nn.functional.linear(h, lm_head).float()
+        logp -= logp.logsumexp(-1, keepdim=True)
+        top, index = logp.topk(k, -1)
+        probs.append(top.exp())
+        ids.append(index)
+        tails.append(logp.scatter_(-1, index, float("-inf")).logsumexp(-1).exp())
+    return torch.cat(probs), torch.cat(ids), torch.cat(tails)

@@ -160,9 +160,13 @@ class PartPlan:
                 arrays["loss_mask"][r - first, span] = doc.loss_mask
         return arrays
 
-    def part_spec(self, rank: int, features: manifest.FeatureSpec) -> store.PartSpec:
+    def part_spec(
+        self, rank: int, features: manifest.FeatureSpec, teacher: manifest.TeacherSpec | None = None
+    ) -> store.PartSpec:
         """What the store's part of this plan holds, fixed before any forward."""
-        return store.PartSpec(rank, len(self.rows), self.token_budget, features, self.documents_table(), self.counts())
+        return store.PartSpec(
+            rank, len(self.rows), self.token_budget, features, self.documents_table(), self.counts(), teacher
+        )
 
     def row_tokens(self, first: int, last: int) -> int:
         return sum(len(self.docs[d].input_ids) for row in self.rows[first:last] for d in row)
@@ -252,6 +256,28 @@ def feature_encoding(cfg: HarvestConfig, num_layers: int, feature_dim: int) -> m
     return manifest.FeatureSpec(cfg.precision, stored, groups, subspace)
 
 
+def teacher_encoding(cfg: HarvestConfig) -> manifest.TeacherSpec | None:
+    """`--teacher`: none, hidden, or topk:K with K from 1 to the target's vocabulary size."""
+    value = str(cfg.teacher).strip().lower()
+    if value == "none":
+        return None
+    text = load_config(cfg.model).get_text_config()
+    kind, _, k = value.partition(":")
+    if value == "hidden":
+        return manifest.teacher_spec("hidden", 0, text.hidden_size)
+    if kind != "topk":
+        raise DflashError(
+            f"--teacher {cfg.teacher} is not one of none, hidden or topk:K; give e.g. topk:32 (the 32 most probable "
+            "next tokens per position), hidden (the final hidden state) or none"
+        )
+    if not k.isdigit() or not 1 <= int(k) <= text.vocab_size:
+        raise DflashError(
+            f"--teacher {cfg.teacher}: K must be an integer from 1 to the vocabulary size {text.vocab_size}; give "
+            "e.g. topk:32"
+        )
+    return manifest.teacher_spec("topk", int(k), text.hidden_size)
+
+
 def data_config(cfg: HarvestConfig, **overrides) -> DataConfig:
     """How the harvest (and `dflash plan`) reads cfg.data."""
     options = dict(
@@ -281,6 +307,7 @@ def _fingerprint(cfg: HarvestConfig) -> dict:
     layers = default_layer_ids(num_layers) if cfg.layers is None else check_layer_ids(cfg.layers, num_layers)
     model = str(Path(cfg.model).resolve()) if Path(cfg.model).exists() else cfg.model
     encoding = feature_encoding(cfg, len(layers), len(layers) * text.hidden_size)
+    teacher = teacher_encoding(cfg)
     return {
         "precision": encoding.precision,
         "stored_width": encoding.width,
@@ -300,6 +327,7 @@ def _fingerprint(cfg: HarvestConfig) -> dict:
         "world_size": cfg.world_size,
         "dtype": cfg.dtype,
         "format_version": store.FORMAT_VERSION,
+        **({"teacher": teacher.name} if teacher else {}),  # absent without one: those stores are as before
     }
 
 
@@ -413,7 +441,8 @@ def _harvest_part(cfg: HarvestConfig, out: Path, fingerprint: dict, state: str, 
                 f"--repair mends a finished part, and part {store.part_name(cfg.rank)} of {out} is not finished; rerun "
                 "the same command without --repair to finish it first"
             )
-        damage = store.part_damage(out, cfg.rank, store.read_manifest(out / store.HARVEST_FILE).features)
+        header = store.read_manifest(out / store.HARVEST_FILE)
+        damage = store.part_damage(out, cfg.rank, header.features, header.teacher)
         if not damage.rows and not damage.documents:
             logger.info("part %s of %s: every chunk present and its checksum correct; nothing to repair", cfg.rank, out)
             if state != "complete":
@@ -441,8 +470,16 @@ def _harvest_part(cfg: HarvestConfig, out: Path, fingerprint: dict, state: str, 
         if progress is not None and progress["rows_committed"] == progress["rows"]:
             _finish(out, cfg)
             return out
-    target = TappedTarget(cfg.model, fingerprint["layers"], cfg.device, DTYPES[cfg.dtype], cfg.allow_slow_kernels)
-    header = _header(cfg, fingerprint, target, stats)
+    teacher = teacher_encoding(cfg)
+    target = TappedTarget(
+        cfg.model,
+        fingerprint["layers"],
+        cfg.device,
+        DTYPES[cfg.dtype],
+        cfg.allow_slow_kernels,
+        teacher.kind if teacher else None,
+    )
+    header = _header(cfg, fingerprint, target, stats, teacher)
     if state == "resume" and store.read_manifest(out / store.HARVEST_FILE).target != header.target:
         raise DflashError(
             f"the checkpoint at {cfg.model} changed since {out} was started (its config differs); harvest into a new folder"
@@ -454,7 +491,7 @@ def _harvest_part(cfg: HarvestConfig, out: Path, fingerprint: dict, state: str, 
     store.create_store(out, header)  # harvest.json: the first write of this run but the calibration
     if len(stats.sources) > 1:  # what training needs for its metrics per source
         store.write_document_sources(out, document_sources(documents, stats.lines))
-    part = store.PartWriter(out, plan.part_spec(cfg.rank, header.features))
+    part = store.PartWriter(out, plan.part_spec(cfg.rank, header.features, header.teacher))
     counts = plan.counts()
     logger.info(
         "rank %d/%d: %d documents, %d tokens in %d rows of %d (%.1f%% padding)%s",
@@ -469,7 +506,7 @@ def _harvest_part(cfg: HarvestConfig, out: Path, fingerprint: dict, state: str, 
     )
     if damage is not None:
         return _repair(cfg, out, plan, target, part, header, projection, damage, state)
-    stalls = _run_rows(cfg, plan, target, part, header.features, projection)
+    stalls = _run_rows(cfg, plan, target, part, header, projection)
     logger.info("rank %d: %s", cfg.rank, stalls.describe())
     _finish(out, cfg, target)
     return out
@@ -483,8 +520,8 @@ def _repair(cfg, out: Path, plan: PartPlan, target, part, header, projection, da
     per_group = max(1, cfg.forward_tokens // cfg.token_budget)
     firsts = sorted({row // per_group * per_group for row in damage.rows})
     groups = [(first, min(first + per_group, len(plan.rows))) for first in firsts]
-    _run_rows(cfg, plan, target, part, header.features, projection, groups)
-    left = store.part_damage(out, cfg.rank, header.features)
+    _run_rows(cfg, plan, target, part, header, projection, groups)
+    left = store.part_damage(out, cfg.rank, header.features, header.teacher)
     if left.rows or left.documents:
         raise DflashError(
             f"part {store.part_name(cfg.rank)} of {out} is still damaged after the repair: {left.problems[:3]}"
@@ -507,17 +544,20 @@ def document_sources(documents: list[Document], doc_ids: int) -> np.ndarray:
     return sources
 
 
-def row_bytes(token_budget: int, features: manifest.FeatureSpec) -> int:
-    """Uncompressed bytes of one stored row: the features (and fp8 scales) plus the token arrays."""
+def row_bytes(token_budget: int, features: manifest.FeatureSpec, teacher: manifest.TeacherSpec | None = None) -> int:
+    """Uncompressed bytes of one stored row: the features (and fp8 scales), the token arrays and the teacher's."""
     token_bytes = sum(np.dtype(d).itemsize for d in store.TOKEN_ARRAYS.values())
-    return token_budget * (features.width * features.bytes_per_value + features.scale_groups + token_bytes)
+    teacher_bytes = teacher.bytes_per_token if teacher else 0
+    return token_budget * (
+        features.width * features.bytes_per_value + features.scale_groups + token_bytes + teacher_bytes
+    )
 
 
 def check_free_space(out: Path, cfg: HarvestConfig, fingerprint: dict, rows_left: int) -> None:
     """Refuse, before the target loads, a harvest that cannot fit on the disk of --out (every rank's rows are
     counted as this rank's: they usually share the disk); warn when it fits only if the codec compresses."""
     stored = manifest.FeatureSpec(fingerprint["precision"], fingerprint["stored_width"], fingerprint["scale_groups"])
-    need = rows_left * cfg.world_size * row_bytes(cfg.token_budget, stored)
+    need = rows_left * cfg.world_size * row_bytes(cfg.token_budget, stored, teacher_encoding(cfg))
     existing = store.nearest_existing(out)
     free = shutil.disk_usage(existing).free
     sizes = f"the rows left need {need / 1e9:.1f} GB before compression, {existing} has {free / 1e9:.1f} GB free"
@@ -531,8 +571,11 @@ def check_free_space(out: Path, cfg: HarvestConfig, fingerprint: dict, rows_left
         logger.warning("%s: the harvest fits only if the codec compresses well; watch the disk", sizes)
 
 
-def _header(cfg: HarvestConfig, fingerprint: dict, target: TappedTarget, stats) -> manifest.Manifest:
+def _header(cfg: HarvestConfig, fingerprint: dict, target: TappedTarget, stats, teacher) -> manifest.Manifest:
     """harvest.json: everything the manifest states that no part's progress decides."""
+    options = {k: v for k, v in asdict(cfg).items() if k not in ("rank", "device")}
+    if teacher is None:
+        del options["teacher"]  # a store without a teacher records what it did before the option existed
     header = store.new_manifest(
         target=target_spec(cfg.model, target),
         layer_ids=target.layer_ids,
@@ -540,13 +583,14 @@ def _header(cfg: HarvestConfig, fingerprint: dict, target: TappedTarget, stats) 
         tokenizer=_tokenizer_spec(cfg.model),
         fingerprint=fingerprint,
         features=feature_encoding(cfg, len(target.layer_ids), len(target.layer_ids) * target.info.hidden_size),
-        options={k: v for k, v in asdict(cfg).items() if k not in ("rank", "device")},
+        options=options,
         data={
             "file": ", ".join(Path(spec).name for spec in cfg.data),
             **{key: fingerprint[key] for key in ("data_bytes", "data_sha256")},
             "stats": {k: v for k, v in asdict(stats).items() if k != "sources"},
         },
         dflash_version=__version__,
+        teacher=teacher,
     )
     return replace(header, sources=tuple(stats.sources))
 
@@ -629,8 +673,11 @@ def _finish(out: Path, cfg: HarvestConfig, target: TappedTarget | None = None) -
         logger.info("store complete: %s", out)
         if cfg.self_check > 0:
             if target is None:
-                layers = store.read_manifest(out / store.MANIFEST_FILE).layer_ids
-                target = TappedTarget(cfg.model, list(layers), cfg.device, DTYPES[cfg.dtype], cfg.allow_slow_kernels)
+                m = store.read_manifest(out / store.MANIFEST_FILE)
+                kind = m.teacher.kind if m.teacher else None
+                target = TappedTarget(
+                    cfg.model, list(m.layer_ids), cfg.device, DTYPES[cfg.dtype], cfg.allow_slow_kernels, kind
+                )
             check = selfcheck.reforward_check(out, target, cfg.self_check)
             store.record_self_check(out, check)
             selfcheck.log_check(check, out)
@@ -764,6 +811,51 @@ class RowEncoder:
         return out
 
 
+class TeacherEncoder:
+    """The teacher arrays of row groups, on their device, from the rows of the target's final-normed hidden state
+    (`rows()`): its bf16 bits (hidden; a view), or the top-k of the next-token distribution with the tail mass
+    computed a chunk of tokens at a time, zeros on padding (topk). Without a teacher it has no arrays."""
+
+    TORCH_DTYPES = {"int32": torch.int32, "float16": torch.float16, "bfloat16": torch.int16}  # bf16 as its bits
+
+    def __init__(self, spec: manifest.TeacherSpec | None, target: TappedTarget, shape: tuple[int, int]):
+        self.spec, self.lm_head, self.shape = spec, target.lm_head, shape
+        arrays = spec.arrays if spec else {}
+        self.shapes = {name: shape if name == "teacher_tail" else (*shape, spec.width) for name in arrays}
+        self.dtypes = {name: self.TORCH_DTYPES[dtype] for name, dtype in arrays.items()}
+        self.identity = spec is None or spec.kind == "hidden"
+        # Stored as bf16 (hidden); the LM head's input in the target's own dtype (topk)
+        self.final_dtype = torch.bfloat16 if self.identity else target.dtype
+        self.hidden_size = target.info.hidden_size
+
+    def rows(self, device) -> torch.Tensor | None:
+        """A zeroed device buffer for the final hidden state of a row group; None without a teacher."""
+        if self.spec is None:
+            return None
+        return torch.zeros(*self.shape, self.hidden_size, dtype=self.final_dtype, device=device)
+
+    def buffers(self, pin: bool = False, device=None) -> dict[str, torch.Tensor]:
+        return {
+            name: torch.empty(shape, dtype=self.dtypes[name], device=device or "cpu", pin_memory=pin)
+            for name, shape in self.shapes.items()
+        }
+
+    def encode(self, final: torch.Tensor | None, doc_ids: np.ndarray, out: dict | None) -> dict[str, torch.Tensor]:
+        """final [R, T, H] (its first n = len(doc_ids) rows used), doc_ids [n, T] (-1: padding) -> the stored
+        teacher arrays."""
+        if self.spec is None:
+            return {}
+        if self.identity:
+            return {"teacher_hidden": final.view(torch.int16)}
+        n = len(doc_ids)
+        probs, ids, tail = features.next_token_top_k(final[:n].flatten(0, 1), self.lm_head, self.spec.k)
+        real = _to_device(doc_ids.reshape(-1) >= 0, final.device)
+        for name, values in (("teacher_probs", probs), ("teacher_ids", ids), ("teacher_tail", tail)):
+            mask = real if values.dim() == 1 else real[:, None]
+            out[name][:n].copy_(torch.where(mask, values, 0).unflatten(0, (n, -1)))
+        return out
+
+
 def store_bits(buffer: torch.Tensor) -> np.ndarray:
     """A host buffer as the numpy dtype the store holds (uint16 for bf16 bits, uint8 for fp8 bits, int8 scales)."""
     array = buffer.numpy()
@@ -775,11 +867,12 @@ def _run_rows(
     plan: PartPlan,
     target: TappedTarget,
     part: store.PartWriter,
-    spec: manifest.FeatureSpec,
+    header: manifest.Manifest,
     projection: torch.Tensor | None,
     groups: list[tuple[int, int]] | None = None,
 ) -> PipelineStalls:
     """Harvest the row groups [first, last) after the committed rows (or `groups`: a repair's, not committed)."""
+    spec = header.features
     setup_start = time.perf_counter()
     device, T = torch.device(cfg.device), cfg.token_budget
     F = len(target.layer_ids) * target.info.hidden_size
@@ -787,14 +880,19 @@ def _run_rows(
     cuda = device.type == "cuda"
     copy_stream = torch.cuda.Stream(device) if cuda else None
     encoder = RowEncoder(spec, projection, (rows_per_group, T), device)
+    teacher = TeacherEncoder(header.teacher, target, (rows_per_group, T))
     # Two device buffers on CUDA: the next group fills one while the other is still being copied to the host.
     device_rows = [torch.zeros(rows_per_group, T, F, dtype=torch.bfloat16, device=device) for _ in range(1 + cuda)]
+    final_rows = [teacher.rows(device) for _ in device_rows]
     encoded = [None if encoder.identity else encoder.buffers(device=device) for _ in device_rows]
+    teacher_encoded = [None if teacher.identity else teacher.buffers(device=device) for _ in device_rows]
     copied = [None] * len(device_rows)  # event: device buffer k may be overwritten
     free: queue.Queue = queue.Queue()
     for _ in range(HOST_BUFFERS):
-        free.put(encoder.buffers(pin=cuda))
-    progress = Progress(plan, part.rows_committed if groups is None else 0, row_bytes(T, spec), cfg.rank)
+        free.put({**encoder.buffers(pin=cuda), **teacher.buffers(pin=cuda)})
+    progress = Progress(
+        plan, part.rows_committed if groups is None else 0, row_bytes(T, spec, header.teacher), cfg.rank
+    )
     writer = RowWriter(part, free, progress.commit, commit=groups is None)
     if groups is None:
         starts = range(part.rows_committed, len(plan.rows), rows_per_group)
@@ -811,11 +909,12 @@ def _run_rows(
             k = step % len(device_rows)
             if copied[k] is not None:
                 torch.cuda.current_stream(device).wait_event(copied[k])
-            rows = device_rows[k]
-            _fill_rows(rows, plan, first, last, target, cfg.forward_tokens)
-            stored = encoder.encode(rows, encoded[k])
+            rows, tokens = device_rows[k], plan.token_arrays(first, last)
+            _fill_rows(rows, plan, first, last, target, cfg.forward_tokens, final_rows[k])
+            teacher_arrays = teacher.encode(final_rows[k], tokens["doc_ids"], teacher_encoded[k])
+            stored = {**encoder.encode(rows, encoded[k]), **teacher_arrays}
             copied[k] = _copy_to_host(stored, host, last - first, copy_stream)
-            group = RowGroup(first, last, host, plan.token_arrays(first, last), copied[k])
+            group = RowGroup(first, last, host, tokens, copied[k])
             if pending is not None:  # hand over the previous group once its copy is done: one group of lag
                 stalls.gpu_wait_s += _submit(writer, pending)
             pending = group
@@ -831,22 +930,39 @@ def _run_rows(
     return stalls
 
 
-def _fill_rows(rows: torch.Tensor, plan: PartPlan, first: int, last: int, target: TappedTarget, forward_tokens: int):
-    """Run the forward batches of rows [first, last) and place each document's features at its offset."""
+def _fill_rows(
+    rows: torch.Tensor,
+    plan: PartPlan,
+    first: int,
+    last: int,
+    target: TappedTarget,
+    forward_tokens: int,
+    final_rows: torch.Tensor | None = None,
+):
+    """Run the forward batches of rows [first, last) and place each document's features (and final hidden state,
+    for a teacher) at its offset."""
     rows.zero_()  # padding holds zeros
+    if final_rows is not None:
+        final_rows.zero_()
     start_of = {(r, d): s for r in range(first, last) for d, s in zip(plan.rows[r], plan.starts[r])}
     for batch in forward_batches(plan, first, last, forward_tokens):
         lengths = [len(plan.docs[d].input_ids) for _, d in batch]
         ids = np.zeros((len(batch), _round_up(lengths[0], PAD_MULTIPLE)), np.int64)
         for b, (_, d) in enumerate(batch):
             ids[b, : lengths[b]] = plan.docs[d].input_ids
-        ids = torch.from_numpy(ids)
-        if rows.is_cuda:  # a pageable source would make the copy wait for the GPU to drain
-            ids = ids.pin_memory()
-        features = target.features(ids.to(rows.device, non_blocking=True))
+        features, final = target.forward(_to_device(ids, rows.device))
         for b, ((r, d), n) in enumerate(zip(batch, lengths)):
             start = start_of[r, d]
             rows[r - first, start : start + n] = features[b, :n]
+            if final_rows is not None:
+                final_rows[r - first, start : start + n] = final[b, :n]
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    if device.type == "cuda":  # a pageable source would make the copy wait for the GPU to drain
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
 
 def _copy_to_host(stored: dict, host: dict, n: int, copy_stream) -> torch.cuda.Event | None:

@@ -5,6 +5,8 @@
 code reads attributes, never string keys. Format version 2 adds what training needs about the target (so
 that it reads only the embedding and the LM head from the target's files) and the feature encoding (`features`:
 precision, stored width, scale groups and the subspace projection); version-1 stores read as bf16, full width.
+`teacher` (`--teacher`) is an optional field of version 2, absent from stores without one: those are what they
+were before it existed, and a reader that ignores it reads the rest of a teacher store unchanged.
 """
 
 import dataclasses
@@ -19,6 +21,11 @@ FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 PART_NAME = re.compile(r"rank\d{5}")
 PRECISIONS = ("bf16", "fp8")
+# The target's next-token distribution stored per position (`--teacher`), by kind: array name -> dtype.
+TEACHER_ARRAYS = {
+    "topk": {"teacher_ids": "int32", "teacher_probs": "float16", "teacher_tail": "float16"},
+    "hidden": {"teacher_hidden": "bfloat16"},
+}
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,40 @@ class FeatureSpec:
 
 
 @dataclass(frozen=True)
+class TeacherSpec:
+    """The target's next-token distribution at every stored position (docs/shard-format.md, "Teacher"): the top
+    `k` probabilities with their ids and the tail mass (topk), or the final-normed last hidden state (hidden)."""
+
+    kind: str  # "topk" | "hidden"
+    k: int = 0  # topk: probabilities kept per position; 0 for hidden
+    width: int = 0  # values per position of each array: k, or the target's hidden size
+    arrays: dict = field(default_factory=dict)  # array name -> dtype (TEACHER_ARRAYS[kind])
+
+    @property
+    def name(self) -> str:
+        """The `--teacher` value: topk:K or hidden."""
+        return f"topk:{self.k}" if self.kind == "topk" else self.kind
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Uncompressed: ids and probabilities of k entries plus the tail (topk), or the bf16 hidden state."""
+        if self.kind == "topk":
+            return self.k * (4 + 2) + 2
+        return 2 * self.width
+
+    def describe(self) -> str:
+        if self.kind == "topk":
+            return f"top-{self.k} next-token probabilities (float16), ids (int32) and tail mass (float16)"
+        return f"the final-normed last hidden state ({self.width} bfloat16 values)"
+
+
+def teacher_spec(kind: str, k: int, hidden_size: int) -> TeacherSpec:
+    """The spec this dflash writes for a kind of teacher."""
+    width = k if kind == "topk" else hidden_size
+    return TeacherSpec(kind, k if kind == "topk" else 0, width, dict(TEACHER_ARRAYS[kind]))
+
+
+@dataclass(frozen=True)
 class Counts:
     documents: int
     tokens: int
@@ -129,6 +170,17 @@ class CheckFailure:
 
 
 @dataclass(frozen=True)
+class TeacherCheck:
+    """The teacher arrays of the checked documents against the fresh forward's: per document, the mean over its
+    positions of the total variation between the stored and the fresh top-k distributions (tail included), or the
+    relative error of the stored final hidden state."""
+
+    tolerance: float
+    worst_error: float
+    failures: tuple[CheckFailure, ...] = ()  # layer None: the teacher arrays
+
+
+@dataclass(frozen=True)
 class SelfCheck:
     """The store checked against its target (`dflash inspect --reforward`, run at the end of a harvest): stored
     documents drawn at random, each re-run alone and unpadded, every stored value compared with the fresh one."""
@@ -140,12 +192,17 @@ class SelfCheck:
     worst_relative_error: float
     bit_equal: float  # share of the stored values bit-equal to the fresh forward's encoding
     failures: tuple[CheckFailure, ...] = ()
+    teacher: TeacherCheck | None = None  # stores with a teacher
 
     def describe(self) -> str:
-        verdict = "passed" if self.passed else f"FAILED on {len(self.failures)} slice(s)"
+        failed = len(self.failures) + (len(self.teacher.failures) if self.teacher else 0)
+        verdict = "passed" if self.passed else f"FAILED on {failed} slice(s)"
+        teacher = ""
+        if self.teacher is not None:
+            teacher = f"; teacher worst error {self.teacher.worst_error:.2e} (tolerance {self.teacher.tolerance:.2e})"
         return (
             f"{verdict}: {self.documents} documents re-run alone, worst relative error {self.worst_relative_error:.2e}"
-            f" (tolerance {self.tolerance:.2e}), {self.bit_equal:.2%} of values bit-equal"
+            f" (tolerance {self.tolerance:.2e}), {self.bit_equal:.2%} of values bit-equal{teacher}"
         )
 
 
@@ -170,6 +227,7 @@ class Manifest:
     self_check: SelfCheck | None = None  # manifest.json only, when the harvest (or inspect) ran the check
     format: str = "dflash-harvest"
     sources: tuple[dict, ...] = ()  # per data source: records read, deduplicated, used, documents, tokens (optional)
+    teacher: TeacherSpec | None = None  # `--teacher`: absent from the JSON (and no teacher arrays) when None
     extra: dict = field(default_factory=dict)  # keys written by a newer dflash, kept on rewrite
 
     @property
@@ -199,6 +257,10 @@ class Manifest:
             del out["counts"], out["parts"]
         if self.self_check is None:
             del out["self_check"]
+        elif self.self_check.teacher is None:
+            del out["self_check"]["teacher"]
+        if self.teacher is None:
+            del out["teacher"]
         if not self.sources:
             del out["sources"]
         else:
@@ -227,6 +289,7 @@ class Manifest:
             f"tokenizer  {tok.name}, vocab {tok.vocab_size}, special ids {tok.special_ids}",
             f"rows       {self.token_budget} tokens each; codec {self.codecs['hidden'][0]['name']} "
             f"{self.codecs['hidden'][0].get('configuration', {})} + crc32c",
+            *([f"teacher    {self.teacher.describe()} per position"] if self.teacher else []),
             f"identity   {self.identity[:16]}",
             *(
                 f"source     {s['source']}: {s['records']} records read, {s['deduplicated']} duplicates dropped, "
@@ -361,6 +424,7 @@ def _parse_manifest(raw: Any, where: str) -> Manifest:
         identity=f.get("identity", str, ""),
         format=f.get("format", str, "dflash-harvest"),
         sources=tuple(_source(_Fields(s, where, f"sources[{i}].")) for i, s in enumerate(f.get("sources", list, []))),
+        teacher=None if raw.get("teacher") is None else _teacher(f.sub("teacher"), target),
         extra={k: v for k, v in raw.items() if k not in known and k not in ("storage",)},
     )
     _Fields(manifest.fingerprint, where, "fingerprint.").count("world_size", 1)
@@ -379,6 +443,24 @@ def _parse_manifest(raw: Any, where: str) -> Manifest:
     return complete
 
 
+def _teacher(f: _Fields, target: TargetSpec) -> TeacherSpec:
+    kind = f.get("kind", str)
+    if kind not in TEACHER_ARRAYS:
+        raise f._bad("kind", " or ".join(TEACHER_ARRAYS))
+    k = f.count("k", 1) if kind == "topk" else 0
+    if k > target.vocab_size:
+        raise f._bad("k", f"at most the vocabulary size {target.vocab_size}")
+    expected = teacher_spec(kind, k, target.hidden_size)
+    if f.count("width") != expected.width:
+        raise f._bad("width", str(expected.width))
+    if f.get("arrays", dict) != expected.arrays:
+        raise DflashError(
+            f"{f.where}: the teacher arrays {f.raw['arrays']} are not the {expected.arrays} this dflash reads for "
+            f"--teacher {kind}; use the dflash version that harvested the store, or harvest again"
+        )
+    return expected
+
+
 def _source(f: _Fields) -> dict:
     counts = ("records", "deduplicated", "used", "documents", "tokens", "loss_tokens")
     return {"source": f.get("source", str), "weight": f.get("weight", float), **{key: f.count(key) for key in counts}}
@@ -392,6 +474,26 @@ def _part(f: _Fields) -> PartEntry:
 
 
 def _self_check(f: _Fields) -> SelfCheck:
+    teacher = None
+    if f.raw.get("teacher") is not None:
+        t = f.sub("teacher")
+        teacher = TeacherCheck(t.get("tolerance", float), t.get("worst_error", float), _failures(t))
+    bit_equal = f.get("bit_equal", float)
+    if not 0.0 <= bit_equal <= 1.0:
+        raise f._bad("bit_equal", "a share between 0 and 1")
+    return SelfCheck(
+        f.get("passed", bool),
+        f.count("documents"),
+        f.get("seed", int),
+        f.get("tolerance", float),
+        f.get("worst_relative_error", float),
+        bit_equal,
+        _failures(f),
+        teacher,
+    )
+
+
+def _failures(f: _Fields) -> tuple[CheckFailure, ...]:
     failures = []
     for i, raw in enumerate(f.get("failures", list)):
         g = _Fields(raw, f.where, f"{f.prefix}failures[{i}].")
@@ -405,18 +507,7 @@ def _self_check(f: _Fields) -> SelfCheck:
                 g.get("matches_layer", int, None),
             )
         )
-    bit_equal = f.get("bit_equal", float)
-    if not 0.0 <= bit_equal <= 1.0:
-        raise f._bad("bit_equal", "a share between 0 and 1")
-    return SelfCheck(
-        f.get("passed", bool),
-        f.count("documents"),
-        f.get("seed", int),
-        f.get("tolerance", float),
-        f.get("worst_relative_error", float),
-        bit_equal,
-        tuple(failures),
-    )
+    return tuple(failures)
 
 
 def identity_of(manifest: Manifest) -> str:
@@ -426,6 +517,6 @@ def identity_of(manifest: Manifest) -> str:
     keyed = {
         k: v
         for k, v in manifest.header().to_json().items()
-        if k in ("fingerprint", "target", "tokenizer", "features", "codecs", "layer_ids", "token_budget")
+        if k in ("fingerprint", "target", "tokenizer", "features", "codecs", "layer_ids", "token_budget", "teacher")
     }
     return hashlib.sha256(json.dumps(keyed, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

@@ -2,7 +2,7 @@
 
 From the target's config and tensor shapes (no weights loaded) and a tokenization of the data (all of it, or a
 seeded sample of its lines, scaled up with the sampling error shown): documents, tokens, rows and padding at the
-token budget; bytes per store mode; harvest and train GPU-hours estimated from the throughput bench/harvest.py and
+token budget; bytes per store mode and of the --teacher options; harvest and train GPU-hours estimated from the throughput bench/harvest.py and
 bench/train.py measured on an H200 (docs/benchmarks.md), scaled by this target's and drafter's FLOPs per token;
 and the free space at --out.
 """
@@ -19,8 +19,8 @@ from dflash.config import HarvestConfig
 from dflash.data import load_documents
 from dflash.drafter import DrafterConfig
 from dflash.errors import DflashError
-from dflash.harvest import BEST_CODEC_RATIO, PartPlan, data_config, feature_encoding, row_bytes
-from dflash.manifest import FeatureSpec
+from dflash.harvest import BEST_CODEC_RATIO, PartPlan, data_config, feature_encoding, row_bytes, teacher_encoding
+from dflash.manifest import FeatureSpec, TeacherSpec, teacher_spec
 from dflash.metrics import step_flops
 from dflash.store import nearest_existing
 from dflash.target import default_layer_ids
@@ -36,6 +36,9 @@ TRAIN_MFU = 0.562
 # its projected ones (sub1/4, sub1/8), 0.80-0.81 on the 27B-like random target; fp8 bytes: 0.80 (fp8), 0.88
 # (sub1/4 + fp8) on the quality target, 0.82 on the 27B-like one.
 CODEC_FRACTION = {"bf16": 0.85, "fp8": 0.88}
+# The teacher arrays on disk over their raw bytes: topk 0.64 on bench/teacher.py's synthetic distributions (ids and
+# probabilities under zstd), rounded up; hidden is bf16 behind the features' codec.
+TEACHER_CODEC_FRACTION = {"topk": 0.70, "hidden": 0.85}
 # The table's store modes: name -> (--precision, --subspace).
 MODES = {
     "bf16": ("bf16", "none"),
@@ -121,9 +124,16 @@ def params_through(model: str, last_layer: int) -> int:
     return total
 
 
-def mode_bytes(features: FeatureSpec, token_budget: int) -> tuple[int, float]:
-    """(raw bytes per row, expected fraction on disk) of a store encoding."""
-    return row_bytes(token_budget, features), CODEC_FRACTION[features.precision]
+def mode_bytes(features: FeatureSpec, token_budget: int, teacher: TeacherSpec | None = None) -> tuple[int, float]:
+    """(raw bytes per row, expected fraction on disk) of a store encoding, with its teacher arrays."""
+    raw = row_bytes(token_budget, features, teacher)
+    if teacher is None:
+        return raw, CODEC_FRACTION[features.precision]
+    teacher_raw = token_budget * teacher.bytes_per_token
+    on_disk = (raw - teacher_raw) * CODEC_FRACTION[features.precision] + teacher_raw * TEACHER_CODEC_FRACTION[
+        teacher.kind
+    ]
+    return raw, on_disk / raw
 
 
 def plan_report(cfg: HarvestConfig, sample: int | None, epochs: int, draft_layers: int, block_size: int) -> str:
@@ -170,8 +180,11 @@ def plan_report(cfg: HarvestConfig, sample: int | None, epochs: int, draft_layer
         "came within 2.3 % of the bf16 store's tau (sub1/8+fp8 is not measured); sub1/8 is the compact mode (about an "
         "eighth of raw bf16), fp8 halves the store at no measured cost."
     )
+    teacher = teacher_encoding(cfg)
+    lines.append(_teacher_line(teacher, text.hidden_size, data.tokens))
     chosen = cfg.precision + (f", subspace {cfg.subspace}" if chosen_encoding.subspace is not None else "")
-    raw, fraction = mode_bytes(chosen_encoding, cfg.token_budget)
+    chosen += f", --teacher {teacher.name}" if teacher else ""
+    raw, fraction = mode_bytes(chosen_encoding, cfg.token_budget, teacher)
     need = raw * data.rows
     existing = nearest_existing(Path(cfg.out))
     free = shutil.disk_usage(existing).free
@@ -208,6 +221,20 @@ def plan_report(cfg: HarvestConfig, sample: int | None, epochs: int, draft_layer
         "largest the benchmarks measured (a small trained target, random-weight large ones).",
     ]
     return "\n".join(lines)
+
+
+def _teacher_line(teacher: TeacherSpec | None, hidden_size: int, tokens: float) -> str:
+    """What --teacher adds per token (raw) to any mode: the chosen option's, or those on offer."""
+    if teacher is not None:
+        return (
+            f"teacher    --teacher {teacher.name} adds {teacher.bytes_per_token:,} bytes per token raw "
+            f"({_size(teacher.bytes_per_token * tokens)} for the data), included in the disk line below"
+        )
+    topk, hidden = (teacher_spec(kind, 32, hidden_size).bytes_per_token for kind in ("topk", "hidden"))
+    return (
+        f"teacher    none (DSpark-style training needs one): --teacher topk:K adds 6K + 2 bytes per token raw ({topk} "
+        f"for topk:32), --teacher hidden adds 2H = {hidden:,} ({_size(hidden * tokens)} for the data)"
+    )
 
 
 def _size(n: float) -> str:

@@ -2,6 +2,9 @@
 stored value compared with the fresh forward encoded as the store encodes it (`dflash inspect --reforward`, and
 a few documents at the end of every harvest). A document that fails is named, with the tapped layer its features
 match instead when one does: the commonest silent bugs (padding, batching, off-by-one layers) show up here.
+A store with a teacher has its teacher arrays compared too: the final hidden state by relative error, the top-k
+by the total variation between the stored and the fresh distributions (ids matched, tails included), so a
+reordering of near-equal probabilities is no failure but a distribution of another position is.
 """
 
 import logging
@@ -23,6 +26,8 @@ logger = logging.getLogger("dflash")
 # ulp, 2^-7 at most); bf16 / fp16 compute differs more, but far less than two neighbouring layers do.
 COMPUTE_NOISE = {torch.float32: 2.0**-7, torch.float16: 2.0**-6, torch.bfloat16: 2.0**-5}
 FP8_ERROR = 2.0**-4  # e4m3 rounding relative to a value (dflash.features.fp8_error_bound)
+FP16_ERROR = 2.0**-11  # the float16 rounding of a stored top-k probability, relative to it
+TOP_K_ROWS = 1024  # positions compared at once: [positions, k, k] id matches
 
 
 def check_tolerance(spec: manifest.FeatureSpec, *dtypes: torch.dtype) -> float:
@@ -44,7 +49,8 @@ def run_reforward(path: Path, documents: int, seed: int = 0, device: str | None 
     device = str(local_device(device))
     if torch.device(device).type == "cpu" and dtype != torch.float32:
         dtype = torch.float32  # the CPU's bf16 matmuls are slow and no closer to the GPU's than float32 is
-    target = TappedTarget(model, check_layers(m.layer_ids, m.target.num_layers), device, dtype, True)
+    layers = check_layers(m.layer_ids, m.target.num_layers)
+    target = TappedTarget(model, layers, device, dtype, True, m.teacher.kind if m.teacher else None)
     return reforward_check(path, target, documents, seed)
 
 
@@ -73,6 +79,8 @@ def reforward_check(path: Path, target: TappedTarget, documents: int, seed: int 
     missing = [layer for layer in m.layer_ids if layer not in target.layer_ids]
     if missing:
         raise DflashError(f"the check's target does not tap the store's layers {missing}")
+    if m.teacher is not None and target.teacher != m.teacher.kind:
+        raise DflashError(f"the check's target does not compute the store's teacher ({m.teacher.kind})")
     spec, H = m.features, m.target.hidden_size
     slot = {layer: i for i, layer in enumerate(target.layer_ids)}
     projection = None if opened.projection is None else torch.from_numpy(opened.projection)
@@ -81,13 +89,22 @@ def reforward_check(path: Path, target: TappedTarget, documents: int, seed: int 
     table = opened.documents()
     rng = np.random.default_rng(seed)
     picked = np.sort(rng.choice(len(table), size=min(documents, len(table)), replace=False))
+    teacher_tolerance = max(COMPUTE_NOISE.get(d, 2.0**-5) for d in (harvest_dtype, target.dtype)) + FP16_ERROR
     worst, equal, total, failures = 0.0, 0, 0, []
+    teacher_worst, teacher_failures = 0.0, []
     for k in picked.tolist():
         doc_id, piece, row, start, length = table[k].tolist()
         stored = opened.read_row(row)
         span = slice(start, start + length)
         ids = torch.from_numpy(stored["input_ids"][span].astype(np.int64))[None]
-        out = target.features(ids)[0].to(torch.bfloat16).cpu()  # what the harvest rounds to before encoding
+        out, final = target.forward(ids)
+        out = out[0].to(torch.bfloat16).cpu()  # what the harvest rounds to before encoding
+        if m.teacher is not None:
+            stored_teacher = {name: value[span] for name, value in opened.read_teacher(row).items()}
+            error = _teacher_error(m.teacher, stored_teacher, final[0], target)
+            teacher_worst = max(teacher_worst, error)
+            if error > teacher_tolerance:
+                teacher_failures.append(manifest.CheckFailure(doc_id, piece, row, None, error))
         by_layer = {layer: out[:, i * H : (i + 1) * H] for layer, i in slot.items()}
         fresh = torch.cat([by_layer[layer] for layer in m.layer_ids], -1)
         if projection is not None:
@@ -115,15 +132,51 @@ def reforward_check(path: Path, target: TappedTarget, documents: int, seed: int 
                 best = min(others, key=others.get)
                 match = best if best != layer and others[best] < error else None
             failures.append(manifest.CheckFailure(doc_id, piece, row, layer, error, match))
+    teacher = None
+    if m.teacher is not None:
+        teacher = manifest.TeacherCheck(teacher_tolerance, teacher_worst, tuple(teacher_failures))
     return manifest.SelfCheck(
-        passed=not failures,
+        passed=not failures and not teacher_failures,
         documents=len(picked),
         seed=seed,
         tolerance=tolerance,
         worst_relative_error=worst,
         bit_equal=equal / max(1, total),
         failures=tuple(failures),
+        teacher=teacher,
     )
+
+
+def _teacher_error(spec: manifest.TeacherSpec, stored: dict, final: torch.Tensor, target: TappedTarget) -> float:
+    """One document's stored teacher against the fresh forward's final hidden state [n, H]: relative error of the
+    hidden state, or the mean over positions of the top-k distributions' total variation."""
+    if spec.kind == "hidden":
+        values = torch.from_numpy(stored["teacher_hidden"].view(np.int16).copy()).view(torch.bfloat16).float()
+        return _relative(values, final.to(torch.bfloat16).float().cpu())
+    probs, ids, tail = (t.cpu() for t in features.next_token_top_k(final, target.lm_head, spec.k))
+    distance = top_k_distance(
+        torch.from_numpy(stored["teacher_ids"].astype(np.int64)),
+        torch.from_numpy(stored["teacher_probs"].astype(np.float32)),
+        torch.from_numpy(stored["teacher_tail"].astype(np.float32)),
+        ids,
+        probs,
+        tail,
+    )
+    return distance.mean().item()
+
+
+def top_k_distance(ids_a, probs_a, tail_a, ids_b, probs_b, tail_b) -> torch.Tensor:
+    """Per position, the total variation between two top-k distributions with their tails ([n, k], [n, k], [n]
+    each): an id both hold differs by its two probabilities, an id one side lacks counts its whole probability
+    there (the other side has it in its tail), and the tails differ by their masses."""
+    distances = []
+    for rows in torch.arange(len(ids_a)).split(TOP_K_ROWS):
+        same = ids_a[rows, :, None] == ids_b[rows, None, :]  # [n, k, k]
+        b_of_a = (same * probs_b[rows, None, :]).sum(-1)  # b's probability of each of a's ids, 0 when b lacks it
+        only_b = (probs_b[rows] * ~same.any(-2)).sum(-1)
+        l1 = (probs_a[rows] - b_of_a).abs().sum(-1) + only_b + (tail_a[rows] - tail_b[rows]).abs()
+        distances.append(l1 / 2)
+    return torch.cat(distances)
 
 
 def describe_failure(failure: manifest.CheckFailure) -> str:

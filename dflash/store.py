@@ -3,7 +3,8 @@
     harvest.json                      written first: the manifest without counts (dflash.manifest)
     zarr.json, parts/zarr.json        Zarr v3 groups
     projection/                       subspace stores only: P [width, feature_dim] float32
-    parts/rank00000/<array>/          hidden, (scales,) input_ids, position_ids, doc_ids, loss_mask, documents
+    parts/rank00000/<array>/          hidden, (scales,) input_ids, position_ids, doc_ids, loss_mask, (teacher_*,)
+                                      documents
     parts/rank00000/progress.json     rows committed; rewritten only after those rows' chunks are on disk
     manifest.json                     written last: the store is complete only once it exists
 
@@ -39,6 +40,7 @@ from dflash.manifest import (
     PartEntry,
     SelfCheck,
     TargetSpec,
+    TeacherSpec,
     TokenizerSpec,
     identity_of,
 )
@@ -59,15 +61,26 @@ HIDDEN_ENCODINGS = {
 }
 HIDDEN_DTYPES = {"bf16": np.uint16, "fp8": np.uint8}
 SCALE_DTYPE = np.int8  # power-of-two exponents: one byte per scale group
+# The teacher arrays' numpy dtypes (zarr has no bfloat16: teacher_hidden holds its bits, as hidden does).
+TEACHER_DTYPES = {"int32": np.int32, "float16": np.float16, "bfloat16": np.uint16}
+BF16 = FeatureSpec("bf16")  # the encoding of teacher_hidden: bf16 behind the features' lossless codec
+TEACHER_MEANINGS = {
+    "teacher_ids": "ids of the target's top-k next tokens at each position (the distribution of token t+1), most "
+    "probable first; 0 on padding",
+    "teacher_probs": "their probabilities under the target; 0 on padding",
+    "teacher_tail": "1 - the sum of the top-k probabilities (the mass of every other token); 0 on padding",
+    "teacher_hidden": "uint16 bit patterns of bfloat16: the target's final-normed last hidden state (the LM head's "
+    "input); 0 on padding",
+}
 
 
 HIDDEN_BLOSC = {"cname": "lz4", "clevel": 5}  # with bit shuffle, typesize 2
 
 
-def arrays_of(features: FeatureSpec) -> tuple[str, ...]:
+def arrays_of(features: FeatureSpec, teacher: TeacherSpec | None = None) -> tuple[str, ...]:
     """The arrays of one part, in write order."""
     scales = ("scales",) if features.precision == "fp8" else ()
-    return ("hidden", *scales, *TOKEN_ARRAYS, "documents")
+    return ("hidden", *scales, *TOKEN_ARRAYS, *(teacher.arrays if teacher else ()), "documents")
 
 
 def row_arrays(features: FeatureSpec, token_budget: int) -> dict[str, tuple[tuple[int, ...], type]]:
@@ -78,6 +91,16 @@ def row_arrays(features: FeatureSpec, token_budget: int) -> dict[str, tuple[tupl
         out["scales"] = ((T, features.scale_groups), SCALE_DTYPE)
     out.update({name: ((T,), np.dtype(dtype).type) for name, dtype in TOKEN_ARRAYS.items()})
     return out
+
+
+def teacher_arrays(teacher: TeacherSpec | None, token_budget: int) -> dict[str, tuple[tuple[int, ...], type]]:
+    """Name -> (shape, numpy dtype) of every per-row teacher array ({} without a teacher)."""
+    if teacher is None:
+        return {}
+    return {
+        name: ((token_budget,) if name == "teacher_tail" else (token_budget, teacher.width), TEACHER_DTYPES[dtype])
+        for name, dtype in teacher.arrays.items()
+    }
 
 
 def hidden_compressors(features: FeatureSpec):
@@ -101,7 +124,12 @@ def token_compressors():
 
 
 def compressors_of(name: str, features: FeatureSpec) -> list:
+    if name == "teacher_hidden":
+        return hidden_compressors(BF16)
     return hidden_compressors(features) if name == "hidden" else token_compressors()
+
+
+CHUNK_WRITTEN = ("hidden", "teacher_hidden")  # the large arrays, written by HiddenChunkWriter outside zarr
 
 
 def hidden_chunk_tokens(token_budget: int, row_bytes_per_token: int) -> int:
@@ -266,6 +294,7 @@ class PartSpec:
     features: FeatureSpec
     documents: np.ndarray  # int64 [n, 5]: DOCUMENT_COLUMNS, row local to the part
     counts: dict  # documents, tokens, loss_tokens, padding_tokens
+    teacher: TeacherSpec | None = None
 
 
 class PartWriter:
@@ -288,8 +317,13 @@ class PartWriter:
             for leftover in [*_unfinished_writes(self.folder, first), *self.folder.glob(f"{TMP_PREFIX}*")]:
                 leftover.unlink(missing_ok=True)
         group = zarr.open_group(self.folder, mode="r+")
-        self.arrays = {name: group[name].with_config(_array_config(read=False)) for name in arrays_of(spec.features)}
-        self.hidden = HiddenChunkWriter(self.arrays["hidden"], self.folder / "hidden", spec.features)
+        names = arrays_of(spec.features, spec.teacher)
+        self.arrays = {name: group[name].with_config(_array_config(read=False)) for name in names}
+        self.chunk_writers = {
+            name: HiddenChunkWriter(self.arrays[name], self.folder / name, spec.features if name == "hidden" else BF16)
+            for name in CHUNK_WRITTEN
+            if name in self.arrays
+        }
 
     def _create(self, out: Path, spec: PartSpec) -> None:
         group = _ensure_group(self.folder)
@@ -328,6 +362,18 @@ class PartWriter:
                 fill_value=fill,
                 **write,
             )
+        for name, (shape, dtype) in teacher_arrays(spec.teacher, T).items():
+            chunk = (hidden_chunk_tokens(T, 2 * shape[1]), shape[1]) if name == "teacher_hidden" else shape
+            group.create_array(
+                name,
+                shape=(spec.rows, *shape),
+                chunks=(1, *chunk),
+                dtype=dtype,
+                compressors=compressors_of(name, f),
+                fill_value=0,
+                attributes={"meaning": TEACHER_MEANINGS[name]},
+                **write,
+            )
         documents = group.create_array(
             "documents",
             shape=spec.documents.shape,
@@ -348,11 +394,12 @@ class PartWriter:
 
     def write_rows(self, first_row: int, hidden: np.ndarray, others: dict[str, np.ndarray]) -> None:
         """Write rows [first_row, first_row + len(hidden)): hidden [r, T, W] (bf16 or fp8 bits), and the other
-        row arrays (scales [r, T, G] for fp8, TOKEN_ARRAYS [r, T])."""
+        row arrays (scales [r, T, G] for fp8, TOKEN_ARRAYS [r, T], the teacher arrays)."""
         rows = slice(first_row, first_row + len(hidden))
-        self.hidden.write_rows(first_row, hidden)
+        for name, writer in self.chunk_writers.items():
+            writer.write_rows(first_row, hidden if name == "hidden" else others[name])
         for name in self.arrays:
-            if name not in ("hidden", "documents"):
+            if name not in (*CHUNK_WRITTEN, "documents"):
                 self.arrays[name][rows] = others[name]
 
     def commit(self, rows_committed: int) -> None:
@@ -549,10 +596,18 @@ def new_manifest(
     options: dict | None = None,
     data: dict | None = None,
     dflash_version: str = "",
+    teacher: TeacherSpec | None = None,
 ) -> Manifest:
     """The header of a new store (harvest.json): what the harvest, the tests and the benchmarks all write."""
     feature_dim = len(layer_ids) * target.hidden_size
     features = features or FeatureSpec("bf16", feature_dim, 0, None)
+    codecs = {
+        "hidden": [codec.to_dict() for codec in hidden_compressors(features)],
+        "tokens": [codec.to_dict() for codec in token_compressors()],
+    }
+    if teacher is not None:
+        name = "teacher_hidden" if teacher.kind == "hidden" else "teacher_probs"
+        codecs["teacher"] = [codec.to_dict() for codec in compressors_of(name, features)]
     return Manifest(
         format_version=FORMAT_VERSION,
         dflash_version=dflash_version,
@@ -566,10 +621,8 @@ def new_manifest(
         token_budget=token_budget,
         tokenizer=tokenizer,
         data=data or {},
-        codecs={
-            "hidden": [codec.to_dict() for codec in hidden_compressors(features)],
-            "tokens": [codec.to_dict() for codec in token_compressors()],
-        },
+        codecs=codecs,
+        teacher=teacher,
     )
 
 
@@ -587,9 +640,10 @@ def write_store(
         )
     create_store(out, header)
     for rank, content in enumerate(parts):
-        writer = PartWriter(
-            out, PartSpec(rank, content.rows, header.token_budget, header.features, content.documents, content.counts)
+        spec = PartSpec(
+            rank, content.rows, header.token_budget, header.features, content.documents, content.counts, header.teacher
         )
+        writer = PartWriter(out, spec)
         for r in range(content.rows):
             hidden, others = content.row(r)
             writer.write_rows(r, hidden[None], {name: value[None] for name, value in others.items()})
@@ -665,7 +719,9 @@ class ChunkReader:
         T = out.shape[0]
         # Integers of the stored size take the stored bits unchanged (bfloat16 bits as int16 or uint16); any other
         # dtype gets the values converted.
-        same_bits = out.dtype.itemsize == self.dtype.itemsize and out.dtype.kind in "iu" and self.dtype.kind in "iu"
+        same_bits = out.dtype == self.dtype or (
+            out.dtype.itemsize == self.dtype.itemsize and out.dtype.kind in "iu" and self.dtype.kind in "iu"
+        )
         for j, start in enumerate(range(0, T, self.chunk_tokens)):
             stop = min(start + self.chunk_tokens, T)
             encoded = self._checked_chunk(row, j)
@@ -703,7 +759,9 @@ class Store:
         self.part_names = [part.name for part in manifest.parts]
         self.part_starts = np.cumsum([0] + [part.rows for part in manifest.parts]).tolist()
         self.row_layout = row_arrays(self.features, self.token_budget)
-        names = arrays_of(self.features)
+        self.teacher = manifest.teacher
+        self.teacher_layout = teacher_arrays(self.teacher, self.token_budget)  # read apart: see read_teacher_into
+        names = arrays_of(self.features, self.teacher)
         try:
             group = zarr.open_group(path, mode="r")
             self.parts = [
@@ -717,13 +775,8 @@ class Store:
             ) from None
         for entry, arrays in zip(manifest.parts, self.parts):
             self._check_shapes(entry, arrays)
-        self.row_readers = [
-            {
-                name: ChunkReader(arrays[name], path / "parts" / part / name, compressors_of(name, self.features))
-                for name in self.row_layout
-            }
-            for arrays, part in zip(self.parts, self.part_names)
-        ]
+        self.row_readers = self._chunk_readers(self.row_layout)
+        self.teacher_readers = self._chunk_readers(self.teacher_layout)
         self.document_sources = read_document_sources(path)  # int16 [doc ids]: a store of several data sources
         self.projection = None  # P [width, feature_dim] float32 for a subspace store
         if self.features.subspace is not None:
@@ -734,11 +787,20 @@ class Store:
                 )
             self.projection = stored[0]
 
+    def _chunk_readers(self, layout: dict) -> list[dict[str, ChunkReader]]:
+        return [
+            {
+                name: ChunkReader(arrays[name], self.path / "parts" / part / name, compressors_of(name, self.features))
+                for name in layout
+            }
+            for arrays, part in zip(self.parts, self.part_names)
+        ]
+
     def _check_shapes(self, entry: PartEntry, arrays: dict) -> None:
         """The manifest's rows and documents against the arrays on disk: reader and verify see the same rows."""
         problems = [
             f"{name} has {array.shape[0]} rows and {array.shape[1:]} per row, expected {entry.rows} and {shape}"
-            for name, (shape, _) in self.row_layout.items()
+            for name, (shape, _) in {**self.row_layout, **self.teacher_layout}.items()
             if (array := arrays[name]).shape != (entry.rows, *shape)
         ]
         if arrays["documents"].shape != (entry.documents, len(DOCUMENT_COLUMNS)):
@@ -780,7 +842,6 @@ class Store:
     def read_row_into(self, i: int, out: dict[str, np.ndarray]) -> None:
         """Row i into the caller's arrays (the trainer's pinned slots): integers of the stored size for hidden and
         scales (the stored bits, e.g. int16 for bf16), the token arrays' own dtypes; no copy in between."""
-        part, row = self.locate(i)
         for name, (shape, _) in self.row_layout.items():
             if out[name].shape != shape:
                 raise DflashError(
@@ -792,7 +853,33 @@ class Store:
                 f"hidden states are stored as {self.features.precision} bits: read them into {stored.itemsize}-byte "
                 f"integers (a view of the tensor), not {out['hidden'].dtype}"
             )
-        for name, chunk_reader in self.row_readers[part].items():
+        self._read_into(i, self.row_readers, out)
+
+    def read_teacher(self, i: int) -> dict[str, np.ndarray]:
+        """Row i's teacher arrays as new arrays (`teacher_layout`)."""
+        out = {name: np.empty(shape, dtype) for name, (shape, dtype) in self.teacher_layout.items()}
+        self.read_teacher_into(i, out)
+        return out
+
+    def read_teacher_into(self, i: int, out: dict[str, np.ndarray]) -> None:
+        """Row i's teacher arrays into the caller's (`teacher_layout`: shape and dtype each; teacher_hidden as
+        bf16 bits in 2-byte integers). Apart from read_row_into, so that a trainer reads them only when its method
+        asks for the teacher."""
+        if self.teacher is None:
+            raise DflashError(f"{self.path} holds no teacher arrays; harvest it with --teacher topk:K or hidden")
+        for name, (shape, dtype) in self.teacher_layout.items():
+            got = out[name]
+            same = got.dtype == dtype or (name == "teacher_hidden" and got.dtype == np.int16)
+            if got.shape != shape or not same:
+                raise DflashError(
+                    f"the store's {name} is {np.dtype(dtype)} of shape {shape} per row, the reader gives "
+                    f"{got.dtype} of shape {got.shape}"
+                )
+        self._read_into(i, self.teacher_readers, out)
+
+    def _read_into(self, i: int, readers: list[dict[str, ChunkReader]], out: dict[str, np.ndarray]) -> None:
+        part, row = self.locate(i)
+        for name, chunk_reader in readers[part].items():
             try:
                 chunk_reader.read_row_into(row, out[name])
             except Exception as exc:  # a checksum mismatch, a missing chunk file, a codec error
@@ -835,12 +922,15 @@ def _chunk_problem(array: zarr.Array, chunk_file: Path, coords) -> str | None:
         return str(exc)
 
 
-def part_damage(out: Path, rank: int, features: FeatureSpec, threads: int = 8) -> PartDamage:
+def part_damage(
+    out: Path, rank: int, features: FeatureSpec, teacher: TeacherSpec | None = None, threads: int = 8
+) -> PartDamage:
     """Read every chunk of one part (finished, with or without the store's manifest): its damaged rows."""
     folder = out / "parts" / part_name(rank)
     try:
         group = zarr.open_group(folder, mode="r")
-        arrays = {name: group[name].with_config(_array_config(read=True)) for name in arrays_of(features)}
+        names = arrays_of(features, teacher)
+        arrays = {name: group[name].with_config(_array_config(read=True)) for name in names}
     except Exception as exc:
         raise DflashError(
             f"the arrays of part {part_name(rank)} of {out} cannot be opened ({exc}); their metadata is damaged: "

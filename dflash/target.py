@@ -4,7 +4,9 @@ For the harvest, `TappedTarget` is loaded truncated after its last tapped layer 
 features; `default_layer_ids` is the DFlash rule for which layers to tap.
 
 Only the embedding and layers 0..max(layer_ids) are loaded (no later layer, final norm or LM head); forward
-hooks copy each tapped layer's output into one preallocated [B, T, n*H] tensor, so nothing else is kept.
+hooks copy each tapped layer's output into one preallocated [B, T, n*H] tensor, so nothing else is kept. A target
+that also yields the teacher (`--teacher`: the target's own next-token distribution) keeps every layer and the
+final norm, and for top-k the LM head: `forward` then returns the final-normed last hidden state too.
 Rows are right-padded documents run with no attention mask: the model is causal, so a real token never sees
 padding or another document, and its features equal those of a standalone forward of its document.
 """
@@ -21,7 +23,7 @@ import torch
 from dflash.device import local_device, resolve_dtype
 from dflash.errors import DflashError
 from dflash.kernels import GPU_EXTRA, describe_kernels, select_kernels
-from dflash.target_files import config_hash, load_config
+from dflash.target_files import config_hash, load_config, load_head
 
 logger = logging.getLogger("dflash")
 
@@ -77,9 +79,19 @@ def _default_hint(num_layers: int) -> str:
 
 
 class TappedTarget:
-    """Frozen, eval, only layers 0..max(layer_ids) kept; features() concatenates the tapped layers' outputs."""
+    """Frozen, eval, only layers 0..max(layer_ids) kept (every layer with a teacher); features() concatenates the
+    tapped layers' outputs. `teacher` ("topk" | "hidden" | None): also run the final norm (and load the LM head for
+    "topk", as `lm_head` [V, H])."""
 
-    def __init__(self, path: str, layer_ids: list[int] | None, device, dtype, allow_slow_kernels: bool = False):
+    def __init__(
+        self,
+        path: str,
+        layer_ids: list[int] | None,
+        device,
+        dtype,
+        allow_slow_kernels: bool = False,
+        teacher: str | None = None,
+    ):
         config = load_config(path)
         text_config = config.get_text_config()
         num_layers = text_config.num_hidden_layers
@@ -92,8 +104,12 @@ class TappedTarget:
             num_layers=num_layers,
             vocab_size=text_config.vocab_size,
         )
-        model = _load_truncated(path, text_config, max(layer_ids) + 1, dtype)
+        keep = num_layers if teacher else max(layer_ids) + 1
+        model = _load_truncated(path, text_config, keep, dtype, final_norm=teacher is not None)
         self._attach(model, info, layer_ids, torch.device(device), dtype, allow_slow_kernels)
+        self.teacher = teacher
+        if teacher == "topk":
+            self.lm_head = load_head(path).to(self.device, dtype)
 
     @classmethod
     def from_model(
@@ -129,6 +145,7 @@ class TappedTarget:
         self.kernels = select_kernels(model, self.device, allow_slow_kernels)  # refuse before a long copy to GPU
         self.model = model.to(self.device)
         self._features = None
+        self.teacher, self.lm_head = None, None
         layers = self.model.layers
         for slot, layer_id in enumerate(self.layer_ids):
             layers[layer_id].register_forward_hook(partial(self._capture, slot))
@@ -143,16 +160,21 @@ class TappedTarget:
             describe_kernels(self.kernels),
         )
 
-    @torch.inference_mode()
     def features(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[B, T] right-padded rows, one document each -> [B, T, n*H], the tapped outputs in layer_ids order."""
+        return self.forward(input_ids)[0]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, T] right-padded rows -> (features [B, T, n*H], the final-normed last hidden state [B, T, H], the LM
+        head's input, for a target with a teacher, else None)."""
         batch, length = input_ids.shape
         width = len(self.layer_ids) * self.info.hidden_size
         self._features = torch.empty(batch, length, width, dtype=self.dtype, device=self.device)
         try:
             # No attention mask: causality alone keeps each real token from seeing the padding after it.
-            self.model(input_ids=input_ids.to(self.device), use_cache=False)
-            return self._features
+            output = self.model(input_ids=input_ids.to(self.device), use_cache=False)
+            return self._features, output.last_hidden_state if self.teacher else None
         finally:
             self._features = None
 
@@ -165,8 +187,9 @@ class TappedTarget:
 # ---- loading ------------------------------------------------------------------------------------------------
 
 
-def _load_truncated(path: str, text_config, keep: int, dtype) -> torch.nn.Module:
-    """The base model (no LM head) with only its first `keep` layers loaded, its final norm removed."""
+def _load_truncated(path: str, text_config, keep: int, dtype, final_norm: bool = False) -> torch.nn.Module:
+    """The base model (no LM head) with only its first `keep` layers loaded, its final norm removed unless asked
+    for (the teacher's hidden state is the final norm's output)."""
     from transformers import AutoModel
     from transformers.utils import logging as hf_logging
 
@@ -189,7 +212,9 @@ def _load_truncated(path: str, text_config, keep: int, dtype) -> torch.nn.Module
         )
     if not isinstance(getattr(model, "layers", None), torch.nn.ModuleList):
         raise DflashError(f"unsupported target {type(model).__name__}: dflash needs a decoder with a `layers` list")
-    if hasattr(model, "norm"):
+    if final_norm and not isinstance(getattr(model, "norm", None), torch.nn.Module):
+        raise DflashError(f"the target {type(model).__name__} has no final norm `norm`; --teacher needs it: use none")
+    if hasattr(model, "norm") and not final_norm:
         model.norm = torch.nn.Identity()  # the features are the layers' raw outputs; the final norm is unused
     return model.eval().requires_grad_(False)
 

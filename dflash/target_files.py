@@ -19,17 +19,32 @@ HEAD_KEYS = ("lm_head.weight", "model.lm_head.weight")
 
 def load_embedding_and_head(path: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's embed_tokens [V, H] and lm_head [V, H] weights, read alone from its safetensors files."""
+    file_of = tensor_files(path)
+    embed_key, head_key = _embedding_and_head_keys(path, file_of)
+    tensors = _read_tensors(path, file_of, {embed_key, head_key})
+    return tensors[embed_key], tensors[head_key]
+
+
+def load_head(path: str) -> torch.Tensor:
+    """The target's lm_head [V, H] weight alone (the embedding for a tied checkpoint)."""
+    file_of = tensor_files(path)
+    head_key = _embedding_and_head_keys(path, file_of)[1]
+    return _read_tensors(path, file_of, {head_key})[head_key]
+
+
+def _embedding_and_head_keys(path: str, file_of: dict[str, str]) -> tuple[str, str]:
+    embed_key = _find_key(file_of, EMBEDDING_KEYS, "embed_tokens.weight", path)
+    return embed_key, embed_key if _tied(path) else _find_key(file_of, HEAD_KEYS, "lm_head.weight", path)
+
+
+def _read_tensors(path: str, file_of: dict[str, str], keys: set[str]) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
-    file_of = tensor_files(path)
-    embed_key = _find_key(file_of, EMBEDDING_KEYS, "embed_tokens.weight", path)
-    tied = _tied(path)
-    head_key = embed_key if tied else _find_key(file_of, HEAD_KEYS, "lm_head.weight", path)
     tensors = {}
-    for key in {embed_key, head_key}:
+    for key in keys:
         with safe_open(checkpoint_file(path, file_of[key]), framework="pt") as shard:
             tensors[key] = shard.get_tensor(key)
-    return tensors[embed_key], tensors[head_key]
+    return tensors
 
 
 def _tied(path: str) -> bool:

@@ -342,7 +342,7 @@ def test_chunk_writer_writes_the_bytes_zarr_would(tmp_path, monkeypatch, precisi
     store.create_store(tmp_path / "ours", header(1))
     part = store.PartWriter(tmp_path / "ours", store.PartSpec(0, rows, T, features, np.zeros((0, 5), np.int64), counts))
     part.write_rows(0, hidden, others)
-    ours = zarr.open_array(part.hidden.folder, mode="r")
+    ours = zarr.open_array(part.chunk_writers["hidden"].folder, mode="r")
     assert ours.chunks == (1, 17, F)
     reference = zarr.create_array(
         tmp_path / "reference",
@@ -357,7 +357,9 @@ def test_chunk_writer_writes_the_bytes_zarr_would(tmp_path, monkeypatch, precisi
     files = sorted(path.relative_to(tmp_path / "reference") for path in (tmp_path / "reference").rglob("c/*/*/*"))
     assert len(files) == rows * 3
     for relative in files:
-        assert (part.hidden.folder / relative).read_bytes() == (tmp_path / "reference" / relative).read_bytes()
+        assert (part.chunk_writers["hidden"].folder / relative).read_bytes() == (
+            tmp_path / "reference" / relative
+        ).read_bytes()
     np.testing.assert_array_equal(ours[:], hidden)
 
 
