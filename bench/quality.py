@@ -660,17 +660,18 @@ def train_drafter(
 ) -> dict:
     """`run_training` of the quality run's drafter (5 layers, B = 16, DFlash unless `overrides` say otherwise) on
     `store`, validated on `val_store` 8 times over the run; its final numbers, held-out curve and metric records."""
+    overrides = {"method": "dflash", **(overrides or {})}
     from dflash.config import TrainConfig
     from dflash.train import run_training
 
     cuda = str(device).startswith("cuda")
     result = run_training(
         TrainConfig(
-            **{k: v for k, v in (overrides or {}).items() if k != "block_size"},
+            **{k: v for k, v in overrides.items() if k != "block_size"},
             store=str(store),
             out=str(out),
             draft_layers=5,
-            block_size=(overrides or {}).get("block_size", 16),
+            block_size=overrides.get("block_size", 16),
             rows_per_step=scale.rows_per_step,
             max_steps=max(steps, 1),
             val_store=str(val_store),
@@ -751,7 +752,7 @@ def parse_modes(text: str) -> list[StoreMode]:
     for name in (part.strip() for part in text.split(",")):
         if not name:
             continue
-        if name in METHOD_VARIANTS and name != "dflash":  # the bf16 run itself is DFlash's
+        if name in METHOD_VARIANTS and name != "dflash":  # the bf16 run itself is DFlash's (train_drafter)
             mode = StoreMode(name, train=tuple(METHOD_VARIANTS[name].items()))
             if mode in modes:
                 raise ValueError(f"--modes: {name} is given twice")

@@ -1,10 +1,11 @@
 """The drafter methods and loss options the benchmarks compare (issue 23), by name: TrainConfig overrides.
 
-"dflash" is the paper's drafter with its decayed loss, every other variant's reference."""
+"dflash" is the paper's drafter with its decayed loss, every other variant's reference (named in full: the trainer's
+default method is DFlash 2)."""
 
 METHOD_VARIANTS = {
-    "dflash": {},
-    "dpace": {"position_weights": "dpace"},
+    "dflash": {"method": "dflash"},
+    "dpace": {"method": "dflash", "position_weights": "dpace"},
     "dflash2": {"method": "dflash2"},
     "dflash2-dpace": {"method": "dflash2", "position_weights": "dpace"},
     "dflash2-drop": {"method": "dflash2", "selector_outside": "drop"},

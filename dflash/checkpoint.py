@@ -155,7 +155,7 @@ class _Hashing:
 
 def drafter_config_of(state: dict):
     """The drafter config a checkpoint's state.json records (a run from before methods existed is DFlash's)."""
-    return methods.get(state.get("method", methods.DEFAULT)).config_cls(**state["drafter"])
+    return methods.get(state.get("method", methods.UNLABELLED)).config_cls(**state["drafter"])
 
 
 def _write(path: Path, obj) -> str:

@@ -127,8 +127,9 @@ class TrainConfig:
     )
     # drafter
     method: str = option(
-        "dflash",
-        "Drafter method: dflash (the paper's), dflash2 (dynamic block convs and a candidate selector); README, 'Drafter methods'.",
+        "dflash2",
+        "Drafter method: dflash2 (dynamic block convs and a candidate selector: the best measured) or dflash (the "
+        "paper's drafter); README, 'Drafter methods'.",
         choices=list(DRAFTER_METHODS),
     )
     draft_layers: int = option(5, "Drafter layers.")

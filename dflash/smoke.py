@@ -116,6 +116,7 @@ def run_smoke(cfg: SmokeConfig) -> dict:
     tokens = store.manifest.counts.tokens
     last = result["records"][-1]
     summary = {
+        "method": TrainConfig.method,  # the trainer's default, which the smoke trains
         "store_bytes": disk_bytes(store_path),
         "stored_tokens": tokens,
         "bytes_per_token": disk_bytes(store_path) / tokens,
@@ -132,6 +133,7 @@ def run_smoke(cfg: SmokeConfig) -> dict:
 
 def summary_table(s: dict) -> str:
     rows = [
+        ("drafter method", s["method"]),
         ("store size", f"{s['store_bytes'] / 1e6:.2f} MB ({s['stored_tokens']} tokens)"),
         ("bytes per token", f"{s['bytes_per_token']:.0f}"),
         ("train tokens/s (context)", f"{s['train_context_tok_s']:.0f}"),

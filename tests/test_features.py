@@ -220,9 +220,9 @@ def test_bad_subspace_and_groups_are_refused(harvest, tiny_target, data_file, tm
 def test_a_drafter_trained_on_a_compact_store_exports_a_standard_one(harvest, tiny_target, tmp_path, encoding):
     """Training reads the compact rows (fp8 decoded inside the step) and the export is the standard layout: fed
     full features h, the exported drafter gives the logits the trained drafter gives on P h (float32)."""
-    from dflash.checkpoint import Checkpointer, read_state
+    from dflash import methods
+    from dflash.checkpoint import Checkpointer, drafter_config_of, read_state
     from dflash.config import TrainConfig
-    from dflash.drafter import DFlashDrafter, DrafterConfig
     from dflash.export import load_drafter
     from dflash.target_files import load_embedding_and_head
     from dflash.train import run_training
@@ -257,8 +257,9 @@ def test_a_drafter_trained_on_a_compact_store_exports_a_standard_one(harvest, ti
     assert sorted(exported.state_dict()) == config.checkpoint_keys()
 
     checkpoint = Checkpointer(run).latest()
-    trained_config = DrafterConfig(**read_state(checkpoint)["drafter"])
-    trained = DFlashDrafter(trained_config)
+    trained_config = drafter_config_of(read_state(checkpoint))  # the default method's: DFlash 2
+    assert type(exported) is methods.of_config(trained_config).model_cls
+    trained = methods.model_for(trained_config)
     trained.load_state_dict(torch.load(checkpoint / "model.pt"))
     row = full_store.read_row(0)
     h = torch.from_numpy(row["hidden"].view(np.int16)).view(torch.bfloat16).double()[None]  # [1, T, n*H]

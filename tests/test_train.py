@@ -57,6 +57,7 @@ def config(store, out, **overrides) -> TrainConfig:
         out=str(out),
         draft_layers=1,
         block_size=B,
+        method="dflash",  # the paper's drafter: these tests check its rule by hand; METHOD_OPTIONS covers the others
         rows_per_step=2,
         max_steps=6,
         log_every=1,
@@ -71,8 +72,8 @@ def config(store, out, **overrides) -> TrainConfig:
 
 # Every drafter method (and loss option) through the trainer's contract; DFlash 2 small enough for the tiny target.
 METHOD_OPTIONS = {
-    "dflash": {},
-    "dflash+dpace": {"position_weights": "dpace"},
+    "dflash": {"method": "dflash"},
+    "dflash+dpace": {"method": "dflash", "position_weights": "dpace"},
     "dflash2": {
         "method": "dflash2",
         "drafter_overrides": {"selector_rank": 8, "selector_top_k": 4, "sliding_window": 24},
@@ -494,7 +495,7 @@ def test_every_method_resumes_exactly_exports_and_decodes_greedily(method, store
     resumed = run_training(dataclasses.replace(cfg, resume=True))["records"]
     assert [r["loss"] for r in resumed if r["kind"] == "train"] == [r["loss"] for r in full["records"]][3:]
     model, dcfg = load_drafter(tmp_path / "run" / "drafter")
-    assert dcfg.method == options.get("method", "dflash") and isinstance(model, methods.get(dcfg.method).model_cls)
+    assert dcfg.method == options["method"] and isinstance(model, methods.get(dcfg.method).model_cls)
     prompts = [json.loads(line) for line in Path(PROMPTS).read_text().splitlines()[:2]]
     report = evaluate(
         EvalConfig(str(target), prompts, drafter=[str(tmp_path / "run" / "drafter")], max_new_tokens=10, device="cpu")

@@ -11,9 +11,10 @@ from dflash.methods import dflash1, dflash2
 from dflash.methods.base import Method, Objective, ObjectiveOptions
 
 METHODS: dict[str, Method] = {m.name: m for m in (dflash1.METHOD, dflash2.METHOD)}
-DEFAULT = "dflash"
+# The method of a drafter that does not say: a config.json without `architectures`, a checkpoint from before methods.
+UNLABELLED = "dflash"
 
-__all__ = ["METHODS", "DEFAULT", "Method", "Objective", "ObjectiveOptions", "get", "of_architectures"]
+__all__ = ["METHODS", "UNLABELLED", "Method", "Objective", "ObjectiveOptions", "get", "of_architectures"]
 
 
 def get(name: str) -> Method:
@@ -31,7 +32,7 @@ def of_architectures(architectures) -> Method | None:
 def config_class(hf_config: dict) -> type:
     """The config class that reads this config.json: by `architectures`; a folder without them is DFlash's."""
     architectures = hf_config.get("architectures")
-    method = of_architectures(architectures) if architectures else METHODS[DEFAULT]
+    method = of_architectures(architectures) if architectures else METHODS[UNLABELLED]
     if method is None:
         known = ", ".join(m.config_cls.architecture for m in METHODS.values())
         raise DflashError(f"the drafter's architectures {architectures} are none that dflash trains ({known})")
