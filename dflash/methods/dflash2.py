@@ -166,6 +166,14 @@ class CandidateSelector(nn.Module):
         nn.init.normal_(self.predecessor_codebook, std=INIT_STD)
         nn.init.normal_(self.hidden_projection.weight, std=INIT_STD)
 
+    def lattice(self, hidden: Tensor, unary: Tensor, anchor: Tensor, candidates: Tensor) -> Tensor:
+        """S [k, K, K] of a block's k slots at once: S[l, p, c] scores candidate c of slot l after candidate p of
+        slot l - 1 (slot 0: after the anchor, every row the same). hidden [k, H], unary / candidates [k, K]."""
+        previous = torch.cat([anchor.reshape(1, 1).expand(1, candidates.shape[1]), candidates[:-1]])
+        gate = self.predecessor_codebook[previous] * self.hidden_projection(hidden)[:, None, :]  # [k, K, r]
+        pair = torch.einsum("lpr,lcr->lpc", gate, self.successor_codebook[candidates].to(gate.dtype))
+        return unary[:, None, :] + pair.to(unary.dtype)
+
     def edge_scores(self, hidden: Tensor, unary: Tensor, previous: Tensor, candidates: Tensor) -> Tensor:
         """S [N, K] = unary [N, K] + <A[previous] * (P hidden), B[candidates]> for hidden [N, H], previous [N]."""
         gate = self.predecessor_codebook[previous] * self.hidden_projection(hidden)  # [N, r]
@@ -249,25 +257,28 @@ class DFlash2Proposer(DFlashProposer):
     """Walks the block left to right through the candidate selector (module docstring)."""
 
     def choose(self, hidden: Tensor, anchor: Tensor, temperature: float, generator) -> Draft:
-        cfg, selector = self.config, self.drafter.candidate_selector
+        cfg = self.config
         unary = self.head(hidden * cfg.output_multiplier).to(_math_dtype(hidden.dtype))
         if cfg.final_logit_softcapping is not None:
             unary = cfg.final_logit_softcapping * torch.tanh(unary / cfg.final_logit_softcapping)
         top = unary.topk(cfg.selector_top_k, dim=-1)
-        previous, tokens, probs = anchor.reshape(1), [], []
-        for slot in range(hidden.shape[0]):
-            scores = selector.edge_scores(
-                hidden[slot : slot + 1], top.values[slot : slot + 1], previous, top.indices[slot : slot + 1]
-            )[0]
+        lattice = self.drafter.candidate_selector.lattice(hidden, top.values, anchor, top.indices)
+        # The walk: slot 0's rows all hold the anchor; each next row is the candidate chosen at the slot before.
+        row, picks, probs = torch.zeros((), dtype=torch.long, device=hidden.device), [], []
+        for scores in lattice:
+            scores = scores[row]
             if temperature == 0:
-                pick = scores.argmax()
+                row = scores.argmax()
             else:
                 q = torch.softmax(scores / temperature, dim=-1)
-                pick = torch.multinomial(q, 1, generator=generator)[0]
-                probs.append(torch.zeros_like(unary[slot]).index_put_((top.indices[slot],), q))
-            previous = top.indices[slot, pick].reshape(1)
-            tokens.append(previous)
-        return Draft(torch.cat(tokens), torch.stack(probs) if probs else None)
+                row = torch.multinomial(q, 1, generator=generator)[0]
+                probs.append(q)
+            picks.append(row)
+        tokens = top.indices.gather(1, torch.stack(picks)[:, None])[:, 0]
+        if not probs:
+            return Draft(tokens)
+        q = torch.zeros_like(unary).scatter_(1, top.indices, torch.stack(probs))  # the K-way q, 0 elsewhere
+        return Draft(tokens, q)
 
 
 METHOD = Method(
