@@ -1727,38 +1727,11 @@ def main(argv=None) -> int:
             return 0
         mode_drafters = {m.method: run.results["modes"][m.name]["drafter"]["export"] for m in modes}
 
-    # 7. eval
-    budget = max(0.0, min(scale.eval_seconds, run.left() - 10))
-    report, complete = run.stage(
-        "eval",
-        budget,
-        lambda: evaluate_all(
-            scale,
-            target,
-            Path(run.results["drafter"]["export"]),
-            eval_prompts,
-            device,
-            budget,
-            args.seed,
-            work,
-            log,
-            modes=mode_drafters,
-        ),
-    )
-    run.results["eval"] = asdict(report)
-    run.results["bar"] = bar(report, complete)
-    if not complete:
-        logger.info(
-            "eval: %d of %d held-out prompts done; the bar below is PARTIAL: rerun with --work %s to go on",
-            len(report.prompts),
-            len(eval_prompts),
-            work,
-        )
-    sampled = None
-    if modes and args.temperature:
+    # 7. eval: temperature 0 (with plain greedy's mismatch check and the baselines), then sampled if asked
+    def eval_stage(name: str, temperature: float):
         budget = max(0.0, min(scale.eval_seconds, run.left() - 10))
-        sampled, sampled_complete = run.stage(
-            f"eval_T{args.temperature:g}",
+        return run.stage(
+            name,
             budget,
             lambda: evaluate_all(
                 scale,
@@ -1771,10 +1744,25 @@ def main(argv=None) -> int:
                 work,
                 log,
                 modes=mode_drafters,
-                temperature=args.temperature,
+                temperature=temperature,
             ),
         )
-        run.results[f"eval_T{args.temperature:g}"] = asdict(sampled)
+
+    report, complete = eval_stage("eval", 0.0)
+    run.results["eval"] = asdict(report)
+    run.results["bar"] = bar(report, complete)
+    if not complete:
+        logger.info(
+            "eval: %d of %d held-out prompts done; the bar below is PARTIAL: rerun with --work %s to go on",
+            len(report.prompts),
+            len(eval_prompts),
+            work,
+        )
+    sampled = None
+    if modes and args.temperature:
+        name = f"eval_T{args.temperature:g}"
+        sampled, sampled_complete = eval_stage(name, args.temperature)
+        run.results[name] = asdict(sampled)
         complete = complete and sampled_complete
     table = markdown(run.results, report)
     run.results["table"] = table

@@ -131,6 +131,8 @@ def test_config_checks_and_round_trip():
         dflash2_config(conv_group_size=5)
     with pytest.raises(DflashError, match="selector_top_k"):
         dflash2_config(selector_top_k=0)
+    with pytest.raises(DflashError, match="exceeds block_size 4"):
+        dflash2_config(conv_kernel_size=5, block_size=4)
 
 
 # ---- the selector
@@ -313,3 +315,13 @@ def test_training_refuses_a_softcap():
             cfg.block_size,
             ObjectiveOptions(),
         )
+
+
+def test_the_torch_free_option_lists_name_the_registered_methods_and_weights():
+    from dflash import config, methods
+
+    assert list(config.DRAFTER_METHODS) == list(methods.METHODS)
+    assert list(config.POSITION_WEIGHTS) == list(loss.POSITION_WEIGHTS)
+    assert config.TrainConfig.method in methods.METHODS
+    with pytest.raises(DflashError, match="--method nope"):
+        config.TrainConfig(store="s", out="o", method="nope")

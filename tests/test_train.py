@@ -613,6 +613,8 @@ def _corrupt_first_row(path) -> int:
         "val_store",
         "val_store_is_the_store",
         "resume_options",
+        "dflash2_group_size",
+        "selector_option_for_dflash",
     ],
 )
 def test_bad_input_is_a_clear_error(case, store, target, tiny_target, tmp_path):
@@ -644,6 +646,12 @@ def test_bad_input_is_a_clear_error(case, store, target, tiny_target, tmp_path):
         extra = ["--val-shards", str(other)]
     elif case == "val_store_is_the_store":
         extra, expected = ["--val-shards", str(store)], "is the training store itself"
+    elif case == "dflash2_group_size":
+        extra = ["--method", "dflash2", "--drafter-option", "conv_group_size=5"]
+        expected = "conv_group_size 5 must be positive, the group size dividing hidden_size 64"
+    elif case == "selector_option_for_dflash":
+        extra = ["--method", "dflash", "--drafter-option", "selector_rank=8"]
+        expected = "unknown drafter config field selector_rank"
     else:
         assert _train_cli(store, tmp_path / "run").exit_code == 0
         extra, expected = ["--resume", "--seed", "1"], "seed: checkpoint 0, now 1"

@@ -50,6 +50,8 @@ class DFlash2Config(DrafterConfig):
                 f"conv_kernel_size {self.conv_kernel_size} and conv_group_size {self.conv_group_size} must be positive, "
                 f"the group size dividing hidden_size {self.hidden_size}"
             )
+        if self.conv_kernel_size > self.block_size:  # taps past the block's start would never see a token
+            problems.append(f"conv_kernel_size {self.conv_kernel_size} exceeds block_size {self.block_size}")
         if not 1 <= self.selector_top_k <= self.vocab_size or self.selector_rank < 1:
             problems.append(
                 f"selector_top_k {self.selector_top_k} must be in 1..vocab_size and selector_rank "
