@@ -395,6 +395,8 @@ def test_two_gloo_ranks_match_one_process(store, tmp_path):
         "--no-export",
         "--device",
         "cpu",
+        "--method",
+        "dflash2",  # the default; its codebooks' dense gradients go through the all-reduce too
     ]
     env = {
         **os.environ,
@@ -416,7 +418,9 @@ def test_two_gloo_ranks_match_one_process(store, tmp_path):
     ]
     outputs = [p.communicate(timeout=240)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outputs  # a divergence of the ranks' weights would fail here
-    single = run_training(config(store, tmp_path / "single", max_steps=4, rows_per_step=1, grad_accum=2))
+    single = run_training(
+        config(store, tmp_path / "single", max_steps=4, rows_per_step=1, grad_accum=2, method="dflash2")
+    )
     two = train_records(tmp_path / "ranks")
     np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in single["records"]], rtol=1e-6)
     lines = (tmp_path / "ranks" / "metrics.jsonl").read_text().splitlines()
@@ -523,6 +527,8 @@ def _train_cli(store, out, *extra):
         "1",
         "--device",
         "cpu",
+        "--method",
+        "dflash",  # as config(): a later --method in `extra` wins
         *extra,
     ]
     return CliRunner().invoke(main, args)
