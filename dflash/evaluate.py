@@ -16,13 +16,14 @@ import numpy as np
 import torch
 
 from dflash import methods as drafter_methods
+from dflash.answers import load_prompts, prompt_records
 from dflash.config import EvalConfig
 from dflash.decoding import Generation, generate_prompt_lookup, plain_greedy, speculative_generate
 from dflash.drafter import DFlashDrafter, DrafterConfig
 from dflash.errors import DflashError, describe_differences
 from dflash.export import load_drafter, read_drafter_config
 from dflash.proposers import PromptLookupProposer, Proposer
-from dflash.regenerate import encode_prompt, eos_token_ids, load_prompts, prompt_records
+from dflash.regenerate import encode_prompt, eos_token_ids
 from dflash.target import default_layer_ids, load_target
 from dflash.target_files import MASK_TOKEN, check_target_folder
 

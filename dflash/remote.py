@@ -21,9 +21,7 @@ import urllib.request
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
-from dflash.config import RegenerateConfig
-from dflash.errors import DflashError
-from dflash.regenerate import (
+from dflash.answers import (
     RegenerateStats,
     append_lines,
     check_output,
@@ -33,6 +31,8 @@ from dflash.regenerate import (
     output_path,
     response_record,
 )
+from dflash.config import RegenerateConfig
+from dflash.errors import DflashError
 
 log = logging.getLogger("dflash")
 

@@ -24,16 +24,10 @@ from click.testing import CliRunner
 from test_regenerate import MAX_NEW_TOKENS, PROMPTS, read_lines, write_jsonl
 
 import dflash.remote
+from dflash.answers import load_prompts, prompt_records, settings_path
 from dflash.config import RegenerateConfig
 from dflash.errors import DflashError
-from dflash.regenerate import (
-    encode_prompt,
-    eos_token_ids,
-    load_prompts,
-    prompt_records,
-    regenerate,
-    settings_path,
-)
+from dflash.regenerate import encode_prompt, eos_token_ids, regenerate
 from dflash.remote import Client, Refused, request_for
 from dflash.target import load_target
 
