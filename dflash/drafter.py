@@ -239,7 +239,7 @@ def rope_theta_of(config) -> float:
     return float(theta)
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Precision for norms and RoPE: fp32 for bf16 / fp32 activations; fp64 stays fp64 (the tests' reference)."""
     return torch.promote_types(dtype, torch.float32)
 
@@ -252,7 +252,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # Statistics in fp32, result in the input's dtype so that bf16 activations stay bf16 under autocast.
-        acc = _acc(x.dtype)
+        acc = acc_dtype(x.dtype)
         x32 = x.to(acc)
         y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * self.weight.to(acc)).to(x.dtype)
@@ -260,7 +260,7 @@ class RMSNorm(nn.Module):
 
 def rope_tables(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos / sin [R, S, head_dim] at absolute positions, rebuilt per call: no buffer that .to(bf16) could round."""
-    acc = _acc(dtype)
+    acc = acc_dtype(dtype)
     inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=positions.device, dtype=acc) / head_dim)
     angles = positions.to(acc)[..., None] * inv_freq
     angles = torch.cat([angles, angles], dim=-1)

@@ -4,8 +4,9 @@ Memory is the point: [N x V] logits (32 K drafted tokens x 248 K vocabulary = 16
 once, and no chunk's logits may stay alive for the backward pass. Each position's CE depends on its own logits
 only, so its gradient with respect to its hidden row is known as soon as a chunk's logits are: the forward pass
 computes it chunk by chunk and keeps only that [N x H] gradient; backward scales each row by its CE's weight,
-whatever weighting the caller applied (the paper's decay, or D-PACE's, which is computed from the CEs). That is two LM-head matmuls per chunk
-(logits, input gradient), never the weight gradient of the frozen head, and no recomputation of the logits.
+whatever weighting the caller applied (the paper's decay, or D-PACE's, which is computed from the CEs). That is two
+LM-head matmuls per chunk (logits, input gradient), never the weight gradient of the frozen head, and no
+recomputation of the logits.
 """
 
 from typing import NamedTuple

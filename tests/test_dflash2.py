@@ -5,7 +5,14 @@ selector's edge scores, walk and training loss as brute-force float64 computatio
 import pytest
 import torch
 import torch.nn.functional as F
-from test_drafter import conv_reference, make_drafter, reference_drafter, small_config, training_batch
+from test_drafter import (
+    assert_inference_form_equals_training_form,
+    conv_reference,
+    make_drafter,
+    reference_drafter,
+    small_config,
+    training_batch,
+)
 from torch.nn.attention.flex_attention import create_mask
 
 from dflash import loss
@@ -21,7 +28,6 @@ from dflash.methods.dflash2 import (
     objective,
     selector_targets,
 )
-from dflash.proposers import window_mask
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -97,17 +103,7 @@ def test_the_windowed_block_mask_equals_the_dense_rule():
 @pytest.mark.parametrize("window", [None, 6])
 def test_inference_form_equals_training_form_with_one_anchor_at_the_end(window):
     cfg = dflash2_config(sliding_window=window)
-    model = dflash2_drafter(cfg, seed=2)
-    s, B = 13, cfg.block_size
-    g = torch.Generator().manual_seed(1)
-    features = torch.randn(1, s + B, cfg.feature_dim, generator=g, dtype=torch.float64)
-    embeds = torch.randn(1, B, cfg.hidden_size, generator=g, dtype=torch.float64)
-    q_pos = torch.arange(s, s + B)[None]
-    doc = torch.zeros(1, s + B, dtype=torch.int32)
-    block_mask = block_attention_mask(torch.tensor([[s]]), torch.tensor([[True]]), doc, B, window)
-    trained = model(embeds, features, q_pos, torch.arange(s + B)[None], block_mask)
-    inferred = model(embeds, features[:, :s], q_pos, torch.arange(s)[None], window_mask(s, B, window, "cpu"))
-    torch.testing.assert_close(inferred, trained, rtol=1e-12, atol=1e-12)
+    assert_inference_form_equals_training_form(dflash2_drafter(cfg, seed=2), cfg)
 
 
 def test_identity_start_is_the_dflash_drafter_exactly():

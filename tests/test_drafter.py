@@ -9,6 +9,7 @@ from dflash.blocks import block_attention_mask, dense_block_mask, sample_anchors
 from dflash.drafter import DFlashDrafter, DrafterConfig
 from dflash.errors import DflashError
 from dflash.export import export_drafter, load_drafter
+from dflash.proposers import window_mask
 from dflash.tiny import tiny_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -155,19 +156,24 @@ def test_training_form_equals_reference(mode):
     torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
 
 
-def test_inference_form_equals_training_form_with_one_anchor_at_the_end():
-    cfg = small_config()
-    model = make_drafter(cfg, seed=1)
-    s, B = 13, cfg.block_size
+def assert_inference_form_equals_training_form(model, cfg, s: int = 13):
+    """One block after s context tokens, as decoding runs it (the context cut at the anchor, the proposer's mask),
+    equals the training form (the whole row, one anchor at s, the BlockMask, the config's window)."""
+    B, window = cfg.block_size, cfg.sliding_window
     g = torch.Generator().manual_seed(1)
     features = torch.randn(1, s + B, cfg.feature_dim, generator=g, dtype=torch.float64)
     embeds = torch.randn(1, B, cfg.hidden_size, generator=g, dtype=torch.float64)
     q_pos = torch.arange(s, s + B)[None]
     anchors, valid = torch.tensor([[s]]), torch.tensor([[True]])
-    block_mask = block_attention_mask(anchors, valid, torch.zeros(1, s + B, dtype=torch.int32), B)
+    block_mask = block_attention_mask(anchors, valid, torch.zeros(1, s + B, dtype=torch.int32), B, window)
     trained = model(embeds, features, q_pos, torch.arange(s + B)[None], block_mask)
-    inferred = model(embeds, features[:, :s], q_pos, torch.arange(s)[None], None)
+    inferred = model(embeds, features[:, :s], q_pos, torch.arange(s)[None], window_mask(s, B, window, "cpu"))
     torch.testing.assert_close(inferred, trained, rtol=1e-12, atol=1e-12)
+
+
+def test_inference_form_equals_training_form_with_one_anchor_at_the_end():
+    cfg = small_config()
+    assert_inference_form_equals_training_form(make_drafter(cfg, seed=1), cfg)
 
 
 def test_compiled_fullgraph_forward_and_backward_match_eager():

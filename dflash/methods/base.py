@@ -1,8 +1,8 @@
 """What a drafter method is: its config and model classes, its training objective and its decoding proposer.
 
 The store, the reader, the captured step, the checkpointer and the metrics are shared by every method and know
-nothing of it: the trainer calls `Method.objective` on the drafter's final-normed block outputs, evaluation builds
-`Method.proposer`, export and loading go through the config class (`to_hf_config`, `checkpoint_keys`).
+nothing of it: the trainer calls `Method.objective_fn` on the drafter's final-normed block outputs, evaluation builds
+`Method.proposer_cls`, export and loading go through the config class (`to_hf_config`, `checkpoint_keys`).
 """
 
 from dataclasses import dataclass
@@ -35,10 +35,5 @@ class Method:
     config_cls: type  # a dflash.drafter.DrafterConfig
     model_cls: type  # a dflash.drafter.DFlashDrafter
     proposer_cls: type  # a dflash.proposers.DFlashProposer: (model, config, target)
-    objective_fn: (
-        object  # (model, hidden [N, H], head [V, H], labels [N], weights [N], block_size, options) -> Objective
-    )
-    summary: str  # one line for --help and the docs
-
-    def objective(self, model, hidden, head, labels, weights, block_size: int, options: ObjectiveOptions) -> Objective:
-        return self.objective_fn(model, hidden, head, labels, weights, block_size, options)
+    # (model, hidden [N, H], head [V, H], labels [N], weights [N], block_size, ObjectiveOptions) -> Objective
+    objective_fn: object

@@ -20,5 +20,4 @@ METHOD = Method(
     model_cls=DFlashDrafter,
     proposer_cls=DFlashProposer,
     objective_fn=objective,
-    summary="DFlash (the paper's drafter: KV-injected block diffusion, argmax of the target's LM head)",
 )

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from dflash import loss
-from dflash.drafter import INIT_STD, DFlashDrafter, DrafterConfig, Layer
+from dflash.drafter import INIT_STD, DFlashDrafter, DrafterConfig, Layer, acc_dtype
 from dflash.errors import DflashError
 from dflash.methods.base import Method, Objective
 from dflash.proposers import DFlashProposer, Draft
@@ -171,10 +171,10 @@ class CandidateSelector(nn.Module):
     def lattice(self, hidden: Tensor, unary: Tensor, anchor: Tensor, candidates: Tensor) -> Tensor:
         """S [k, K, K] of a block's k slots at once: S[l, p, c] scores candidate c of slot l after candidate p of
         slot l - 1 (slot 0: after the anchor, every row the same). hidden [k, H], unary / candidates [k, K]."""
-        previous = torch.cat([anchor.reshape(1, 1).expand(1, candidates.shape[1]), candidates[:-1]])
-        gate = self.predecessor_codebook[previous] * self.hidden_projection(hidden)[:, None, :]  # [k, K, r]
-        pair = torch.einsum("lpr,lcr->lpc", gate, self.successor_codebook[candidates].to(gate.dtype))
-        return unary[:, None, :] + pair.to(unary.dtype)
+        k, K = candidates.shape
+        previous = torch.cat([anchor.reshape(1, 1).expand(1, K), candidates[:-1]])  # [k, K]
+        rows = lambda t: t.repeat_interleave(K, dim=0)  # noqa: E731 -- one row per (slot, predecessor)
+        return self.edge_scores(rows(hidden), rows(unary), previous.flatten(), rows(candidates)).view(k, K, K)
 
     def edge_scores(self, hidden: Tensor, unary: Tensor, previous: Tensor, candidates: Tensor) -> Tensor:
         """S [N, K] = unary [N, K] + <A[previous] * (P hidden), B[candidates]> for hidden [N, H], previous [N]."""
@@ -241,7 +241,7 @@ def objective(model, hidden, head, labels, weights, block_size, options) -> Obje
     w = loss.position_weights(options.position_weights, ce, weights, block_size)
     candidates, target, in_top = selector_targets(top, labels, options.selector_outside)
     previous = labels.roll(1)  # slot k's predecessor is the token at k - 1 (slot 0, never trained, wraps)
-    unary = candidate_logits(unary_hidden, head, candidates).to(_math_dtype(hidden.dtype))
+    unary = candidate_logits(unary_hidden, head, candidates).to(acc_dtype(hidden.dtype))
     scores = model.candidate_selector.edge_scores(hidden, unary, previous, candidates)
     selector_ce = scores.logsumexp(dim=-1) - scores.gather(1, target[:, None])[:, 0]
     kept = in_top if options.selector_outside == "drop" else torch.ones_like(in_top)
@@ -250,17 +250,12 @@ def objective(model, hidden, head, labels, weights, block_size, options) -> Obje
     return Objective(terms.sum(), terms.detach(), correct)
 
 
-def _math_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Scores in fp32 for bf16 / fp32 activations; fp64 stays fp64 (the tests' reference)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
 class DFlash2Proposer(DFlashProposer):
     """Walks the block left to right through the candidate selector (module docstring)."""
 
     def choose(self, hidden: Tensor, anchor: Tensor, temperature: float, generator) -> Draft:
         cfg = self.config
-        unary = self.head(hidden * cfg.output_multiplier).to(_math_dtype(hidden.dtype))
+        unary = self.head(hidden * cfg.output_multiplier).to(acc_dtype(hidden.dtype))
         if cfg.final_logit_softcapping is not None:
             unary = cfg.final_logit_softcapping * torch.tanh(unary / cfg.final_logit_softcapping)
         top = unary.topk(cfg.selector_top_k, dim=-1)
@@ -289,5 +284,4 @@ METHOD = Method(
     model_cls=DFlash2Drafter,
     proposer_cls=DFlash2Proposer,
     objective_fn=objective,
-    summary="DFlash 2 (dynamic block convs in every layer, a candidate selector over the LM head's top K)",
 )
