@@ -46,7 +46,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repository's dflash
 
 from bench.train import gather_ranks  # noqa: E402
-from dflash import features, harvest, store  # noqa: E402
+from dflash import features, harvest, packing, store  # noqa: E402
 from dflash.data import Document  # noqa: E402
 from dflash.manifest import Manifest, TargetSpec, TokenizerSpec  # noqa: E402
 from dflash.target import TappedTarget, default_layer_ids  # noqa: E402
@@ -122,13 +122,13 @@ def timed(fn, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def bare_forward(plan: harvest.PartPlan, target: TappedTarget, cfg: harvest.HarvestConfig, groups: int) -> float:
+def bare_forward(plan: packing.PartPlan, target: TappedTarget, cfg: harvest.HarvestConfig, groups: int) -> float:
     """Seconds for the forward batches of `groups` row groups, features kept on the device and dropped."""
     rows_per_group = cfg.forward_tokens // cfg.token_budget
 
     def run():
         for g in range(groups):
-            for batch in harvest.forward_batches(
+            for batch in packing.forward_batches(
                 plan, g * rows_per_group, (g + 1) * rows_per_group, cfg.forward_tokens
             ):
                 ids = torch.from_numpy(np.stack([plan.docs[d].input_ids for _, d in batch]).astype(np.int64))
@@ -153,7 +153,7 @@ def store_header(target: TappedTarget, cfg: harvest.HarvestConfig) -> Manifest:
     )
 
 
-def open_part(plan: harvest.PartPlan, header: Manifest, cfg: harvest.HarvestConfig, out: Path) -> store.PartWriter:
+def open_part(plan: packing.PartPlan, header: Manifest, cfg: harvest.HarvestConfig, out: Path) -> store.PartWriter:
     """This rank's part of a fresh store at `out`; rank 0 clears the folder before any rank creates its part."""
     if cfg.rank == 0:
         shutil.rmtree(out, ignore_errors=True)
@@ -171,7 +171,7 @@ def random_projection(header: Manifest, device: torch.device) -> torch.Tensor | 
     return torch.linalg.qr(basis)[0].T.contiguous()
 
 
-def calibration(plan: harvest.PartPlan, target: TappedTarget, cfg: harvest.HarvestConfig, width: int) -> dict:
+def calibration(plan: packing.PartPlan, target: TappedTarget, cfg: harvest.HarvestConfig, width: int) -> dict:
     """The one-off cost of a subspace harvest's calibration: the features' second moment over
     --calibration-tokens tokens, then the eigendecomposition."""
     moment = []
@@ -225,7 +225,7 @@ def measure(args, env: Env) -> dict:
     rows_per_group = args.forward_tokens // args.token_budget
     docs_per_row = args.token_budget // args.doc_length
     docs_per_rank = (args.groups + 1) * rows_per_group * docs_per_row
-    plan = harvest.PartPlan.build(
+    plan = packing.PartPlan.build(
         documents(env.world_size * docs_per_rank, args.doc_length, target.info.vocab_size),
         env.rank,
         env.world_size,

@@ -177,7 +177,7 @@ def bookkeeping_bytes(path: Path) -> dict:
 
 def resume_pieces(docs: int, work: Path) -> dict:
     """Seconds of the harvest's resume path at `docs` documents, without the target: what grows with the data."""
-    from dflash import harvest, sources, store
+    from dflash import harvest, packing, sources, store
     from dflash.data import Document
 
     lengths = np.random.default_rng(0).integers(16, 3000, docs)  # a 4096-token budget: a few documents per row
@@ -194,10 +194,10 @@ def resume_pieces(docs: int, work: Path) -> dict:
     sources.identity(str(data))
     seconds["data sha256"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    harvest.first_fit_decreasing(lengths.tolist(), 4096)
+    packing.first_fit_decreasing(lengths.tolist(), 4096)
     seconds["first-fit decreasing"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    plan = harvest.PartPlan.build(documents, 0, 1, 4096)
+    plan = packing.PartPlan.build(documents, 0, 1, 4096)
     seconds["PartPlan.build"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     table = plan.documents_table()

@@ -19,9 +19,10 @@ from dflash.config import HarvestConfig
 from dflash.data import load_documents
 from dflash.drafter import DrafterConfig
 from dflash.errors import DflashError
-from dflash.harvest import BEST_CODEC_RATIO, PartPlan, data_config, feature_encoding, row_bytes, teacher_encoding
+from dflash.harvest import BEST_CODEC_RATIO, data_config, feature_encoding, row_bytes, teacher_encoding
 from dflash.manifest import FeatureSpec, TeacherSpec, teacher_spec
 from dflash.metrics import step_flops
+from dflash.packing import PartPlan
 from dflash.store import nearest_existing
 from dflash.target import default_layer_ids
 from dflash.target_files import checkpoint_file, load_config, tensor_files

@@ -146,7 +146,7 @@ def test_stored_features_are_bit_exact_reruns_of_the_harvest_batches(device, tin
     """Results depend on batch shapes on GPU (bf16 kernels), so the exact reference is the harvest's own forward
     batches run again, with random tokens instead of zeros in the padding: every stored document must be
     bit-identical to it (padding does not leak; scatter, streams and host copy move the exact values)."""
-    from dflash.harvest import PAD_MULTIPLE, PartPlan, forward_batches
+    from dflash.packing import PAD_MULTIPLE, PartPlan, forward_batches
     from dflash.target import TappedTarget
 
     model, out = str(tiny_target("qwen3_5")), tmp_path / "store"

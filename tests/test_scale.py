@@ -9,8 +9,8 @@ import pytest
 from dflash import reader, store
 from dflash.data import Document
 from dflash.errors import DflashError
-from dflash.harvest import PartPlan, first_fit_decreasing
 from dflash.manifest import TargetSpec, TokenizerSpec
+from dflash.packing import PartPlan, first_fit_decreasing
 
 T, W = 16, 8
 

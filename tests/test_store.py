@@ -10,8 +10,8 @@ import zarr
 
 from dflash import store
 from dflash.errors import DflashError
-from dflash.harvest import first_fit_decreasing
 from dflash.manifest import FeatureSpec, TargetSpec, TokenizerSpec
+from dflash.packing import first_fit_decreasing
 
 T, F = 32, 24
 BF16 = FeatureSpec("bf16", F, 0, None)
