@@ -106,7 +106,7 @@ def build_store(path: Path, target: Path, rows: int, full: bool) -> float:
         hidden, tokens = synthetic_row(rng, r, head.tokenizer.vocab_size)
         writer.write_rows(r, hidden[None], {name: value[None] for name, value in tokens.items()})
     writer.commit(rows)
-    writer.hidden.pool.shutdown()
+    writer.chunk_writers["hidden"].pool.shutdown()
     assert store.finalize(path, head)
     return time.perf_counter() - start
 
