@@ -60,7 +60,7 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-from bench.variants import METHOD_VARIANTS  # noqa: E402
+from bench.variants import METHOD_VARIANTS, split_variant  # noqa: E402
 from dflash.data import jsonl_lines  # noqa: E402
 from dflash.errors import describe_differences  # noqa: E402
 from dflash.evaluate import tau_interval, tau_ratio_interval  # noqa: E402
@@ -646,6 +646,7 @@ def harvest_store(
             dtype="float32",
             precision=mode.precision,
             subspace=mode.subspace,
+            teacher=mode.teacher or "none",
             projection_from=str(projection_from) if projection_from else None,
         )
     )
@@ -723,6 +724,7 @@ class StoreMode:
     precision: str = "bf16"
     subspace: str = "none"  # HarvestConfig.subspace: K or a fraction of the feature width ("1/4")
     train: tuple = ()  # TrainConfig overrides, (field, value) pairs
+    teacher: str | None = None  # HarvestConfig.teacher of the method's stores (DSpark)
 
     def __post_init__(self):  # read back from JSON: lists of lists
         object.__setattr__(self, "train", tuple(tuple(pair) for pair in self.train))
@@ -730,7 +732,7 @@ class StoreMode:
     @property
     def on_bf16_store(self) -> bool:
         """A method variant trains on the bf16 run's own stores: nothing to harvest."""
-        return (self.precision, self.subspace) == ("bf16", "none")
+        return (self.precision, self.subspace, self.teacher) == ("bf16", "none", None)
 
     @property
     def folder(self) -> str:
@@ -753,7 +755,8 @@ def parse_modes(text: str) -> list[StoreMode]:
         if not name:
             continue
         if name in METHOD_VARIANTS and name != "dflash":  # the bf16 run itself is DFlash's (train_drafter)
-            mode = StoreMode(name, train=tuple(METHOD_VARIANTS[name].items()))
+            options, teacher = split_variant(name)
+            mode = StoreMode(name, train=tuple(options.items()), teacher=teacher)
             if mode in modes:
                 raise ValueError(f"--modes: {name} is given twice")
             modes.append(mode)
@@ -797,11 +800,14 @@ def store_stats(path) -> dict:
     f, tokens = manifest.features, manifest.counts.tokens
     features = [*path.glob("parts/*/hidden"), *path.glob("parts/*/scales"), path / "projection"]
     total, feature_bytes = disk_bytes(path), sum(disk_bytes(p) for p in features if p.exists())
+    teacher_bytes = sum(disk_bytes(p) for p in path.glob("parts/*/teacher_*"))
     raw = tokens * manifest.feature_dim * 2
     return {
         "path": str(path),
         "bytes": total,
         "feature_bytes": feature_bytes,
+        "teacher": manifest.teacher.name if manifest.teacher else None,
+        "teacher_bytes_per_token": teacher_bytes / max(tokens, 1),
         "tokens": tokens,
         "rows": manifest.counts.rows,
         "feature_dim": manifest.feature_dim,

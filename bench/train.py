@@ -68,12 +68,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repository's dflash
 
-from bench.variants import METHOD_VARIANTS, parse_variants
+from bench.variants import METHOD_VARIANTS, parse_variants, split_variant
 from dflash import features, graph, loss, store
 from dflash.config import TrainConfig
 from dflash.errors import DflashError
 from dflash.harvest import RowEncoder, store_bits
-from dflash.manifest import FeatureSpec, Manifest, SubspaceSpec, TargetSpec, TokenizerSpec
+from dflash.manifest import FeatureSpec, Manifest, SubspaceSpec, TargetSpec, TokenizerSpec, teacher_spec
 from dflash.metrics import MetricsLog
 from dflash.target import default_layer_ids
 from dflash.train import Env, Trainer, init_distributed
@@ -131,8 +131,9 @@ ENCODINGS = {
 }
 
 
-def store_header(target: Path, s: dict, encoding: str) -> Manifest:
-    """harvest.json as a harvest of the fake target would write it, in the store `encoding`."""
+def store_header(target: Path, s: dict, encoding: str, teacher: str | None = None) -> Manifest:
+    """harvest.json as a harvest of the fake target would write it, in the store `encoding`, with `teacher`
+    arrays (a --teacher value) when given."""
     layers = default_layer_ids(s["target_layers"])
     feature_dim = len(layers) * s["hidden"]
     precision, divisor = ENCODINGS[encoding]
@@ -161,13 +162,37 @@ def store_header(target: Path, s: dict, encoding: str) -> Manifest:
         tokenizer=TokenizerSpec(str(target), s["vocab"], {"mask": s["vocab"] - 1}),
         fingerprint={"model": str(target), "layers": layers, "world_size": 1},
         features=FeatureSpec("fp8" if fp8 else "bf16", width, groups, subspace),
+        teacher=teacher_of(teacher, s),
     )
 
 
-def synthetic_store(out: Path, target: Path, s: dict, rows: int, device: torch.device, encoding: str):
+def teacher_of(teacher: str | None, s: dict):
+    if teacher is None:
+        return None
+    kind, _, k = teacher.partition(":")
+    return teacher_spec(kind, int(k or 0), s["hidden"])
+
+
+def teacher_row(spec, T: int, vocab: int, rng: np.random.Generator) -> dict:
+    """Random teacher arrays of one row: a top-k distribution (distinct ids, probabilities falling) or a bf16
+    final hidden state, as a harvest stores them."""
+    if spec is None:
+        return {}
+    if spec.kind == "hidden":
+        values = torch.randn(T, spec.width, dtype=torch.bfloat16)
+        return {"teacher_hidden": values.view(torch.int16).numpy().view(np.uint16)}
+    probs = np.sort(rng.dirichlet(np.ones(spec.k + 1), T)[:, : spec.k], axis=1)[:, ::-1]
+    ids = np.stack([rng.choice(vocab - 1, spec.k, replace=False) for _ in range(T)]).astype(np.int32)
+    tail = 1 - probs.sum(1)
+    return {"teacher_ids": ids, "teacher_probs": probs.astype(np.float16), "teacher_tail": tail.astype(np.float16)}
+
+
+def synthetic_store(
+    out: Path, target: Path, s: dict, rows: int, device: torch.device, encoding: str, teacher: str | None = None
+):
     """`rows` rows of `docs_per_row` whole documents each, random bf16 features encoded as a harvest would
     (a random orthonormal projection for a subspace), written through the real part writer."""
-    header = store_header(target, s, encoding)
+    header = store_header(target, s, encoding, teacher)
     T, F, L, D = header.token_budget, header.feature_dim, s["doc_len"], s["docs_per_row"]
     g = torch.Generator(device).manual_seed(1)
     rng = np.random.default_rng(1)
@@ -187,7 +212,7 @@ def synthetic_store(out: Path, target: Path, s: dict, rows: int, device: torch.d
             "doc_ids": (r * D + np.arange(T) // L).astype(np.int32),
             "loss_mask": np.ones(T, np.uint8),
         }
-        return stored.pop("hidden"), {**stored, **tokens}
+        return stored.pop("hidden"), {**stored, **tokens, **teacher_row(header.teacher, T, s["vocab"], rng)}
 
     documents = np.array([[r * D + d, 0, r, d * L, L] for r in range(rows) for d in range(D)], np.int64)
     counts = {"documents": rows * D, "tokens": rows * T, "loss_tokens": rows * T, "padding_tokens": 0}
@@ -195,27 +220,27 @@ def synthetic_store(out: Path, target: Path, s: dict, rows: int, device: torch.d
     store.write_store(out, header, [content], None if projection is None else projection.cpu().numpy())
 
 
-def prepare_data(root: Path, s: dict, rows: int, device: torch.device, encoding: str) -> float:
+def prepare_data(root: Path, s: dict, rows: int, device: torch.device, encoding: str, teacher=None) -> float:
     """Fake target + store under `root`, reused when a previous run made them with the same shapes."""
-    spec = {**s, "rows": rows, "encoding": encoding, "format_version": store.FORMAT_VERSION}
+    spec = {**s, "rows": rows, "encoding": encoding, "teacher": teacher, "format_version": store.FORMAT_VERSION}
     done = root / "spec.json"
     if done.exists() and json.loads(done.read_text()) == spec:
         return 0.0
     t0 = time.perf_counter()
     shutil.rmtree(root, ignore_errors=True)
     fake_target(root / "target", s, device)
-    synthetic_store(root / "store", root / "target", s, rows, device, encoding)
+    synthetic_store(root / "store", root / "target", s, rows, device, encoding, teacher)
     done.write_text(json.dumps(spec))  # last: marks both complete
     return time.perf_counter() - t0
 
 
-def shared_data(root: Path, s: dict, rows: int, env: Env, encoding: str) -> float:
+def shared_data(root: Path, s: dict, rows: int, env: Env, encoding: str, teacher: str | None = None) -> float:
     """Rank 0 builds the data and empties the run folder while the other ranks wait. If rank 0 fails, the others
     stop with an error here rather than wait for collectives that never come."""
     built = [None]
     try:
         if env.main:
-            built[0] = prepare_data(root, s, rows, env.device, encoding)
+            built[0] = prepare_data(root, s, rows, env.device, encoding, teacher)
             shutil.rmtree(root / "run", ignore_errors=True)
             (root / "run").mkdir(parents=True)
     finally:
@@ -279,7 +304,7 @@ def summarise(name: str, s: dict, trainer: Trainer, records: list[dict], steps: 
     result = {
         "drafter": name,
         "shape": dict(s),
-        "row": {"context": T, "anchors": A, "block_tokens": A * trainer.cfg.block_size},
+        "row": {"context": T, "anchors": A, "block_tokens": A * trainer.block_size},
         "params_M": sum(p.numel() for p in trainer.params) / 1e6,
         "loss_chunk": trainer.cfg.loss_chunk or loss.default_chunk_size(s["vocab"]),
         "window": [window[0]["step"], window[-1]["step"]],
@@ -413,11 +438,14 @@ def rank_view(summary: dict, trainer: Trainer, baseline: dict | None, path: str 
 
 def bench_one(name: str, s: dict, args, env: Env, baseline: dict | None, method: str = "dflash") -> dict:
     device = env.device
+    options, teacher = split_variant(method)
     root = Path(args.work) / (f"tiny-{name}" if args.tiny else name)
-    build_s = shared_data(root, s, args.rows, env, args.encoding)
+    if teacher:  # a store of its own, with the teacher arrays
+        root = root.with_name(f"{root.name}-{teacher.replace(':', '')}")
+    build_s = shared_data(root, s, args.rows, env, args.encoding, teacher)
     run = root / "run"
     cfg = TrainConfig(
-        **METHOD_VARIANTS[method],
+        **options,
         store=str(root / "store"),
         out=str(run),
         target=str(root / "target"),

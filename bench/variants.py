@@ -10,7 +10,16 @@ METHOD_VARIANTS = {
     "dflash2-dpace": {"method": "dflash2", "position_weights": "dpace"},
     "dflash2-drop": {"method": "dflash2", "selector_outside": "drop"},
     "dflash2-b8": {"method": "dflash2", "block_size": 8},
+    # DSpark trains from a store harvested with a teacher (the `teacher` key: the harvest's --teacher)
+    "dspark-topk": {"method": "dspark", "teacher": "topk:32"},
+    "dspark-hidden": {"method": "dspark", "teacher": "hidden"},
 }
+
+
+def split_variant(name: str) -> tuple[dict, str | None]:
+    """(the TrainConfig options of variant `name`, the --teacher its store needs, or None)."""
+    options = dict(METHOD_VARIANTS[name])
+    return options, options.pop("teacher", None)
 
 
 def parse_variants(text: str) -> list[str]:

@@ -8,7 +8,8 @@ Layout of one row (R rows, T tokens, A anchors, block size B, Q = A*B block toke
     keys:     [context 0..T-1 | block 0 | ... | block A-1]          (T + Q)
 Block j = [input_ids[a_j], MASK x (B-1)] at positions position_ids[a_j] + k; output k (1 <= k < B) predicts
 input_ids[a_j + k] (not shifted once more). It sees context strictly before a_j in its own document and its own
-block in both directions, nothing else.
+block in both directions, nothing else. A drafter whose anchor slot drafts too (DSpark) has output k predict
+input_ids[a_j + k + 1]: its labels span S = B + 1 tokens from the anchor (`block_inputs`' span, `span_outputs`).
 """
 
 import torch
@@ -130,24 +131,47 @@ def block_inputs(
     mask_token_id: int,
     block_size: int,
     gamma: float | None = None,
+    span: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Block token ids, positions, labels and loss weights, each [R, Q] with Q = A*B (block-major).
+    """Block token ids and positions [R, A*B], and labels and loss weights [R, A*S] (block-major).
 
-    block_ids: input_ids[a] at k=0, mask_token_id after; q_positions: position_ids[a] + k;
-    labels: input_ids[a + k] (the k=0 label is a placeholder with weight 0);
-    weights (fp32): exp(-(k-1)/gamma) * loss_mask[a+k] * valid for k >= 1, 0 at k = 0.
+    block_ids: input_ids[a] at k=0, mask_token_id after; q_positions: position_ids[a] + k, for the B query slots.
+    The S = `span` slots per anchor (default B) carry the labels input_ids[a + k] (the k=0 label is a placeholder
+    with weight 0) and the weights (fp32) exp(-(k-1)/gamma) * loss_mask[a+k] * valid for k >= 1, 0 at k = 0. A
+    drafter whose anchor slot drafts (S = B + 1) maps its B outputs onto slots 1..B with `span_outputs`.
     """
     R, A = anchors.shape
-    k = torch.arange(block_size, device=anchors.device)
-    index = (anchors[:, :, None] + k).view(R, A * block_size)
+    span = block_size if span is None else span
+    k = torch.arange(span, device=anchors.device)
+    index = (anchors[:, :, None] + k).view(R, A * span)
     labels = input_ids.gather(1, index).long()
-    is_anchor = (k == 0).repeat(A)
-    block_ids = torch.where(is_anchor, labels, mask_token_id)
-    q_positions = (position_ids.gather(1, anchors)[:, :, None].long() + k).view(R, -1)
-    gamma = default_gamma(block_size) if gamma is None else gamma
+    slot = torch.arange(block_size, device=anchors.device)
+    block_ids = torch.where(slot == 0, input_ids.gather(1, anchors)[:, :, None], mask_token_id).view(R, -1)
+    q_positions = (position_ids.gather(1, anchors)[:, :, None].long() + slot).view(R, -1)
+    gamma = default_gamma(span) if gamma is None else gamma
     decay = torch.where(k == 0, 0.0, torch.exp(-(k - 1) / gamma)).repeat(A)
-    weights = decay * loss_mask.gather(1, index).float() * valid.repeat_interleave(block_size, dim=1)
-    return block_ids, q_positions, labels, weights
+    weights = decay * loss_mask.gather(1, index).float() * valid.repeat_interleave(span, dim=1)
+    return block_ids.long(), q_positions, labels, weights
+
+
+def span_outputs(hidden: Tensor, block_size: int, span: int) -> Tensor:
+    """The drafter's outputs [R, A*B, H] laid out as the labels [R, A*S]: the same for S = B; for S = B + 1 (the
+    anchor slot drafts) output j predicts the label of slot j + 1, and slot 0 (never trained) gets zeros."""
+    if span == block_size:
+        return hidden
+    R, Q, H = hidden.shape
+    blocks = hidden.view(R, Q // block_size, block_size, H)
+    return torch.nn.functional.pad(blocks, (0, 0, span - block_size, 0)).view(R, -1, H)
+
+
+def span_gather(values: Tensor, anchors: Tensor, span: int, offset: int = 0) -> Tensor:
+    """values [R, T, ...] at positions a + k + offset of every anchor's span slots k -> [R, A*S, ...] (positions
+    clamped into the row: slots that fall outside it are never trained)."""
+    R, A = anchors.shape
+    T = values.shape[1]
+    index = (anchors[:, :, None] + torch.arange(span, device=anchors.device) + offset).clamp(0, T - 1).view(R, -1)
+    index = index.view(R, -1, *([1] * (values.dim() - 2))).expand(R, A * span, *values.shape[2:])
+    return values.gather(1, index)
 
 
 def block_attention_mask(

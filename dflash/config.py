@@ -114,7 +114,7 @@ class HarvestConfig:
 EXPORT_DTYPES = ["bfloat16", "float32"]
 # The names of dflash.methods.METHODS and dflash.loss.POSITION_WEIGHTS (this module stays torch-free; a test keeps
 # the lists equal).
-DRAFTER_METHODS = ("dflash", "dflash2")
+DRAFTER_METHODS = ("dflash", "dflash2", "dspark")
 POSITION_WEIGHTS = ("decay", "dpace")
 
 
@@ -128,12 +128,17 @@ class TrainConfig:
     # drafter
     method: str = option(
         "dflash2",
-        "Drafter method: dflash2 (dynamic block convs and a candidate selector: the best measured) or dflash (the "
-        "paper's drafter); README, 'Drafter methods'.",
+        "Drafter method: dflash2 (dynamic block convs and a candidate selector: the best measured), dflash (the "
+        "paper's drafter) or dspark (Markov and confidence heads; needs a store harvested with --teacher); README, "
+        "'Drafter methods'.",
         choices=list(DRAFTER_METHODS),
     )
     draft_layers: int = option(5, "Drafter layers.")
-    block_size: int = option(16, "Tokens per block (1 known + B-1 drafted).")
+    block_size: int | None = option(
+        None,
+        "Tokens per block: 1 known + B-1 drafted (dspark: its anchor slot drafts too, B drafts).",
+        default_doc="16; 7 for dspark",
+    )
     drafter_overrides: dict = option(
         help="Override a drafter config field, KEY=VALUE (repeatable).", factory=dict, flag="--drafter-option"
     )
@@ -342,6 +347,12 @@ class EvalConfig:
     max_new_tokens: int = option(256, "Tokens generated per prompt.")
     temperature: float = option(0.0, "0 = greedy (checked against plain decoding).")
     prompt_lookup: int = option(10, "Prompt-lookup draft length to compare with; 0 = skip.")
+    confidence_cut: float | None = option(
+        None,
+        "DSpark: end a block's drafts where the confidence head's predicted chance that all of them are accepted "
+        "falls below this (0 to 1).",
+        default_doc="off: every block drafts its full length",
+    )
     seed: int = option(0, "Seed for sampling and for the --untrained drafter.")
     device: str = option("auto", DEVICE_HELP)
     dtype: str = option("auto", DTYPE_HELP)

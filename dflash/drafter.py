@@ -45,6 +45,18 @@ class DrafterConfig:
 
     method: ClassVar[str] = "dflash"  # the key of dflash.methods.METHODS
     architecture: ClassVar[str] = "DFlashDraftModel"  # config.json's `architectures`, what the engines dispatch on
+    # Whether the anchor's own block slot drafts (DSpark): slot j then predicts the token after position a + j.
+    # Otherwise (DFlash) slot 0 only holds the anchor token and slot k >= 1 predicts the token at a + k.
+    anchor_predicts: ClassVar[bool] = False
+
+    @property
+    def drafts_per_block(self) -> int:
+        return self.block_size - 1 + self.anchor_predicts
+
+    @property
+    def span(self) -> int:
+        """Tokens from a block's anchor to its last draft: the trainer's labels, weights and stats per block."""
+        return self.drafts_per_block + 1
 
     @property
     def feature_dim(self) -> int:

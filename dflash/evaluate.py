@@ -22,7 +22,7 @@ from dflash.decoding import Generation, generate_prompt_lookup, plain_greedy, sp
 from dflash.drafter import DFlashDrafter, DrafterConfig
 from dflash.errors import DflashError, describe_differences
 from dflash.export import load_drafter, read_drafter_config
-from dflash.proposers import PromptLookupProposer, Proposer
+from dflash.proposers import DecodingOptions, PromptLookupProposer, Proposer
 from dflash.regenerate import encode_prompt, eos_token_ids
 from dflash.target import default_layer_ids, load_target
 from dflash.target_files import MASK_TOKEN, check_target_folder
@@ -473,8 +473,9 @@ def _methods(cfg: EvalConfig, target, tokenizer, named: dict, eos_ids: set[int])
     methods = {}
     for name, drafter in named.items():
         model, config = _drafter_and_config(drafter, target, tokenizer, cfg.block_size, cfg.seed)
-        proposer = drafter_methods.of_config(config).proposer_cls(model, config, target)
-        methods[name] = SpeculativeMethod(proposer, config.block_size - 1, cfg.temperature)
+        options = DecodingOptions(confidence_cut=cfg.confidence_cut)
+        proposer = drafter_methods.of_config(config).proposer_cls(model, config, target, options)
+        methods[name] = SpeculativeMethod(proposer, config.drafts_per_block, cfg.temperature)
     if cfg.prompt_lookup:
         proposer = PromptLookupProposer(cfg.prompt_lookup, eos_ids=eos_ids)
         methods["prompt-lookup"] = SpeculativeMethod(proposer, cfg.prompt_lookup, cfg.temperature)

@@ -1,9 +1,10 @@
 """DFlash drafters for `AutoModel.from_pretrained(folder, trust_remote_code=True)`: copied into every export.
 
-dflash writes this file as `modeling_dflash.py` beside `config.json` (whose `auto_map` names `DFlashDraftModel`, or
-`DFlash2DraftModel` for a DFlash 2 drafter) and never imports it itself. It must stay self-contained, depending on torch and transformers only: transformers
+dflash writes this file as `modeling_dflash.py` beside `config.json` (whose `auto_map` names `DFlashDraftModel`,
+`DFlash2DraftModel` for a DFlash 2 drafter or `Qwen3DSparkModel` for a DSpark one) and never imports it itself. It must stay self-contained, depending on torch and transformers only: transformers
 loads it from the exported folder on machines where dflash is not installed, so it cannot import `dflash`. It
-repeats the forward of `dflash.drafter.DFlashDrafter` and `dflash.methods.dflash2.DFlash2Drafter` (inference form:
+repeats the forward of `dflash.drafter.DFlashDrafter`, `dflash.methods.dflash2.DFlash2Drafter` and
+`dflash.methods.dspark.DSparkDrafter` (inference form:
 no mask, or a dense boolean one) with the same parameter names; tests compare them so that they cannot drift apart.
 
     ctx = hidden_norm(fc(concat of n target layers))               # the fused target context
@@ -125,7 +126,7 @@ class DFlashDraftModel(PreTrainedModel):
         self.post_init()
 
     def add_method_modules(self, config):
-        """DFlash has none; DFlash 2 adds its candidate selector."""
+        """DFlash has none; DFlash 2 adds its candidate selector, DSpark its Markov and confidence heads."""
 
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
@@ -137,6 +138,8 @@ class DFlashDraftModel(PreTrainedModel):
         elif isinstance(module, DFlash2CandidateSelector):
             module.predecessor_codebook.data.normal_(0.0, getattr(self.config, "initializer_range", 0.02))
             module.successor_codebook.data.zero_()
+        elif isinstance(module, nn.Embedding):
+            module.weight.data.normal_(0.0, getattr(self.config, "initializer_range", 0.02))
 
     def forward(self, block_embeds, features, q_positions, ctx_positions, attention_mask=None):
         """Final-normed hidden states [R, Q, H] of the block tokens.
@@ -247,3 +250,45 @@ class DFlash2DraftModel(DFlashDraftModel):
         if self.final_logit_softcapping:
             logits = self.final_logit_softcapping * torch.tanh(logits / self.final_logit_softcapping)
         return logits
+
+
+# ---- DSpark: the anchor slot drafts too; a Markov head over the previous token and a confidence head
+
+
+class DSparkMarkovHead(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(config.vocab_size, int(config.markov_rank))
+        self.markov_w2 = nn.Linear(int(config.markov_rank), config.vocab_size, bias=False)
+
+
+class DSparkConfidenceHead(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.with_markov = bool(getattr(config, "confidence_head_with_markov", True))
+        width = config.hidden_size + int(config.markov_rank) * self.with_markov
+        self.proj = nn.Linear(width, 1)
+
+
+class Qwen3DSparkModel(DFlashDraftModel):
+    """DSpark: `forward` as DFlash's over the block [anchor, mask x (B-1)], whose slot j drafts the token after
+    position a + j (the anchor slot drafts too). `markov_logits` gives slot j's logits after its previous token
+    (the anchor for j = 0, else the token drafted at j - 1), `confidence_logits` its acceptance logit."""
+
+    def add_method_modules(self, config):
+        self.markov_head = DSparkMarkovHead(config)
+        self.confidence_head = (
+            DSparkConfidenceHead(config) if getattr(config, "enable_confidence_head", False) else None
+        )
+
+    def markov_logits(self, hidden, previous, lm_head_weight):
+        """hidden [..., H], previous [...] token ids -> [..., V]: lm_head(h) + W2 W1[previous]."""
+        unary = hidden @ lm_head_weight.T.to(hidden.dtype)
+        return unary + self.markov_head.markov_w2(self.markov_head.markov_w1(previous)).to(unary.dtype)
+
+    def confidence_logits(self, hidden, previous):
+        e = self.markov_head.markov_w1(previous).to(hidden.dtype)
+        features = torch.cat([hidden, e], dim=-1) if self.confidence_head.with_markov else hidden
+        proj = self.confidence_head.proj
+        acc = _acc(features.dtype)
+        return (features.to(acc) * proj.weight[0].to(acc)).sum(-1) + proj.bias.to(acc)

@@ -202,7 +202,7 @@ class Meter:
         tally.sums.zero_()
         now = time.perf_counter()
         elapsed, self.last = now - self.last, now
-        layout, B = tally.layout, trainer.cfg.block_size
+        layout, B = tally.layout, trainer.block_size
         steps = max(sums[layout["steps"]], 1)  # summed over ranks, like grad_norm
         record = tally.record(sums, "train", step)
         labelled = sum(sums[layout.counted])

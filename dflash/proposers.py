@@ -11,11 +11,20 @@ from typing import Protocol
 
 import torch
 
+from dflash.errors import DflashError
+
 
 @dataclass
 class Draft:
     tokens: torch.Tensor  # [k] proposed continuation of the committed tokens
     probs: torch.Tensor | None = None  # [k, V] distribution q each token was sampled from; None = a point mass
+
+
+@dataclass(frozen=True)
+class DecodingOptions:
+    """Options of a drafter's decoding rule that `dflash eval` passes on; a method refuses those it has not."""
+
+    confidence_cut: float | None = None  # DSpark: end the drafts where the predicted prefix acceptance drops below
 
 
 class Proposer(Protocol):
@@ -41,10 +50,13 @@ class DFlashProposer:
     [last committed, MASK x (B-1)] at the next absolute positions, then `choose` (here: draw from the LM head's
     logits; a method's proposer may choose otherwise from the same hidden states)."""
 
-    def __init__(self, drafter, config, target):
+    def __init__(self, drafter, config, target, options: DecodingOptions = DecodingOptions()):
         self.drafter = drafter
         self.config = config
+        self.options = options
+        self.check_options(options)
         self.block_size = config.block_size
+        self.first_draft = 0 if config.anchor_predicts else 1  # the block slot of the first draft
         self.mask_token_id = config.mask_token_id
         self.layer_ids = list(config.target_layer_ids)
         self.embed = target.get_input_embeddings()
@@ -60,8 +72,13 @@ class DFlashProposer:
         ctx_positions = torch.arange(n - 1, device=device)[None]
         mask = window_mask(n - 1, self.block_size, self.config.sliding_window, device)
         hidden = self.drafter(self.embed(block), features[None], q_positions, ctx_positions, mask)
-        # Block slot 0 holds the known token; slots 1.. predict the tokens after it.
-        return self.choose(hidden[0, 1 : 1 + num_tokens], committed[-1], temperature, generator)
+        # Block slot 0 holds the known token; the slots from first_draft on predict the tokens after it.
+        drafts = hidden[0, self.first_draft : self.first_draft + num_tokens]
+        return self.choose(drafts, committed[-1], temperature, generator)
+
+    def check_options(self, options: DecodingOptions) -> None:
+        if options.confidence_cut is not None:
+            raise DflashError("--confidence-cut needs a DSpark drafter with a confidence head")
 
     def choose(self, hidden: torch.Tensor, anchor: torch.Tensor, temperature: float, generator) -> Draft:
         """The drafts from the hidden states [k, H] of the block slots after the anchor token (a 0-d tensor)."""

@@ -31,6 +31,7 @@ TRAVEL_DTYPES = {
     np.dtype(np.uint8): torch.uint8,
     np.dtype(np.int8): torch.int8,
     np.dtype(np.int32): torch.int32,
+    np.dtype(np.float16): torch.float16,
 }
 _SPLIT_SEED = 0x5D1F  # the held-out split must not move when the training seed changes
 
@@ -106,7 +107,8 @@ class DataPlan:
 
 
 def row_fields(row_layout: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """A store's row arrays (`Store.row_layout`: name -> (shape, numpy dtype)) as the tensors they travel in."""
+    """A store's row arrays (`Store.row_layout`: name -> (shape, numpy dtype), and any of its `teacher_layout`
+    the trainer reads) as the tensors they travel in."""
     return {name: (shape, TRAVEL_DTYPES[np.dtype(dtype)]) for name, (shape, dtype) in row_layout.items()}
 
 
@@ -250,11 +252,14 @@ class RowReader:
         micro, r = divmod(i, self.shape.rows)
         views = self._views[slot]
         out = {name: views[name][micro, r] for name in self.shape.fields}
+        teacher = {name: out.pop(name) for name in self.store.teacher_layout if name in out}
         try:
             self.store.read_row_into(row, out)
+            if teacher:
+                self.store.read_teacher_into(row, teacher)
         except DflashError as exc:
             self.damaged.met(row, exc)  # raises unless the row may be skipped
-            for name, view in out.items():
+            for name, view in {**out, **teacher}.items():
                 view[...] = -1 if name == "doc_ids" else 0
 
     def next(self) -> HostBatch | None:

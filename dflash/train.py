@@ -148,7 +148,12 @@ def drafter_config(cfg: TrainConfig, store: Store, target_path: str) -> DrafterC
             f"--drafter-option cannot set {', '.join(fixed)}: the store fixes them (its target's width, vocabulary, "
             "and tapped layers); --block-size sets the block size"
         )
-    overrides = {"block_size": cfg.block_size, **cfg.drafter_overrides}
+    config_cls = methods.get(cfg.method).config_cls
+    overrides = dict(cfg.drafter_overrides)
+    if cfg.block_size is not None:
+        overrides["block_size"] = cfg.block_size
+    if "num_anchors" in {f.name for f in dataclasses.fields(config_cls)}:  # a method that records them (DSpark)
+        overrides["num_anchors"] = anchors_per_row(cfg, store.token_budget)
     mask = overrides.pop("mask_token_id", manifest.tokenizer.mask_id)
     if mask is None:
         raise DflashError(
@@ -156,9 +161,11 @@ def drafter_config(cfg: TrainConfig, store: Store, target_path: str) -> DrafterC
             "pass --drafter-option mask_token_id=ID (a token id of the target's vocabulary)"
         )
     text = manifest.target.text_config() if manifest.target.has_text_config else load_config(target_path, "--target")
-    return methods.get(cfg.method).config_cls.from_target_config(
-        text, list(manifest.layer_ids), mask, num_layers=cfg.draft_layers, **overrides
-    )
+    return config_cls.from_target_config(text, list(manifest.layer_ids), mask, num_layers=cfg.draft_layers, **overrides)
+
+
+def anchors_per_row(cfg: TrainConfig, token_budget: int) -> int:
+    return cfg.anchors or max(1, round(token_budget * ANCHORS_PER_3072 / 3072))
 
 
 def load_frozen(path: str, manifest: Manifest) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,12 +181,26 @@ def load_frozen(path: str, manifest: Manifest) -> tuple[torch.Tensor, torch.Tens
     return embed, head
 
 
-def check_shapes(cfg: TrainConfig, token_budget: int, anchors: int, feature_dim: int, dcfg: DrafterConfig):
-    B = cfg.block_size
-    if B < 2 or token_budget < B:
+def check_teacher(method: methods.Method, store: Store, path: str) -> dict:
+    """The teacher arrays a method trains from ({} for one that needs none), or a refusal for a store without."""
+    if not method.needs_teacher:
+        return {}
+    if store.teacher is None:
         raise DflashError(
-            f"a row of the store holds {token_budget} tokens, which cannot hold a block of {B}; "
-            "use --block-size of at least 2 and at most the store's token budget"
+            f"--method {method.name} trains against the target's next-token distribution, which {path} does not "
+            "hold: harvest it with --teacher hidden (exact, H bf16 values per token) or --teacher topk:K (K + 1 "
+            "probabilities and K ids per token)"
+        )
+    return store.teacher_layout
+
+
+def check_shapes(cfg: TrainConfig, token_budget: int, anchors: int, feature_dim: int, dcfg: DrafterConfig):
+    B = dcfg.span  # the tokens a block covers, from its anchor to its last draft
+    if dcfg.drafts_per_block < 1 or token_budget < B:
+        raise DflashError(
+            f"a row of the store holds {token_budget} tokens, which cannot hold a block of {dcfg.block_size} "
+            f"({dcfg.drafts_per_block} drafts); use a --block-size that drafts at least one token and fits the "
+            "store's token budget"
         )
     if not 1 <= anchors <= token_budget - B + 1:
         raise DflashError(
@@ -289,10 +310,14 @@ class Trainer:
         # P^T P into fc.
         self.projection = None if self.store.projection is None else torch.from_numpy(self.store.projection)
         T = self.store.token_budget
-        self.num_anchors = cfg.anchors or max(1, round(T * ANCHORS_PER_3072 / 3072))
+        self.num_anchors = anchors_per_row(cfg, T)
         check_shapes(cfg, T, self.num_anchors, manifest.feature_dim, self.dcfg)
-        self.gamma = blocks.default_gamma(cfg.block_size) if cfg.gamma is None else cfg.gamma
+        # The block geometry: B query slots per block, labels over the S tokens from its anchor to its last draft.
+        self.block_size, self.span = self.dcfg.block_size, self.dcfg.span
+        self.gamma = blocks.default_gamma(self.span) if cfg.gamma is None else cfg.gamma
         self.method = methods.get(cfg.method)
+        teacher_fields = check_teacher(self.method, self.store, cfg.store)
+        self.teacher_names = list(teacher_fields)
         self.objective_options = methods.ObjectiveOptions(
             position_weights=cfg.position_weights,
             loss_chunk=cfg.loss_chunk,
@@ -313,12 +338,11 @@ class Trainer:
         self.lr_t = torch.full((), cfg.lr, dtype=torch.float32, device=self.device)
         self.optimizer = self._optimizer()
 
-        self.shape = reader.BatchShape(cfg.grad_accum, cfg.rows_per_step, reader.row_fields(self.store.row_layout))
+        fields = reader.row_fields({**self.store.row_layout, **teacher_fields})
+        self.shape = reader.BatchShape(cfg.grad_accum, cfg.rows_per_step, fields)
         self.static = graph.StaticBuffers(reader.allocate_batch(self.shape, self.device))
         self.feed = reader.DeviceFeed(self.static)
-        self.train_tally = tally_for(
-            self.store, cfg.block_size, self.device
-        )  # the sums of the steps since the last log
+        self.train_tally = tally_for(self.store, self.span, self.device)  # the sums of the steps since the last log
         # Validation anchors every eligible position, one window of A positions per replay of its step, and
         # keeps the drafts accepted at each one for the replay of decoding (-1: no counted anchor; column T
         # takes the invalid anchors' writes).
@@ -330,7 +354,8 @@ class Trainer:
         if cfg.val_store:
             self.val_store = Store.open(cfg.val_store)
             check_val_store(self.store, self.val_store, cfg.store, cfg.val_store)
-            self.val_tally = tally_for(self.val_store, cfg.block_size, self.device)  # its own sources
+            check_teacher(self.method, self.val_store, cfg.val_store)
+            self.val_tally = tally_for(self.val_store, self.span, self.device)  # its own sources
             train_rows, val_rows = np.arange(self.store.num_rows), np.arange(self.val_store.num_rows)
         else:  # held-out rows of the training store: its sources, and their map on the device
             self.val_tally = dataclasses.replace(self.train_tally, sums=self.train_tally.layout.zeros(self.device))
@@ -398,17 +423,15 @@ class Trainer:
 
     def _inputs(self, m: int, window: torch.Tensor | None = None) -> dict:
         """Micro-batch m's blocks: random anchors, or every position of `window` (validation)."""
-        s, cfg = self.static, self.cfg
+        s, S = self.static, self.span
         # Pieces of a split document share a doc id and may sit side by side: blocks must see one piece only.
         segments = blocks.segment_ids(s["doc_ids"][m], s["position_ids"][m])
         if window is None:
             anchors, valid = blocks.sample_anchors(
-                s["loss_mask"][m], segments, self.num_anchors, cfg.block_size, s["anchor_keys"][m][:, None]
+                s["loss_mask"][m], segments, self.num_anchors, S, s["anchor_keys"][m][:, None]
             )
         else:
-            anchors, valid = blocks.window_anchors(
-                s["loss_mask"][m], segments, window, self.num_anchors, cfg.block_size
-            )
+            anchors, valid = blocks.window_anchors(s["loss_mask"][m], segments, window, self.num_anchors, S)
         block_ids, q_positions, labels, weights = blocks.block_inputs(
             s["input_ids"][m],
             s["position_ids"][m],
@@ -416,10 +439,14 @@ class Trainer:
             anchors,
             valid,
             self.dcfg.mask_token_id,
-            cfg.block_size,
+            self.block_size,
             self.gamma,
+            S,
         )
+        # The target's distribution of each label: its teacher arrays at the position before the label's.
+        teacher = {name: blocks.span_gather(s[name][m], anchors, S, -1).flatten(0, 1) for name in self.teacher_names}
         return dict(
+            teacher=teacher,
             anchors=anchors,
             valid=valid,
             segments=segments,
@@ -431,16 +458,16 @@ class Trainer:
 
     def _micro(self, m: int, x: dict) -> methods.Objective:
         """Micro-batch m through the drafter and the method's objective (frozen head)."""
-        s, B = self.static, self.cfg.block_size
+        s, B, S = self.static, self.block_size, self.span
         mask = self.mask_fn(x["anchors"], x["valid"], x["segments"], B, self.dcfg.sliding_window)
         features = self._features(m)
         with self._autocast():
             embeds = F.embedding(x["block_ids"], self.embed)
             hidden = self.forward(embeds, features, x["q_positions"], s["position_ids"][m], mask)
+            hidden = blocks.span_outputs(hidden, B, S).flatten(0, 1)
             labels, weights = x["labels"].flatten(), x["weights"].flatten()
-            return self.objective(
-                self.model, hidden.flatten(0, 1), self.head, labels, weights, B, self.objective_options
-            )
+            teacher = x["teacher"] or None
+            return self.objective(self.model, hidden, self.head, labels, weights, S, self.objective_options, teacher)
 
     def _normaliser(self, x: dict) -> torch.Tensor:
         return loss.normaliser(self.cfg.position_weights, x["weights"])
@@ -458,8 +485,8 @@ class Trainer:
     def _count(self, tally: Tally, m: int, x: dict, objective: methods.Objective):
         """Add this micro-batch's metrics to `tally`'s sums (device ops only), per data source when it has several.
         Returns its blocks' stats."""
-        B, layout, sums, doc_source = self.cfg.block_size, tally.layout, tally.sums, tally.doc_source
-        stats = loss.block_stats(objective.correct, x["weights"], B)
+        S, layout, sums, doc_source = self.span, tally.layout, tally.sums, tally.doc_source
+        stats = loss.block_stats(objective.correct, x["weights"], S)
         normaliser = self._normaliser(x)
         values = torch.zeros_like(sums)
         values[layout["loss_sum"]] = objective.loss_sum.detach()
@@ -467,7 +494,7 @@ class Trainer:
         values[layout["accepted"]] = stats.accepted
         values[layout["blocks"]] = stats.anchors
         values[layout["context_tokens"]] = (x["segments"] >= 0).sum()
-        values[layout["pairs"]] = visible_pairs(x["anchors"], x["valid"], x["segments"], B)
+        values[layout["pairs"]] = visible_pairs(x["anchors"], x["valid"], x["segments"], self.block_size)
         values[layout.correct] = stats.correct
         values[layout.counted] = stats.counted
         if doc_source is not None:
@@ -475,8 +502,8 @@ class Trainer:
             # A block's document is its anchor's (padding anchors are never counted: any valid index will do).
             docs = self.static["doc_ids"][m].gather(1, x["anchors"]).flatten().clamp(min=0)
             sources = doc_source[docs].clamp(min=0)
-            block_loss = objective.position_loss.reshape(-1, B).double().sum(dim=1)
-            per_block = [(1 + run) * counted, counted, block_loss, normaliser.reshape(-1, B).double().sum(dim=1)]
+            block_loss = objective.position_loss.reshape(-1, S).double().sum(dim=1)
+            per_block = [(1 + run) * counted, counted, block_loss, normaliser.reshape(-1, S).double().sum(dim=1)]
             values[layout.per_source] = source_sums(per_block, sources, layout.sources)
         sums += values
         return stats

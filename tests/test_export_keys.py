@@ -10,10 +10,12 @@ import pytest
 import torch
 from test_dflash2 import dflash2_config, randomise
 from test_drafter import small_config
+from test_dspark import dspark_config, dspark_drafter
 from test_export import drafter, inputs
 
 from dflash.export import export_drafter, load_drafter
 from dflash.methods.dflash2 import DFlash2Drafter
+from dflash.methods.dspark import DSparkDrafter
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "export.md"
 
@@ -60,9 +62,14 @@ def dflash2_trained(cfg):
     return randomise(DFlash2Drafter(cfg), seed=0).eval()
 
 
+def dspark_trained(cfg):
+    return dspark_drafter(cfg, seed=0).float().eval()
+
+
 CASES = {
     "dflash": (lambda: small_config(), lambda cfg: drafter(cfg).float(), ["DFlash ("]),
     "dflash2": (lambda: dflash2_config(sliding_window=8), dflash2_trained, ["DFlash (", "DFlash 2"]),
+    "dspark": (lambda: dspark_config(num_anchors=5), dspark_trained, ["DFlash (", "DSpark"]),
 }
 
 
@@ -118,3 +125,39 @@ def test_dflash2_export_reloads_to_the_trained_outputs(tmp_path):
             for other in (model, loaded):
                 got = other.candidate_selector.edge_scores(flat, top.values, previous, top.indices)
                 torch.testing.assert_close(got, scores, rtol=1e-5, atol=1e-5)
+
+
+def test_dspark_export_reloads_to_the_trained_logits(tmp_path):
+    """AutoModel (trust_remote_code) and load_drafter both give the trained DSpark drafter's block states, Markov
+    logits and confidence logits within 1e-5 in float32."""
+    from transformers import AutoModel
+
+    cfg = dspark_config(num_anchors=5)
+    ours = dspark_trained(cfg)
+    folder = export_drafter(ours, cfg, tmp_path / "d", dtype=torch.float32)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["auto_map"] == {"AutoModel": "modeling_dflash.Qwen3DSparkModel"}
+    model, info = AutoModel.from_pretrained(
+        folder, trust_remote_code=True, output_loading_info=True, dtype=torch.float32
+    )
+    assert type(model).__name__ == "Qwen3DSparkModel"
+    assert {k: v for k, v in info.items() if v} == {}, info
+    loaded, loaded_cfg = load_drafter(folder)
+    assert loaded_cfg == cfg and type(loaded) is DSparkDrafter
+    embeds, features, q_pos, ctx_pos, visible = inputs(cfg)
+    g = torch.Generator().manual_seed(3)
+    head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
+    with torch.no_grad():
+        for mask in (None, visible):
+            want = ours(embeds, features, q_pos, ctx_pos, mask)
+            flat = want.flatten(0, 1)
+            previous = torch.randint(0, cfg.vocab_size, (flat.shape[0],), generator=g)
+            e = ours.markov_head.markov_w1(previous)
+            logits = flat @ head.T + ours.markov_head.markov_w2(e)
+            confidence = ours.confidence_head(flat, e)
+            for other in (model, loaded):
+                torch.testing.assert_close(other(embeds, features, q_pos, ctx_pos, mask), want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(model.markov_logits(flat, previous, head), logits, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(model.confidence_logits(flat, previous), confidence, rtol=1e-5, atol=1e-5)
+            loaded_e = loaded.markov_head.markov_w1(previous)
+            torch.testing.assert_close(loaded.confidence_head(flat, loaded_e), confidence, rtol=1e-5, atol=1e-5)

@@ -79,7 +79,30 @@ METHOD_OPTIONS = {
         "drafter_overrides": {"selector_rank": 8, "selector_top_k": 4, "sliding_window": 24},
     },
     "dflash2-drop": {"method": "dflash2", "selector_outside": "drop", "drafter_overrides": {"selector_top_k": 4}},
+    # block 3 whose anchor slot drafts: the same 3 drafts as DFlash's block of 4
+    "dspark-topk": {"method": "dspark", "block_size": 3, "drafter_overrides": {"markov_rank": 8}},
+    "dspark-hidden": {"method": "dspark", "block_size": 3, "drafter_overrides": {"markov_rank": 8}},
 }
+METHOD_TEACHER = {"dspark-topk": "topk:8", "dspark-hidden": "hidden"}  # the store's --teacher each one trains from
+
+
+@pytest.fixture(scope="module")
+def store_for(store, target, tmp_path_factory):
+    """The store a METHOD_OPTIONS entry trains from: the module's, or one harvested with the teacher it needs."""
+    made = {}
+
+    def pick(name):
+        teacher = METHOD_TEACHER.get(name)
+        if teacher is None:
+            return store
+        if teacher not in made:
+            out = tmp_path_factory.mktemp(f"teacher-store-{teacher.replace(':', '')}") / "store"
+            cfg = HarvestConfig(model=str(target), data=str(CORPUS), out=str(out), token_budget=64, workers=1)
+            run_harvest(dataclasses.replace(cfg, teacher=teacher))
+            made[teacher] = out
+        return made[teacher]
+
+    return pick
 
 
 def train_records(out) -> list[dict]:
@@ -290,12 +313,12 @@ def test_validation_time_counts_in_no_training_step(store, tmp_path, monkeypatch
 # ---------------------------------------------------------------------------------------------- compile, resume
 
 
-@pytest.mark.parametrize("method", ["dflash", "dflash2"])
-def test_compiled_step_matches_eager_without_recompiles(method, store, tmp_path):
+@pytest.mark.parametrize("method", ["dflash", "dflash2", "dspark-topk"])
+def test_compiled_step_matches_eager_without_recompiles(method, store_for, tmp_path):
     """20 steps over different rows: compiled drafter + objective agree with eager, and nothing recompiles after
     warmup (a recompile would raise), validation's windows included. The BlockMask builder stays eager on the
     CPU (see Trainer.__init__)."""
-    options = METHOD_OPTIONS[method]
+    options, store = METHOD_OPTIONS[method], store_for(method)
     eager = run_training(config(store, tmp_path / "eager", max_steps=20, compile=False, **options))
     compiled = run_training(config(store, tmp_path / "compiled", max_steps=20, compile=True, **options))
     assert [r["recompiles"] for r in compiled["records"]] == [0] * 20
@@ -483,7 +506,7 @@ def test_export_round_trip(store, tmp_path):
 
 
 @pytest.mark.parametrize("method", sorted(METHOD_OPTIONS))
-def test_every_method_resumes_exactly_exports_and_decodes_greedily(method, store, target, tmp_path):
+def test_every_method_resumes_exactly_exports_and_decodes_greedily(method, store_for, target, tmp_path):
     """Train 8 steps with a checkpoint at 6 and validation; a resume from step 6 gives the same records, the
     export loads as the method's drafter, and speculative decoding with it reproduces plain greedy decoding."""
     from dflash import methods
@@ -491,7 +514,7 @@ def test_every_method_resumes_exactly_exports_and_decodes_greedily(method, store
     from dflash.evaluate import evaluate
     from dflash.tiny import PROMPTS
 
-    options = METHOD_OPTIONS[method]
+    options, store = METHOD_OPTIONS[method], store_for(method)
     cfg = config(store, tmp_path / "run", max_steps=8, ckpt_every=6, log_every=2, export=True, **options)
     full = run_training(cfg)
     assert full["val"]["blocks"] > 0 and full["val"]["rounds"] > 0
@@ -506,6 +529,47 @@ def test_every_method_resumes_exactly_exports_and_decodes_greedily(method, store
     )
     result = report.methods["dflash"]
     assert result.mismatches == 0 and result.tau >= 1
+
+
+@pytest.mark.parametrize("teacher", ["topk:8", "hidden"])
+def test_dspark_reads_each_labels_teacher_at_the_position_before_it(teacher, store_for, tmp_path):
+    """The trainer's blocks for DSpark against index loops over the store's own rows: labels input_ids[a + k],
+    and the teacher arrays of the position a + k - 1, whose next-token distribution is that label's."""
+    name = {"topk:8": "dspark-topk", "hidden": "dspark-hidden"}[teacher]
+    path = store_for(name)
+    trainer = Trainer(config(path, tmp_path / "run", **METHOD_OPTIONS[name]), init_distributed("cpu"))
+    source = Store.open(path)
+    S = trainer.span
+    assert S == 4 and trainer.block_size == 3
+    for r in range(2):
+        row, teacher_row = source.read_row(r), source.read_teacher(r)
+        for name_, values in {**row, **teacher_row}.items():
+            if name_ in trainer.static:
+                slot = trainer.static[name_][0, r]
+                (slot.view(torch.int16) if slot.dtype == torch.bfloat16 else slot).copy_(_bits(values))
+    x = trainer._inputs(0)
+    assert set(x["teacher"]) == set(source.teacher_layout)
+    checked = 0
+    for r in range(2):
+        row, teacher_row = source.read_row(r), source.read_teacher(r)
+        for j, a in enumerate(x["anchors"][r].tolist()):
+            if not x["valid"][r, j]:
+                continue
+            for k in range(1, S):
+                n = (r * trainer.num_anchors + j) * S + k
+                assert x["labels"][r, j * S + k] == int(row["input_ids"][a + k])
+                for array, values in teacher_row.items():
+                    got = x["teacher"][array][n]
+                    want = _bits(values[a + k - 1])
+                    assert torch.equal(got.view(torch.int16) if got.dtype == torch.bfloat16 else got, want), array
+                checked += 1
+    assert checked > 20
+
+
+def _bits(values) -> torch.Tensor:
+    """A store array as a tensor, bf16 bits (uint16) as int16."""
+    values = np.asarray(values)
+    return torch.from_numpy(values.view(np.int16) if values.dtype == np.uint16 else values)
 
 
 def _train_cli(store, out, *extra):
@@ -621,6 +685,7 @@ def _corrupt_first_row(path) -> int:
         "resume_options",
         "dflash2_group_size",
         "selector_option_for_dflash",
+        "dspark_without_teacher",
     ],
 )
 def test_bad_input_is_a_clear_error(case, store, target, tiny_target, tmp_path):
@@ -658,6 +723,9 @@ def test_bad_input_is_a_clear_error(case, store, target, tiny_target, tmp_path):
     elif case == "selector_option_for_dflash":
         extra = ["--method", "dflash", "--drafter-option", "selector_rank=8"]
         expected = "unknown drafter config field selector_rank"
+    elif case == "dspark_without_teacher":
+        extra = ["--method", "dspark", "--block-size", "3"]
+        expected = "harvest it with --teacher hidden"
     else:
         assert _train_cli(store, tmp_path / "run").exit_code == 0
         extra, expected = ["--resume", "--seed", "1"], "seed: checkpoint 0, now 1"

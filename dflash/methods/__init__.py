@@ -4,13 +4,14 @@
 | --- | --- | --- |
 | dflash | DFlash (paper, February 2026) | dflash1.py |
 | dflash2 | DFlash 2: dynamic block convs and a candidate selector | dflash2.py |
+| dspark | DSpark: the anchor slot drafts, a Markov head and a confidence head | dspark.py |
 """
 
 from dflash.errors import DflashError
-from dflash.methods import dflash1, dflash2
+from dflash.methods import dflash1, dflash2, dspark
 from dflash.methods.base import Method, Objective, ObjectiveOptions
 
-METHODS: dict[str, Method] = {m.name: m for m in (dflash1.METHOD, dflash2.METHOD)}
+METHODS: dict[str, Method] = {m.name: m for m in (dflash1.METHOD, dflash2.METHOD, dspark.METHOD)}
 # The method of a drafter that does not say: a config.json without `architectures`, a checkpoint from before methods.
 UNLABELLED = "dflash"
 

@@ -35,5 +35,8 @@ class Method:
     config_cls: type  # a dflash.drafter.DrafterConfig
     model_cls: type  # a dflash.drafter.DFlashDrafter
     proposer_cls: type  # a dflash.proposers.DFlashProposer: (model, config, target)
-    # (model, hidden [N, H], head [V, H], labels [N], weights [N], block_size, ObjectiveOptions) -> Objective
+    # (model, hidden [N, H], head [V, H], labels [N], weights [N], span, ObjectiveOptions, teacher) -> Objective;
+    # N = A * span positions in block-major order (DrafterConfig.span), teacher: the store's teacher arrays at the
+    # position before each label ({name: [N, ...]}), or None for a method that does not read them
     objective_fn: object
+    needs_teacher: bool = False  # trains against the target's next-token distribution (a store with --teacher)

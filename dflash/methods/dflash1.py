@@ -7,7 +7,7 @@ from dflash.methods.base import Method, Objective
 from dflash.proposers import DFlashProposer
 
 
-def objective(model, hidden, head, labels, weights, block_size, options) -> Objective:
+def objective(model, hidden, head, labels, weights, block_size, options, teacher=None) -> Objective:
     """The block CE of the LM head's logits under the chosen position weights; drafts are its argmax."""
     ce, correct, _ = loss.head_cross_entropy(hidden, head, labels, options.loss_chunk)
     terms = loss.position_weights(options.position_weights, ce, weights, block_size) * ce

@@ -232,7 +232,7 @@ def selector_targets(candidates: Tensor, labels: Tensor, outside: str) -> tuple[
     return candidates, hits.int().argmax(dim=-1), in_top
 
 
-def objective(model, hidden, head, labels, weights, block_size, options) -> Objective:
+def objective(model, hidden, head, labels, weights, block_size, options, teacher=None) -> Objective:
     cfg = model.config
     if cfg.final_logit_softcapping is not None:
         raise DflashError("training a DFlash 2 drafter with final_logit_softcapping is not supported; leave it unset")
