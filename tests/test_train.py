@@ -168,9 +168,9 @@ def inclusive_mask(anchors, valid, doc_ids, block_size, window=None):
 def shifted_labels(block_inputs):
     """The other historical bug: labels shifted once more (output k trained on token a+k+1)."""
 
-    def wrapped(input_ids, position_ids, loss_mask, anchors, valid, mask_token_id, block_size, gamma=None):
+    def wrapped(input_ids, position_ids, loss_mask, anchors, valid, mask_token_id, block_size, gamma=None, span=None):
         block_ids, q_positions, labels, weights = block_inputs(
-            input_ids, position_ids, loss_mask, anchors, valid, mask_token_id, block_size, gamma
+            input_ids, position_ids, loss_mask, anchors, valid, mask_token_id, block_size, gamma, span
         )
         k = torch.arange(block_size)
         index = (anchors[:, :, None] + k + 1).clamp(max=input_ids.shape[1] - 1).flatten(1)
