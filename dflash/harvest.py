@@ -342,9 +342,11 @@ def _harvest_part(cfg: HarvestConfig, out: Path, fingerprint: dict, state: str, 
         projection, header = _calibrated(out, cfg, header, documents, target)
 
     store.create_store(out, header)  # harvest.json: the first write of this run but the calibration
+    # Ranks started together race to write harvest.json: each checks the one it finds before its first row.
+    store.check_header(out, header, cfg.rank)
     if len(stats.sources) > 1:  # what training needs for its metrics per source
         store.write_document_sources(out, document_sources(documents, stats.lines))
-    part = store.PartWriter(out, plan.part_spec(cfg.rank, header.features, header.teacher))
+    part = store.PartWriter(out, plan.part_spec(cfg.rank, header.features, header.teacher), header)
     counts = plan.counts()
     logger.info(
         "rank %d/%d: %d documents, %d tokens in %d rows of %d (%.1f%% padding)%s",
@@ -462,7 +464,7 @@ def _calibrated(
         )
     if stored is None and cfg.projection_from is not None:
         projection, record, _ = _borrowed_projection(cfg, header.features, header.feature_dim)
-        stored = store.write_projection(out, projection, {**record, "fingerprint_sha256": made_for})
+        stored = _written_projection(out, cfg, projection, {**record, "fingerprint_sha256": made_for}, made_for)
     if stored is None:
         width = header.features.subspace.width
         moment, sample = _second_moment(documents, target, cfg.calibration_tokens, cfg.forward_tokens)
@@ -481,7 +483,7 @@ def _calibrated(
             "calibration_documents": sample,
             "fingerprint_sha256": made_for,
         }
-        stored = store.write_projection(out, projection.numpy(), record)
+        stored = _written_projection(out, cfg, projection.numpy(), record, made_for)
     projection, record = stored
     subspace = manifest.SubspaceSpec(
         header.features.width,
@@ -491,6 +493,21 @@ def _calibrated(
     )
     header = replace(header, features=replace(header.features, subspace=subspace))
     return torch.from_numpy(projection).to(cfg.device), header
+
+
+def _written_projection(out: Path, cfg: HarvestConfig, projection: np.ndarray, record: dict, made_for: str):
+    """Store this rank's projection unless another rank's is there, and check that the stored one was made for
+    this rank's settings: ranks that calibrate at once with other settings must not share a matrix."""
+    stored = store.write_projection(out, projection, record)
+    if stored[1].get("fingerprint_sha256") != made_for:
+        raise DflashError(
+            f"rank {cfg.rank} calibrated with other settings than the rank that stored {out / store.PROJECTION} "
+            f"(another --subspace, --precision, --data or --layers; its shape is {stored[0].shape[0]} x "
+            f"{stored[0].shape[1]}, this rank's {projection.shape[0]} x {projection.shape[1]}); every rank of a "
+            "harvest must run the same command but for --rank: stop this rank and rerun it with the other ranks' "
+            "settings, or harvest into a new --out folder"
+        )
+    return stored
 
 
 def _second_moment(documents: list[Document], target: TappedTarget, tokens: int, forward_tokens: int):

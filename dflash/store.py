@@ -16,6 +16,7 @@ The exact format, and how to read it with plain zarr, is in docs/shard-format.md
 import bisect
 import dataclasses
 import errno
+import hashlib
 import json
 import math
 import os
@@ -156,6 +157,25 @@ def write_json_atomic(path: Path, obj: dict) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def write_json_exclusive(path: Path, obj: dict) -> bool:
+    """Create `path` with `obj` unless it exists, atomically (written and fsynced under a temporary name, then
+    hard-linked into place, which fails when the name is taken): of several ranks creating it, exactly one wins.
+    Returns whether this call created it."""
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{uuid.uuid4().hex}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps(obj, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        return True
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def read_json(path: Path) -> dict | None:
     """A JSON file's contents, None when it does not exist; DflashError when it is damaged."""
     try:
@@ -268,12 +288,58 @@ def part_lock(out: Path, rank: int) -> FileLock:
 
 
 def create_store(out: Path, header: Manifest) -> None:
-    """Create the folder, `harvest.json` (first) and the root groups; a no-op on an existing store."""
+    """Create the folder, `harvest.json` (first; of ranks racing, one writes it) and the root groups; a no-op on
+    an existing store. A rank then checks the header it finds against its own (`check_header`)."""
     out.mkdir(parents=True, exist_ok=True)
     if not (out / HARVEST_FILE).exists():
-        write_json_atomic(out / HARVEST_FILE, header.header().to_json())
+        write_json_exclusive(out / HARVEST_FILE, header.header().to_json())
     _ensure_group(out)
     _ensure_group(out / "parts")
+
+
+# The header fields that decide a store's content (dflash.manifest.identity_of): every part is written under them.
+CONTENT_KEYS = ("fingerprint", "target", "tokenizer", "features", "codecs", "layer_ids", "token_budget", "teacher")
+
+
+def header_content(header: Manifest) -> dict:
+    """The content-deciding fields of a header, fingerprint fields of older stores filled with what they did."""
+    raw = header.header().to_json()
+    content = {key: raw.get(key) for key in CONTENT_KEYS}
+    content["fingerprint"] = {**FINGERPRINT_BEFORE, **content["fingerprint"]}
+    return content
+
+
+def header_sha256(header: Manifest) -> str:
+    """sha256 of `header_content` (canonical JSON): recorded in each part's progress.json by the rank writing it."""
+    return hashlib.sha256(
+        json.dumps(header_content(header), sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()
+
+
+def header_differences(found: dict, ours: dict, found_label: str, our_label: str) -> str:
+    """The settings two headers' contents (`header_content`) differ in: the fingerprint fields by name and value,
+    the other fields by name; '' when they agree."""
+    details = describe_differences(found["fingerprint"], ours["fingerprint"], found_label, our_label)
+    others = [key for key in CONTENT_KEYS if key != "fingerprint" and found.get(key) != ours.get(key)]
+    return "; ".join(filter(None, [details, *(f"{key} differs" for key in others)]))
+
+
+def check_header(out: Path, header: Manifest, rank: int) -> None:
+    """Refuse to write rank `rank`'s part under `header` unless it is the store's harvest.json: ranks started
+    together with other settings (another --data, --subspace, --precision, ...) would make one mixed store."""
+    found = read_manifest(out / HARVEST_FILE)
+    if found is None:
+        raise DflashError(
+            f"{out / HARVEST_FILE} disappeared while rank {rank} was harvesting {out}; restore it, or harvest into a "
+            "new --out folder"
+        )
+    details = header_differences(header_content(found), header_content(header), "the store has", f"rank {rank} has")
+    if details:
+        raise DflashError(
+            f"rank {rank} runs with other settings than {out / HARVEST_FILE}, which another rank of this harvest "
+            f"wrote ({details}); every rank of a harvest must run the same command but for --rank: stop this rank "
+            f"and rerun it with the store's settings (harvest.json's `options`), or harvest into a new --out folder"
+        )
 
 
 def _ensure_group(path: Path) -> zarr.Group:
@@ -300,15 +366,31 @@ class PartSpec:
 class PartWriter:
     """Writes one rank's rows; opening an existing part resumes after its committed rows."""
 
-    def __init__(self, out: Path, spec: PartSpec):
+    def __init__(self, out: Path, spec: PartSpec, header: Manifest | None = None):
+        """`header`: the rank's own header, recorded in progress.json and checked against harvest.json before
+        every commit (None: no check, for tests and benchmarks that write parts directly)."""
+        self.out, self.header = out, header
         self.folder = out / "parts" / part_name(spec.rank)
         self.progress = read_progress(self.folder / PROGRESS_FILE)
+        recorded = (
+            {}
+            if header is None
+            else {"header_sha256": header_sha256(header), "fingerprint": header_content(header)["fingerprint"]}
+        )
         if self.progress is None:  # absent until every array exists: a half-created part is simply redone
-            self._create(out, spec)
+            self._create(out, spec, recorded)
         elif self.progress["rows"] != spec.rows or self.progress["counts"] != spec.counts:
             raise DflashError(
                 f"part {part_name(spec.rank)} of {out} was planned differently ({self.progress['rows']} rows, "
                 f"now {spec.rows}); the data or tokenizer changed under the store: harvest into a new folder"
+            )
+        elif recorded and self.progress.get("header_sha256", recorded["header_sha256"]) != recorded["header_sha256"]:
+            details = describe_differences(
+                self.progress.get("fingerprint", {}), recorded["fingerprint"], "part has", "this run"
+            )
+            raise DflashError(
+                f"part {part_name(spec.rank)} of {out} was written under other settings ({details or 'its header differs'}); "
+                f"rerun it with the settings it was started with, or delete {self.folder} and rerun this rank"
             )
         else:  # resuming: drop the temporary files of writes a killed run left unfinished
             # Only rows past the committed ones are written again (all of them for a finished part: a repair).
@@ -316,6 +398,7 @@ class PartWriter:
             first = committed if committed < self.progress["rows"] else 0
             for leftover in [*_unfinished_writes(self.folder, first), *self.folder.glob(f"{TMP_PREFIX}*")]:
                 leftover.unlink(missing_ok=True)
+            self.progress = {**self.progress, **recorded}  # a part of an older dflash gains the record at its commit
         group = zarr.open_group(self.folder, mode="r+")
         names = arrays_of(spec.features, spec.teacher)
         self.arrays = {name: group[name].with_config(_array_config(read=False)) for name in names}
@@ -325,7 +408,7 @@ class PartWriter:
             if name in self.arrays
         }
 
-    def _create(self, out: Path, spec: PartSpec) -> None:
+    def _create(self, out: Path, spec: PartSpec, recorded: dict) -> None:
         group = _ensure_group(self.folder)
         T, f = spec.token_budget, spec.features
         write = dict(overwrite=True, config=_array_config(read=False))
@@ -385,7 +468,7 @@ class PartWriter:
             **write,
         )
         documents[:] = spec.documents
-        self.progress = {"rows": spec.rows, "rows_committed": 0, "counts": spec.counts}
+        self.progress = {"rows": spec.rows, "rows_committed": 0, "counts": spec.counts, **recorded}
         write_json_atomic(self.folder / PROGRESS_FILE, self.progress)
 
     @property
@@ -403,7 +486,10 @@ class PartWriter:
                 self.arrays[name][rows] = others[name]
 
     def commit(self, rows_committed: int) -> None:
-        """Record rows as durable; call only once write_rows for them has returned."""
+        """Record rows as durable; call only once write_rows for them has returned. The store's harvest.json is
+        checked first against the header the rows were written under: rows of a mixed store are never committed."""
+        if self.header is not None:
+            check_header(self.out, self.header, int(self.folder.name.removeprefix("rank")))
         self.progress = {**self.progress, "rows_committed": rows_committed}
         write_json_atomic(self.folder / PROGRESS_FILE, self.progress)
 
@@ -479,6 +565,8 @@ def read_progress(path: Path) -> dict | None:
         or not isinstance(counts, dict)
         or sorted(counts) != sorted(PART_COUNTS)
         or not all(count(v) for v in counts.values())
+        or not isinstance(raw.get("header_sha256", ""), str)
+        or not isinstance(raw.get("fingerprint", {}), dict)
     ):
         raise DflashError(
             f"{path} is damaged or was edited (expected rows, rows_committed <= rows and the counts "
@@ -499,10 +587,33 @@ def finalize(out: Path, header: Manifest) -> bool:
     progress = part_progress(out, header.world_size)
     if any(p is None or p["rows_committed"] < p["rows"] for p in progress):
         return False
+    check_parts_agree(out, header, progress)
     parts = [PartEntry(part_name(rank), p["rows"], **p["counts"]) for rank, p in enumerate(progress)]
     manifest = dataclasses.replace(header, identity=identity_of(header)).with_parts(parts)
     write_json_atomic(out / MANIFEST_FILE, manifest.to_json())
     return True
+
+
+def check_parts_agree(out: Path, header: Manifest, progress: list[dict]) -> None:
+    """Refuse a mixed store: every part must have been written under the store's header (parts of a dflash that
+    did not record theirs are taken as they are)."""
+    expected, fingerprint = header_sha256(header), header_content(header)["fingerprint"]
+    mixed = [
+        (rank, p) for rank, p in enumerate(progress) if p is not None and p.get("header_sha256", expected) != expected
+    ]
+    if not mixed:
+        return
+    lines = [
+        f"{part_name(rank)}: "
+        + (describe_differences(fingerprint, p.get("fingerprint", {}), "store has", "part has") or "its header differs")
+        for rank, p in mixed
+    ]
+    ranks = ", ".join(str(rank) for rank, _ in mixed)
+    raise DflashError(
+        f"{out} is a mixed store: part(s) written under other settings than its {HARVEST_FILE} "
+        f"({'; '.join(lines)}); no manifest is written. Delete those part folders (parts/rankNNNNN) and rerun rank(s) "
+        f"{ranks} with the store's settings (harvest.json's `options`), or harvest into a new --out folder"
+    )
 
 
 def record_self_check(out: Path, check: SelfCheck) -> Manifest:
@@ -643,7 +754,7 @@ def write_store(
         spec = PartSpec(
             rank, content.rows, header.token_budget, header.features, content.documents, content.counts, header.teacher
         )
-        writer = PartWriter(out, spec)
+        writer = PartWriter(out, spec, header)
         for r in range(content.rows):
             hidden, others = content.row(r)
             writer.write_rows(r, hidden[None], {name: value[None] for name, value in others.items()})

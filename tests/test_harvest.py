@@ -276,6 +276,55 @@ def test_two_ranks_make_one_store_equal_to_one_rank(harvested, tiny_target, data
     assert_same_content(out, harvested("qwen3"))
 
 
+@pytest.mark.parametrize(
+    "theirs, ours, hook",
+    [
+        ({}, {"data": "half"}, "load_documents"),
+        ({}, {"precision": "fp8"}, "load_documents"),
+        ({"subspace": "1/8"}, {"subspace": "1/4"}, "_second_moment"),
+    ],
+    ids=["data", "precision", "subspace"],
+)
+def test_ranks_started_together_with_other_settings_are_refused(
+    theirs, ours, hook, tiny_target, data_file, tmp_path, monkeypatch
+):
+    """Rank 1 looks at the empty folder, then rank 0 (other settings) writes harvest.json, its projection and its
+    whole part while rank 1 reads its data (or calibrates): rank 1 must refuse before its first row, and the
+    store must not complete as a mix of two harvests."""
+    from dflash import harvest
+    from dflash.errors import DflashError
+
+    half = tmp_path / "half.jsonl"
+    half.write_text("\n".join(data_file.read_text().splitlines()[:50]) + "\n")
+    out, model = tmp_path / "store", str(tiny_target("qwen3"))
+
+    def config(rank, **options):
+        data = str(half) if options.pop("data", None) == "half" else str(data_file)
+        return HarvestConfig(model=model, data=data, out=str(out), rank=rank, world_size=2, **{**OPTIONS, **options})
+
+    real, ran = getattr(harvest, hook), []
+
+    def other_rank_runs_meanwhile(*args, **kwargs):
+        if not ran:
+            ran.append(True)
+            run_harvest(config(0, **theirs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(harvest, hook, other_rank_runs_meanwhile)
+    with pytest.raises(DflashError, match=r"rank 1 (runs|calibrated) with other settings") as refused:
+        run_harvest(config(1, **ours))
+    assert ran and "every rank of a harvest must run the same command" in str(refused.value)
+    if hook == "load_documents":
+        assert ("data_sha256" if "data" in ours else "precision: the store has 'bf16', rank 1 has 'fp8'") in str(
+            refused.value
+        )
+    assert not (out / "parts" / "rank00001" / store.PROGRESS_FILE).exists()  # no row of rank 1 was written
+    assert not (out / store.MANIFEST_FILE).exists()
+    monkeypatch.undo()
+    run_harvest(config(1, **theirs))  # the way out: rank 1 with the store's settings completes it
+    assert Store.open(out).num_rows > 0
+
+
 def test_disk_full_fails_cleanly_and_the_rerun_resumes(harvested, tiny_target, data_file, tmp_path, monkeypatch):
     out = tmp_path / "store"
     args = cli_args(tiny_target("qwen3"), data_file, out)

@@ -197,6 +197,36 @@ def test_incomplete_store_is_refused_until_the_last_part_finishes(tmp_path):
     assert store.Store.open(out).num_rows == 3
 
 
+def test_a_part_under_other_settings_is_never_committed_nor_finished(tmp_path):
+    """Two ranks with other settings: harvest.json is written by one of them only, the other's commit is refused,
+    and a part whose progress.json records another header stops the finishing step, naming the setting."""
+    out = tmp_path / "s"
+    ours, theirs = header(2), header(2, data_sha256="other")
+    store.create_store(out, ours)
+    store.create_store(out, theirs)  # the rank that lost the race to harvest.json
+    assert json.loads((out / store.HARVEST_FILE).read_text())["fingerprint"].get("data_sha256") is None
+    assert not store.write_json_exclusive(out / store.HARVEST_FILE, theirs.to_json())
+    for rank, head in ((0, ours), (1, theirs)):
+        spec, hidden, tokens = synthetic_part(rank, 2, seed=rank)
+        part = store.PartWriter(out, spec, head)
+        part.write_rows(0, hidden, tokens)
+        if rank == 0:
+            part.commit(2)
+    with pytest.raises(
+        DflashError, match=r"rank 1 runs with other settings .*data_sha256: the store has None, rank 1 has 'other'"
+    ):
+        part.commit(2)
+    progress_file = out / "parts" / "rank00001" / store.PROGRESS_FILE
+    progress = json.loads(progress_file.read_text())
+    assert progress["rows_committed"] == 0 and progress["header_sha256"] == store.header_sha256(theirs)
+    progress_file.write_text(json.dumps({**progress, "rows_committed": 2}))  # say its rows got committed anyway
+    with pytest.raises(
+        DflashError, match=r"mixed store.*rank00001: data_sha256: store has None, part has 'other'.*rerun rank\(s\) 1"
+    ):
+        store.finalize(out, ours)
+    assert not (out / store.MANIFEST_FILE).exists()
+
+
 def test_changed_plan_under_a_started_part_is_refused(tmp_path):
     out = tmp_path / "s"
     store.create_store(out, header(1))
