@@ -36,7 +36,7 @@ from dflash.drafter import rope_theta_of
 from dflash.errors import DflashError
 from dflash.packing import PAD_MULTIPLE, PartPlan, forward_batches, round_up
 from dflash.target import TappedTarget, check_layer_ids, default_layer_ids
-from dflash.target_files import MASK_TOKEN, load_config
+from dflash.target_files import MASK_TOKEN, load_config, weights_sha256
 
 logger = logging.getLogger("dflash")
 
@@ -171,6 +171,7 @@ def _fingerprint(cfg: HarvestConfig) -> dict:
         else None,
         "projection_sha256": _borrowed_projection(cfg, encoding, len(layers) * text.hidden_size)[2],
         "model": model,
+        "weights_sha256": weights_sha256(cfg.model),  # weights rewritten in place under the same config.json
         "layers": layers,
         **_data_identity(cfg),
         "dedup": cfg.dedup,
@@ -266,7 +267,7 @@ def run_harvest(cfg: HarvestConfig) -> Path:
 
 def _harvest(cfg: HarvestConfig) -> Path:
     out = Path(cfg.out)
-    fingerprint = _fingerprint(cfg)
+    fingerprint = store.as_recorded(out, _fingerprint(cfg))
     state = store.check_folder(out, fingerprint)
     if state == "complete" and not cfg.repair:
         logger.info(

@@ -208,6 +208,23 @@ def _array_config(read: bool) -> dict:
 FINGERPRINT_BEFORE = {"dedup": False}
 
 
+# Fingerprint fields added after stores were made without them that no value can stand for: a store without one
+# is resumed without checking it (its harvest.json records what it recorded).
+FINGERPRINT_UNRECORDED = ("weights_sha256",)
+
+
+def as_recorded(out: Path, fingerprint: dict) -> dict:
+    """This run's fingerprint without the FINGERPRINT_UNRECORDED fields that the store at `out` (if any) lacks."""
+    try:
+        raw = json.loads((out / HARVEST_FILE).read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return fingerprint  # no store yet, or a damaged harvest.json: check_folder names it
+    recorded = raw.get("fingerprint") if isinstance(raw, dict) else None
+    if not isinstance(recorded, dict):
+        return fingerprint
+    return {k: v for k, v in fingerprint.items() if k not in FINGERPRINT_UNRECORDED or k in recorded}
+
+
 def check_folder(out: Path, fingerprint: dict) -> str:
     """Classify `out` for a harvest of this `fingerprint`, writing nothing: 'new', 'resume' or 'complete'.
 
@@ -240,6 +257,17 @@ def check_folder(out: Path, fingerprint: dict) -> str:
     existing = Manifest.from_json(raw, str(out / HARVEST_FILE))
     old, new = ({**FINGERPRINT_BEFORE, **f} for f in (existing.fingerprint, fingerprint))
     details = describe_differences(old, new, "store has", "this run")
+    if (
+        details
+        and set(old) | set(new) == set(old) & set(new)
+        and [key for key in old if old[key] != new[key]] == ["weights_sha256"]
+    ):
+        raise DflashError(
+            f"the target's weights at {new.get('model')} changed since {out} was started (same config.json, other "
+            f"safetensors content: weights_sha256 {old['weights_sha256'][:12]}, now {new['weights_sha256'][:12]}); "
+            "resuming would mix two models in one store: restore the checkpoint the store was started with, or "
+            "harvest into a new --out folder"
+        )
     if details:
         raise DflashError(
             f"{out} holds a harvest made with different settings ({details}); rerun with the store's settings "

@@ -646,6 +646,50 @@ def test_sigterm_and_sigint_say_that_the_rerun_resumes(sig, tiny_target, tmp_pat
     assert 1 <= json.loads(progress.read_text())["rows_committed"]
 
 
+def test_weights_changed_in_place_are_refused_on_resume_and_reforward_blames_no_layer(
+    harvested, tiny_target, data_file, tmp_path
+):
+    """The same config.json over other weights: the resumed harvest must refuse (it would mix two models), and a
+    reforward against the other weights must not name a layer that 'matches better' when none matches."""
+    from dflash.tiny import make_tiny_target
+
+    model, other = tmp_path / "target", make_tiny_target(tmp_path / "other", "qwen3", seed=1)
+    shutil.copytree(tiny_target("qwen3"), model)
+    assert (model / "config.json").read_bytes() == (other / "config.json").read_bytes()
+    out = tmp_path / "store"
+    rank = dict(world_size=2, self_check=0)
+    assert run_cli(cli_args(model, data_file, out, rank=0, **rank)).exit_code == 0
+    shutil.copy(other / "model.safetensors", model / "model.safetensors")  # rewritten in place, same size
+    result = CliRunner().invoke(main, cli_args(model, data_file, out, rank=1, **rank))
+    assert result.exit_code == 2, result.output
+    assert "the target's weights at" in result.output and "changed since" in result.output, result.output
+    assert "restore the checkpoint the store was started with, or harvest into a new --out folder" in result.output
+    assert not (out / "parts" / "rank00001" / store.PROGRESS_FILE).exists()
+
+    result = run_cli(["inspect", str(harvested("qwen3")), "--reforward", "2", "--device", "cpu", "--model", str(other)])
+    assert result.exit_code == 1, result.output
+    assert "reforward  FAILED" in result.output and "matches layer" not in result.output, result.output
+    assert "it matches no tapped layer of the fresh forward" in result.output
+    assert "the target checked is not the model that wrote the store" in result.output
+
+
+def test_weights_fingerprint_reads_fixed_samples_of_each_file(tmp_path):
+    from dflash import target_files
+
+    path = tmp_path / "big.bin"
+    data = bytearray(np.random.default_rng(0).integers(0, 256, 20 << 20, dtype=np.uint8).tobytes())
+    path.write_bytes(data)
+    size, digest = target_files.file_sample_sha256(path)
+    assert size == len(data)
+    last = len(data) - target_files.WEIGHT_SAMPLE_BYTES
+    data[last * 16 // (target_files.WEIGHT_SAMPLES - 1) + 1000] ^= 1  # one bit inside a sample in the middle
+    path.write_bytes(data)
+    assert target_files.file_sample_sha256(path)[1] != digest
+    data.append(0)  # the size is part of it
+    path.write_bytes(data)
+    assert target_files.file_sample_sha256(path)[0] == size + 1
+
+
 def test_reforward_names_a_target_that_moved(harvested, tmp_path):
     path = tmp_path / "store"
     shutil.copytree(harvested("qwen3"), path)
