@@ -156,11 +156,11 @@ def _describe(path, manifest) -> str:
 def _verify(opened) -> bool:
     from tqdm import tqdm
 
-    from dflash import store
+    from dflash import verify
 
     total = sum(array.nbytes for part in opened.parts for array in part.values())
     with tqdm(total=total, unit="B", unit_scale=True, desc="verify", mininterval=1.0) as bar:
-        problems = store.check_chunks(opened, progress=bar.update)
+        problems = verify.check_chunks(opened, progress=bar.update)
     if problems:
         click.echo(f"verify     {len(problems)} damaged chunks:")
         for problem in problems:

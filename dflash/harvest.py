@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from dflash import __version__, features, manifest, selfcheck, sources, store
+from dflash import __version__, features, manifest, selfcheck, sources, store, verify
 from dflash.config import HarvestConfig
 from dflash.data import DataConfig, Document, load_documents, load_tokenizer
 from dflash.device import DTYPES, local_device
@@ -296,7 +296,7 @@ def _harvest_part(cfg: HarvestConfig, out: Path, fingerprint: dict, state: str, 
                 "the same command without --repair to finish it first"
             )
         header = store.read_manifest(out / store.HARVEST_FILE)
-        damage = store.part_damage(out, cfg.rank, header.features, header.teacher)
+        damage = verify.part_damage(out, cfg.rank, header.features, header.teacher)
         if not damage.rows and not damage.documents:
             logger.info("part %s of %s: every chunk present and its checksum correct; nothing to repair", cfg.rank, out)
             if state != "complete":
@@ -377,7 +377,7 @@ def _repair(cfg, out: Path, plan: PartPlan, target, part, header, projection, da
     firsts = sorted({row // per_group * per_group for row in damage.rows})
     groups = [(first, min(first + per_group, len(plan.rows))) for first in firsts]
     _run_rows(cfg, plan, target, part, header, projection, groups)
-    left = store.part_damage(out, cfg.rank, header.features, header.teacher)
+    left = verify.part_damage(out, cfg.rank, header.features, header.teacher)
     if left.rows or left.documents:
         raise DflashError(
             f"part {store.part_name(cfg.rank)} of {out} is still damaged after the repair: {left.problems[:3]}"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import zarr
 
-from dflash import store
+from dflash import store, verify
 from dflash.errors import DflashError
 from dflash.manifest import FeatureSpec, TargetSpec, TokenizerSpec
 from dflash.packing import first_fit_decreasing
@@ -96,7 +96,7 @@ def test_round_trip_across_parts_and_chunks(tmp_path, monkeypatch):
     assert [p.rows for p in manifest.parts] == [3, 2]
     with pytest.raises(IndexError):
         shards.read_row(5)
-    assert store.check_chunks(shards) == []
+    assert verify.check_chunks(shards) == []
 
 
 def test_direct_reader_equals_plain_zarr_with_an_edge_chunk(tmp_path, monkeypatch):
@@ -170,7 +170,7 @@ def test_a_rank_without_documents_gives_an_empty_part(tmp_path):
     out = tmp_path / "s"
     write_store(out, rows=(2, 0))
     shards = store.Store.open(out)
-    assert shards.num_rows == 2 and len(shards.documents()) == 2 and store.check_chunks(shards) == []
+    assert shards.num_rows == 2 and len(shards.documents()) == 2 and verify.check_chunks(shards) == []
 
 
 def test_incomplete_store_is_refused_until_the_last_part_finishes(tmp_path):
@@ -250,7 +250,7 @@ def test_corrupt_and_missing_chunks_are_named(tmp_path):
         shards.read_row(4)
     with pytest.raises(DflashError, match=r"row 2 \(part rank00000, array loss_mask, row 2\): chunk file missing"):
         shards.read_row(2)
-    problems = store.check_chunks(shards)
+    problems = verify.check_chunks(shards)
     assert len(problems) == 2, problems
     token_chunk = out / "parts" / "rank00000" / "input_ids" / "c" / "0" / "0"
     data = bytearray(token_chunk.read_bytes())
@@ -267,7 +267,7 @@ def test_all_padding_chunks_are_still_written(tmp_path):
     out = tmp_path / "s"
     write_store(out)
     assert (out / "parts" / "rank00000" / "position_ids" / "c" / "0" / "0").is_file()
-    assert store.check_chunks(store.Store.open(out)) == []
+    assert verify.check_chunks(store.Store.open(out)) == []
 
 
 def test_other_format_version_is_refused(tmp_path):
