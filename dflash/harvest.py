@@ -21,6 +21,7 @@ import shutil
 import signal
 import threading
 import time
+import uuid
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -295,13 +296,16 @@ def _harvest_part(cfg: HarvestConfig, out: Path, fingerprint: dict, state: str, 
                 f"--repair mends a finished part, and part {store.part_name(cfg.rank)} of {out} is not finished; rerun "
                 "the same command without --repair to finish it first"
             )
-        header = store.read_manifest(out / store.HARVEST_FILE)
-        damage = verify.part_damage(out, cfg.rank, header.features, header.teacher)
-        if not damage.rows and not damage.documents:
+        recorded = store.read_manifest(out / store.HARVEST_FILE)
+        damage = verify.part_damage(out, cfg.rank, recorded.features, recorded.teacher)
+        whole = store.damaged_whole_arrays(out, recorded)  # the projection, the document sources
+        if not damage.rows and not damage.documents and not whole:
             logger.info("part %s of %s: every chunk present and its checksum correct; nothing to repair", cfg.rank, out)
             if state != "complete":
                 _finish(out, cfg)
             return out
+        for problem in whole.values():
+            logger.info("repairing: %s", problem)
         logger.info("part %d: re-harvesting %d damaged rows %s", cfg.rank, len(damage.rows), damage.rows[:20])
     elif done:
         _finish(out, cfg)
@@ -339,8 +343,13 @@ def _harvest_part(cfg: HarvestConfig, out: Path, fingerprint: dict, state: str, 
             f"the checkpoint at {cfg.model} changed since {out} was started (its config differs); harvest into a new folder"
         )
     projection = None
-    if header.features.subspace is not None:
+    if header.features.subspace is not None and _projection_damaged(out, damage is not None and whole):
+        recorded = store.read_manifest(out / store.HARVEST_FILE)  # None: stopped before harvest.json, no row uses it
+        projection, header = _recalibrated(out, cfg, header, documents, target, recorded)
+    elif header.features.subspace is not None:
         projection, header = _calibrated(out, cfg, header, documents, target)
+    if damage is not None and store.DOCUMENT_SOURCES in whole:
+        shutil.rmtree(out / store.DOCUMENT_SOURCES)  # rewritten below from the data, as every rank computes it
 
     store.create_store(out, header)  # harvest.json: the first write of this run but the calibration
     # Ranks started together race to write harvest.json: each checks the one it finds before its first row.
@@ -376,7 +385,8 @@ def _repair(cfg, out: Path, plan: PartPlan, target, part, header, projection, da
     per_group = max(1, cfg.forward_tokens // cfg.token_budget)
     firsts = sorted({row // per_group * per_group for row in damage.rows})
     groups = [(first, min(first + per_group, len(plan.rows))) for first in firsts]
-    _run_rows(cfg, plan, target, part, header, projection, groups)
+    if groups:
+        _run_rows(cfg, plan, target, part, header, projection, groups)
     left = verify.part_damage(out, cfg.rank, header.features, header.teacher)
     if left.rows or left.documents:
         raise DflashError(
@@ -494,6 +504,50 @@ def _calibrated(
     )
     header = replace(header, features=replace(header.features, subspace=subspace))
     return torch.from_numpy(projection).to(cfg.device), header
+
+
+def _projection_damaged(out: Path, whole: dict | bool) -> bool:
+    """Whether the store's projection must be recomputed: found damaged by --repair, or unreadable on a resume."""
+    if whole:
+        return store.PROJECTION in whole
+    try:
+        store.read_projection(out)
+    except DflashError as exc:
+        logger.info("recomputing: %s", exc)
+        return True
+    return False
+
+
+def _recalibrated(out: Path, cfg: HarvestConfig, header, documents: list[Document], target, recorded):
+    """`--repair` of a damaged (or missing) projection: calibrate again, deterministically, and keep the result
+    only if it is the matrix the store's rows were encoded with (the calibration record of harvest.json, and the
+    sha256 the damaged array's attributes record when they are readable); otherwise put the damaged one back."""
+    folder, aside = out / store.PROJECTION, out / f"{store.TMP_PREFIX}{store.PROJECTION}.damaged.{uuid.uuid4().hex}"
+    old_sha256 = None
+    if folder.exists():
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
+            old_sha256 = json.loads((folder / "zarr.json").read_text())["attributes"].get("sha256")
+        os.rename(folder, aside)
+    try:
+        projection, header = _calibrated(out, cfg, header, documents, target)
+        new_sha256 = store.read_projection(out)[1].get("sha256")
+        if recorded is not None and (
+            header.features.subspace != recorded.features.subspace or old_sha256 not in (None, new_sha256)
+        ):
+            raise DflashError(
+                f"the recomputed projection of {out} is not the one its rows were encoded with (calibration "
+                f"{header.features.subspace}, the store records {recorded.features.subspace}): rerun --repair on the "
+                f"device type and --dtype the harvest ran with ({recorded.fingerprint.get('dtype')}), restore "
+                f"{folder} from a copy, or harvest again into a new folder"
+            )
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)  # nothing half-repaired: the damaged array goes back
+        if aside.exists():
+            os.rename(aside, folder)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+    logger.info("projection of %s recomputed: the same matrix as the one the rows were encoded with", out)
+    return projection, header
 
 
 def _written_projection(out: Path, cfg: HarvestConfig, projection: np.ndarray, record: dict, made_for: str):

@@ -671,15 +671,61 @@ def target_path(path: Path, manifest: Manifest) -> str:
 
 def _write_array_once(out: Path, name: str, data: np.ndarray, chunks: tuple, attributes: dict | None = None) -> None:
     """Write the store-level array `name` unless it is there: into a temporary folder renamed into place (atomic),
-    so that of several ranks writing it the first wins and nobody sees half of one."""
+    so that of several ranks writing it the first wins and nobody sees half of one. Its attributes record the
+    sha256 of its content (`read_whole`)."""
     if (out / name / "zarr.json").exists():
         return
     tmp = out / f"{TMP_PREFIX}{name}.{uuid.uuid4().hex}"
+    attributes = {**(attributes or {}), "sha256": content_sha256(data)}
     zarr.create_array(tmp, data=data, chunks=chunks, compressors=token_compressors(), attributes=attributes)
     try:
         os.rename(tmp, out / name)  # fails when another rank's is already there, which then wins
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def content_sha256(data: np.ndarray) -> str:
+    """sha256 of an array's values as C-order bytes of its dtype (little endian): a whole array's checksum."""
+    return hashlib.sha256(np.ascontiguousarray(data).tobytes()).hexdigest()
+
+
+def missing_chunks(array: zarr.Array, folder: Path) -> list[str]:
+    """The keys of `array`'s chunks that have no file in `folder` (zarr would read them as fill values): one
+    listing of the keys, no chunk read."""
+    keys = [array.metadata.encode_chunk_key(coords) for coords in np.ndindex(*array.cdata_shape)]
+    return [key for key in keys if not (folder / key).is_file()]
+
+
+def read_whole(out: Path, name: str, what: str, fix: str) -> tuple[np.ndarray, dict] | None:
+    """(values, attributes) of the store-level array `name` that must be read whole (the projection, the
+    document sources), None when the store has none: every chunk present, its CRC32C and the content's sha256
+    (when recorded) checked. A damaged one is a DflashError naming the problem and `fix`."""
+    folder = out / name
+    if not (folder / "zarr.json").exists():
+        return None
+    try:
+        array = zarr.open_array(folder, mode="r")
+        missing = missing_chunks(array, folder)
+        if missing:
+            problem = f"chunk file {', '.join(missing[:3])} missing: it would read as zeros"
+        else:
+            data, attributes = np.asarray(array[:]), dict(array.attrs)
+            if attributes.get("sha256", content_sha256(data)) == content_sha256(data):
+                return data, attributes
+            problem = "its content does not match the sha256 its attributes record"
+    except Exception as exc:  # a checksum mismatch, damaged metadata
+        problem = f"{type(exc).__name__}: {exc}"
+    raise DflashError(f"the {what} of {out} ({folder}) is damaged ({problem}); {fix}")
+
+
+REPAIR = "rerun the harvest command with --repair"
+PROJECTION_FIX = (
+    "rerun the harvest command (with --repair once the store is complete), which recomputes it (the calibration "
+    "is deterministic) and checks it against the rows' one, or harvest again into a new folder"
+)
+DOCUMENT_SOURCES_FIX = (
+    f"{REPAIR}, which rewrites it from the data, or delete that folder to train without per-source metrics"
+)
 
 
 def write_projection(out: Path, projection: np.ndarray, calibration: dict) -> tuple[np.ndarray, dict]:
@@ -699,29 +745,25 @@ def write_document_sources(out: Path, sources: np.ndarray) -> None:
 
 def read_document_sources(out: Path) -> np.ndarray | None:
     """Each doc id's data source, None for a store of one source (or one made before stores recorded them)."""
-    if not (out / DOCUMENT_SOURCES / "zarr.json").exists():
-        return None
-    try:
-        return np.asarray(zarr.open_array(out / DOCUMENT_SOURCES, mode="r")[:])
-    except Exception as exc:  # a checksum mismatch, a missing chunk, damaged metadata
-        raise DflashError(
-            f"the document sources of {out} ({out / DOCUMENT_SOURCES}) are damaged ({exc}); delete that folder to "
-            "train without per-source metrics, or harvest again"
-        ) from None
+    stored = read_whole(out, DOCUMENT_SOURCES, "document sources", DOCUMENT_SOURCES_FIX)
+    return None if stored is None else stored[0]
 
 
 def read_projection(out: Path) -> tuple[np.ndarray, dict] | None:
     """(P, calibration record) of a subspace store, None when it has none (yet)."""
-    if not (out / PROJECTION / "zarr.json").exists():
-        return None
-    try:
-        array = zarr.open_array(out / PROJECTION, mode="r")
-        return np.asarray(array[:]), dict(array.attrs)
-    except Exception as exc:  # a checksum mismatch, a missing chunk, damaged metadata
-        raise DflashError(
-            f"the projection of {out} ({out / PROJECTION}) is damaged ({exc}); a subspace store cannot be read or "
-            "resumed without it: harvest again"
-        ) from None
+    return read_whole(out, PROJECTION, "projection", PROJECTION_FIX)
+
+
+def damaged_whole_arrays(out: Path, header: Manifest) -> dict[str, str]:
+    """The store-level arrays of `out` that fail `read_whole` (or that a subspace store lacks): name -> problem."""
+    damaged = {}
+    for name, read in ((PROJECTION, read_projection), (DOCUMENT_SOURCES, read_document_sources)):
+        try:
+            if read(out) is None and name == PROJECTION and header.features.subspace is not None:
+                damaged[name] = f"the subspace store {out} has no {PROJECTION} array"
+        except DflashError as exc:
+            damaged[name] = str(exc)
+    return damaged
 
 
 def new_manifest(
@@ -914,6 +956,13 @@ class Store:
             ) from None
         for entry, arrays in zip(manifest.parts, self.parts):
             self._check_shapes(entry, arrays)
+            missing = missing_chunks(arrays["documents"], path / "parts" / entry.name / "documents")
+            if missing:
+                raise DflashError(
+                    f"the documents table of part {entry.name} of {path} is damaged (chunk file "
+                    f"{', '.join(missing[:3])} missing: it would read as zeros); {REPAIR} for rank "
+                    f"{int(entry.name.removeprefix('rank'))}, which rewrites it"
+                )
         self.row_readers = self._chunk_readers(self.row_layout)
         self.teacher_readers = self._chunk_readers(self.teacher_layout)
         self.document_sources = read_document_sources(path)  # int16 [doc ids]: a store of several data sources
@@ -922,7 +971,9 @@ class Store:
             stored = read_projection(path)
             if stored is None or stored[0].shape != (self.features.width, manifest.feature_dim):
                 raise DflashError(
-                    f"{path} is a subspace store without a valid {PROJECTION} array; the store is damaged: harvest again"
+                    f"{path} is a subspace store without a valid {PROJECTION} array ("
+                    + ("none" if stored is None else f"its shape is {stored[0].shape}")
+                    + f"); {PROJECTION_FIX}"
                 )
             self.projection = stored[0]
 
@@ -1030,8 +1081,14 @@ class Store:
     def documents(self) -> np.ndarray:
         """int64 [n_docs, 5] of DOCUMENT_COLUMNS for the whole store, with global row numbers."""
         tables = []
-        for part, start in zip(self.parts, self.part_starts):
-            table = part["documents"][:]
+        for part, start, name in zip(self.parts, self.part_starts, self.part_names):
+            try:
+                table = part["documents"][:]
+            except Exception as exc:  # a checksum mismatch, a codec error
+                raise DflashError(
+                    f"the documents table of part {name} of {self.path} is damaged ({type(exc).__name__}: {exc}); "
+                    f"{REPAIR} for rank {int(name.removeprefix('rank'))}, which rewrites it"
+                ) from None
             table[:, 2] += start
             tables.append(table)
         return np.concatenate(tables) if tables else np.zeros((0, len(DOCUMENT_COLUMNS)), np.int64)

@@ -262,6 +262,32 @@ def test_corrupt_and_missing_chunks_are_named(tmp_path):
     assert any("part rank00000 array loss_mask chunk (2, 0) (row 2): chunk file missing" in p for p in problems)
 
 
+def test_whole_arrays_with_a_missing_or_swapped_chunk_are_refused_on_open(tmp_path):
+    """zarr reads a missing chunk as its fill value (zeros): the document sources and the documents tables must
+    be refused on open, naming the chunk and --repair; a CRC-valid chunk of other content fails the sha256."""
+    out, other = tmp_path / "s", tmp_path / "other"
+    write_store(out)
+    store.write_document_sources(out, np.array([0, 1, 0, 1, 1], np.int16))
+    assert store.Store.open(out).document_sources.tolist() == [0, 1, 0, 1, 1]
+    chunk = out / store.DOCUMENT_SOURCES / "c" / "0"
+    saved = chunk.read_bytes()
+    chunk.unlink()
+    with pytest.raises(
+        DflashError,
+        match=r"document sources .* damaged \(chunk file c/0 missing: it would read as zeros\); rerun the harvest command with --repair",
+    ):
+        store.Store.open(out)
+    other.mkdir()
+    store.write_document_sources(other, np.array([1, 1, 0, 1, 1], np.int16))
+    chunk.write_bytes((other / store.DOCUMENT_SOURCES / "c" / "0").read_bytes())  # its CRC32C is right
+    with pytest.raises(DflashError, match=r"does not match the sha256 its attributes record"):
+        store.Store.open(out)
+    chunk.write_bytes(saved)
+    (out / "parts" / "rank00001" / "documents" / "c" / "0" / "0").unlink()
+    with pytest.raises(DflashError, match=r"documents table of part rank00001 .*c/0/0 missing.*--repair for rank 1"):
+        store.Store.open(out)
+
+
 def test_all_padding_chunks_are_still_written(tmp_path):
     """A chunk equal to the fill value is written too, so a missing chunk file always means damage."""
     out = tmp_path / "s"
