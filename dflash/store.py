@@ -18,6 +18,7 @@ import dataclasses
 import errno
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -45,6 +46,8 @@ from dflash.manifest import (
     TokenizerSpec,
     identity_of,
 )
+
+logger = logging.getLogger("dflash")
 
 HARVEST_FILE = "harvest.json"
 MANIFEST_FILE = "manifest.json"
@@ -423,6 +426,21 @@ class PartWriter:
         else:  # resuming: drop the temporary files of writes a killed run left unfinished
             # Only rows past the committed ones are written again (all of them for a finished part: a repair).
             committed = self.progress["rows_committed"]
+            if committed < self.progress["rows"]:  # chunks of committed rows may be missing from a copied store
+                hole, examples = missing_committed_chunks(self.folder, committed, documents=False)
+                if hole is not None:
+                    logger.warning(
+                        "part %s of %s: chunk files of committed rows are missing (%s; copied while being written?): "
+                        "resuming from row %d instead of %d",
+                        part_name(spec.rank),
+                        out,
+                        ", ".join(examples),
+                        hole,
+                        committed,
+                    )
+                    committed = hole
+                    self.progress = {**self.progress, "rows_committed": hole}
+                    write_json_atomic(self.folder / PROGRESS_FILE, self.progress)
             first = committed if committed < self.progress["rows"] else 0
             for leftover in [*_unfinished_writes(self.folder, first), *self.folder.glob(f"{TMP_PREFIX}*")]:
                 leftover.unlink(missing_ok=True)
@@ -430,6 +448,8 @@ class PartWriter:
         group = zarr.open_group(self.folder, mode="r+")
         names = arrays_of(spec.features, spec.teacher)
         self.arrays = {name: group[name].with_config(_array_config(read=False)) for name in names}
+        if missing_chunks(self.arrays["documents"], self.folder / "documents"):  # a copy of a store being written
+            self.arrays["documents"][:] = spec.documents
         self.chunk_writers = {
             name: HiddenChunkWriter(self.arrays[name], self.folder / name, spec.features if name == "hidden" else BF16)
             for name in CHUNK_WRITTEN
@@ -572,6 +592,38 @@ def _unfinished_writes(folder: Path, first_row: int) -> list[Path]:
     return [path for path in found if path.name.endswith(".partial")]
 
 
+def missing_committed_chunks(folder: Path, rows_committed: int, documents: bool = True) -> tuple[int | None, list[str]]:
+    """(first row, up to 3 examples) of the chunk files missing among a part's committed rows and its documents
+    table; (None, []) when none is. One walk over the chunk folders, no chunk read: a store copied while being
+    written can hold a progress.json newer than its chunks."""
+    first, examples = None, []
+    try:
+        arrays = {
+            child.name: zarr.open_array(child, mode="r")
+            for child in folder.iterdir()
+            if (child / "zarr.json").is_file() and not child.name.startswith(TMP_PREFIX)
+        }
+    except Exception:  # damaged metadata: verify and the reader name it
+        return None, []
+    for name, array in sorted(arrays.items()):
+        if name == "documents" and not documents:
+            continue
+        present = set()
+        for root, _, files in os.walk(folder / name / "c"):
+            relative = Path(root).relative_to(folder / name)
+            present.update(str(relative / file) for file in files)
+        grid = array.cdata_shape
+        rows = grid[0] if name == "documents" else min(rows_committed, grid[0])
+        for coords in np.ndindex(rows, *grid[1:]):
+            key = array.metadata.encode_chunk_key(coords)
+            if key not in present:
+                row = 0 if name == "documents" else coords[0]
+                first = row if first is None else min(first, row)
+                if len(examples) < 3:
+                    examples.append(f"{name}/{key}")
+    return first, examples
+
+
 PART_COUNTS = ("documents", "tokens", "loss_tokens", "padding_tokens")
 
 
@@ -616,6 +668,15 @@ def finalize(out: Path, header: Manifest) -> bool:
     if any(p is None or p["rows_committed"] < p["rows"] for p in progress):
         return False
     check_parts_agree(out, header, progress)
+    for rank, p in enumerate(progress):
+        first, examples = missing_committed_chunks(out / "parts" / part_name(rank), p["rows_committed"])
+        if first is not None:
+            raise DflashError(
+                f"part {part_name(rank)} of {out} records {p['rows_committed']} rows committed, but chunk files of "
+                f"row {first} and maybe others are missing ({', '.join(examples)}): the store was copied while being "
+                f"written, or damaged; no manifest is written. Rerun rank {rank}'s harvest command with --repair, "
+                "which re-harvests exactly the rows with missing or damaged chunks"
+            )
     parts = [PartEntry(part_name(rank), p["rows"], **p["counts"]) for rank, p in enumerate(progress)]
     manifest = dataclasses.replace(header, identity=identity_of(header)).with_parts(parts)
     write_json_atomic(out / MANIFEST_FILE, manifest.to_json())

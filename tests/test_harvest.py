@@ -603,6 +603,45 @@ def test_repair_rewrites_exactly_the_damaged_rows_bit_for_bit(harvested, tiny_ta
     assert result.exit_code == 0, result.output
 
 
+def copied_while_written(reference: Path, out: Path, rows_left: int) -> dict:
+    """A copy of `reference` as a copy of a store being written can be: no manifest, `rows_left` rows not yet
+    committed, and chunk files of committed row 3 (and a documents chunk) not copied; returns its progress."""
+    shutil.copytree(reference, out)
+    (out / store.MANIFEST_FILE).unlink()
+    part = out / "parts" / "rank00000"
+    progress = json.loads((part / store.PROGRESS_FILE).read_text())
+    progress["rows_committed"] = progress["rows"] - rows_left
+    store.write_json_atomic(part / store.PROGRESS_FILE, progress)
+    for chunk in ("hidden/c/3/0/0", "input_ids/c/3/0", "documents/c/0/0"):
+        (part / chunk).unlink()
+    return progress
+
+
+def test_a_store_copied_while_written_resumes_from_its_first_hole(harvested, tiny_target, data_file, tmp_path, caplog):
+    reference, out = harvested("qwen3"), tmp_path / "store"
+    copied_while_written(reference, out, rows_left=2)
+    with caplog.at_level("INFO", logger="dflash"):
+        result = run_cli(cli_args(tiny_target("qwen3"), data_file, out))
+    assert result.exit_code == 0, result.output
+    assert "resuming from row 3 instead of" in caplog.text and "resuming after row 3" in caplog.text
+    assert_same_content(out, reference)  # resumed row groups batch other documents together: last bits differ
+    assert run_cli(["inspect", str(out), "--verify"]).exit_code == 0
+
+
+def test_a_finished_part_with_holes_is_not_called_complete(harvested, tiny_target, data_file, tmp_path):
+    reference, out = harvested("qwen3"), tmp_path / "store"
+    copied_while_written(reference, out, rows_left=0)
+    args = cli_args(tiny_target("qwen3"), data_file, out)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert "chunk files of row 0 and maybe others are missing" in result.output, result.output
+    assert "hidden/c/3/0/0" in result.output and "with --repair" in result.output
+    assert "store complete" not in result.output and not (out / store.MANIFEST_FILE).exists()
+    result = run_cli([*args, "--repair"])
+    assert result.exit_code == 0, result.output
+    assert store_files(out) == store_files(reference)
+
+
 def test_repair_of_an_unfinished_part_is_refused(harvested, tiny_target, data_file, tmp_path):
     out = tmp_path / "store"
     shutil.copytree(harvested("qwen3"), out)
