@@ -278,6 +278,9 @@ def _harvest(cfg: HarvestConfig) -> Path:
         )
         return out
     store.check_writable(out)
+    if cfg.repair and state != "new":  # what of the part's metadata is damaged is rebuilt first
+        for rewritten in verify.repair_metadata(out, cfg.rank, store.read_manifest(out / store.HARVEST_FILE)):
+            logger.info("repaired: rewrote %s", rewritten)
     with contextlib.ExitStack() as stack:  # the part's lock, once taken, is held to the end of the run
 
         def lock() -> None:

@@ -276,7 +276,14 @@ def check_folder(out: Path, fingerprint: dict) -> str:
             f"{out} holds a harvest made with different settings ({details}); rerun with the store's settings "
             f"to resume it, or choose a new --out folder"
         )
-    return "complete" if (out / MANIFEST_FILE).exists() else "resume"
+    if not (out / MANIFEST_FILE).exists():
+        return "resume"
+    try:
+        complete = read_manifest(out / MANIFEST_FILE).complete
+    except DflashError as exc:  # rebuilt from harvest.json and the parts' progress by finishing again
+        complete = False
+        logger.warning("%s; rewriting it from %s and the parts' progress", exc, HARVEST_FILE)
+    return "complete" if complete else "resume"
 
 
 def _only_locks(folder: Path) -> bool:
@@ -457,64 +464,7 @@ class PartWriter:
         }
 
     def _create(self, out: Path, spec: PartSpec, recorded: dict) -> None:
-        group = _ensure_group(self.folder)
-        T, f = spec.token_budget, spec.features
-        write = dict(overwrite=True, config=_array_config(read=False))
-        chunk = hidden_chunk_tokens(T, f.width * f.bytes_per_value)
-        group.create_array(
-            "hidden",
-            shape=(spec.rows, T, f.width),
-            chunks=(1, chunk, f.width),
-            dtype=HIDDEN_DTYPES[f.precision],
-            compressors=hidden_compressors(f),
-            fill_value=0,
-            **write,
-            attributes={"precision": f.precision, "encoding": HIDDEN_ENCODINGS[f.precision]},
-        )
-        if f.precision == "fp8":
-            group.create_array(
-                "scales",
-                shape=(spec.rows, T, f.scale_groups),
-                chunks=(1, T, f.scale_groups),
-                dtype=SCALE_DTYPE,
-                compressors=token_compressors(),
-                fill_value=0,
-                attributes={"meaning": "log2 of each group's scale"},
-                **write,
-            )
-        for name, dtype in TOKEN_ARRAYS.items():
-            fill = -1 if name == "doc_ids" else 0
-            group.create_array(
-                name,
-                shape=(spec.rows, T),
-                chunks=(1, T),
-                dtype=dtype,
-                compressors=token_compressors(),
-                fill_value=fill,
-                **write,
-            )
-        for name, (shape, dtype) in teacher_arrays(spec.teacher, T).items():
-            chunk = (hidden_chunk_tokens(T, 2 * shape[1]), shape[1]) if name == "teacher_hidden" else shape
-            group.create_array(
-                name,
-                shape=(spec.rows, *shape),
-                chunks=(1, *chunk),
-                dtype=dtype,
-                compressors=compressors_of(name, f),
-                fill_value=0,
-                attributes={"meaning": TEACHER_MEANINGS[name]},
-                **write,
-            )
-        documents = group.create_array(
-            "documents",
-            shape=spec.documents.shape,
-            chunks=(DOC_CHUNK, len(DOCUMENT_COLUMNS)),
-            dtype="int64",
-            compressors=token_compressors(),
-            fill_value=0,
-            attributes={"columns": DOCUMENT_COLUMNS},
-            **write,
-        )
+        documents = create_part_arrays(_ensure_group(self.folder), spec)
         documents[:] = spec.documents
         self.progress = {"rows": spec.rows, "rows_committed": 0, "counts": spec.counts, **recorded}
         write_json_atomic(self.folder / PROGRESS_FILE, self.progress)
@@ -540,6 +490,69 @@ class PartWriter:
             check_header(self.out, self.header, int(self.folder.name.removeprefix("rank")))
         self.progress = {**self.progress, "rows_committed": rows_committed}
         write_json_atomic(self.folder / PROGRESS_FILE, self.progress)
+
+
+def create_part_arrays(group: zarr.Group, spec: PartSpec) -> zarr.Array:
+    """Create (metadata only, overwriting) every array of a part in `group`; returns the documents array. Also
+    what `--repair` rebuilds a damaged zarr.json from (dflash.verify.repair_metadata)."""
+    T, f = spec.token_budget, spec.features
+    write = dict(overwrite=True, config=_array_config(read=False))
+    chunk = hidden_chunk_tokens(T, f.width * f.bytes_per_value)
+    group.create_array(
+        "hidden",
+        shape=(spec.rows, T, f.width),
+        chunks=(1, chunk, f.width),
+        dtype=HIDDEN_DTYPES[f.precision],
+        compressors=hidden_compressors(f),
+        fill_value=0,
+        **write,
+        attributes={"precision": f.precision, "encoding": HIDDEN_ENCODINGS[f.precision]},
+    )
+    if f.precision == "fp8":
+        group.create_array(
+            "scales",
+            shape=(spec.rows, T, f.scale_groups),
+            chunks=(1, T, f.scale_groups),
+            dtype=SCALE_DTYPE,
+            compressors=token_compressors(),
+            fill_value=0,
+            attributes={"meaning": "log2 of each group's scale"},
+            **write,
+        )
+    for name, dtype in TOKEN_ARRAYS.items():
+        fill = -1 if name == "doc_ids" else 0
+        group.create_array(
+            name,
+            shape=(spec.rows, T),
+            chunks=(1, T),
+            dtype=dtype,
+            compressors=token_compressors(),
+            fill_value=fill,
+            **write,
+        )
+    for name, (shape, dtype) in teacher_arrays(spec.teacher, T).items():
+        chunk = (hidden_chunk_tokens(T, 2 * shape[1]), shape[1]) if name == "teacher_hidden" else shape
+        group.create_array(
+            name,
+            shape=(spec.rows, *shape),
+            chunks=(1, *chunk),
+            dtype=dtype,
+            compressors=compressors_of(name, f),
+            fill_value=0,
+            attributes={"meaning": TEACHER_MEANINGS[name]},
+            **write,
+        )
+    documents = group.create_array(
+        "documents",
+        shape=spec.documents.shape,
+        chunks=(DOC_CHUNK, len(DOCUMENT_COLUMNS)),
+        dtype="int64",
+        compressors=token_compressors(),
+        fill_value=0,
+        attributes={"columns": DOCUMENT_COLUMNS},
+        **write,
+    )
+    return documents
 
 
 class HiddenChunkWriter:
@@ -629,7 +642,14 @@ PART_COUNTS = ("documents", "tokens", "loss_tokens", "padding_tokens")
 
 def read_progress(path: Path) -> dict | None:
     """A part's progress.json, validated: rows, rows_committed (0..rows) and the part's counts; None if absent."""
-    raw = read_json(path)
+    fix = (
+        "if the store is complete, rerun the harvest command with --repair, which rewrites it from manifest.json; "
+        "otherwise delete it to redo that part, or restore it"
+    )
+    try:
+        raw = read_json(path)
+    except DflashError as exc:
+        raise DflashError(f"{str(exc).split('; restore it')[0]}; {fix}") from None
     if raw is None:
         return None
 
@@ -650,7 +670,7 @@ def read_progress(path: Path) -> dict | None:
     ):
         raise DflashError(
             f"{path} is damaged or was edited (expected rows, rows_committed <= rows and the counts "
-            f"{', '.join(PART_COUNTS)}, all non-negative integers); delete it to redo that part, or restore it"
+            f"{', '.join(PART_COUNTS)}, all non-negative integers); {fix}"
         )
     return raw
 
@@ -911,10 +931,17 @@ class PartContent:
 def _open_manifest(path: Path) -> Manifest:
     if not path.is_dir():
         raise DflashError(f"{path} is not a folder; pass the folder a harvest wrote (it holds {MANIFEST_FILE})")
-    manifest = read_manifest(path / MANIFEST_FILE)
+    rewrite = (
+        "rerun the harvest command, which rewrites it from harvest.json and the parts' progress.json (and runs the "
+        "self-check again)"
+    )
+    try:
+        manifest = read_manifest(path / MANIFEST_FILE)
+    except DflashError as exc:
+        raise DflashError(f"{str(exc).split('; restore it')[0]}; {rewrite}") from None
     if manifest is not None:
         if not manifest.complete:
-            raise DflashError(f"{path / MANIFEST_FILE} has no counts; the file is damaged: restore it or harvest again")
+            raise DflashError(f"{path / MANIFEST_FILE} has no counts; the file is damaged: {rewrite}")
         return manifest
     header = read_manifest(path / HARVEST_FILE)
     if header is None:
@@ -1012,8 +1039,9 @@ class Store:
             ]
         except Exception as exc:  # a missing part folder or array, damaged zarr.json metadata
             raise DflashError(
-                f"the arrays of {path} cannot be opened ({type(exc).__name__}: {exc}); the store is damaged: restore "
-                "its parts folder, or harvest again"
+                f"the arrays of {path} cannot be opened ({type(exc).__name__}: {exc}); their metadata is damaged: "
+                "rerun the harvest command of each rank with --repair, which rebuilds the zarr.json files from "
+                "harvest.json and then re-harvests any damaged rows (or restore the parts folder)"
             ) from None
         for entry, arrays in zip(manifest.parts, self.parts):
             self._check_shapes(entry, arrays)

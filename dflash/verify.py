@@ -1,6 +1,10 @@
 """Verification of a store: every chunk of every array read and its CRC32C checked (`dflash inspect --verify`,
-and the damage a `--repair` mends). Imports dflash.store, which never imports it."""
+and the damage a `--repair` mends), and the rebuilding of a finished part's metadata by `--repair`. Imports
+dflash.store, which never imports it."""
 
+import os
+import shutil
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -8,8 +12,9 @@ from pathlib import Path
 import numpy as np
 import zarr
 
+from dflash import store
 from dflash.errors import DflashError
-from dflash.manifest import FeatureSpec, TeacherSpec
+from dflash.manifest import FeatureSpec, Manifest, TeacherSpec
 from dflash.store import Store, _array_config, arrays_of, part_name
 
 
@@ -41,8 +46,8 @@ def part_damage(
         arrays = {name: group[name].with_config(_array_config(read=True)) for name in names}
     except Exception as exc:
         raise DflashError(
-            f"the arrays of part {part_name(rank)} of {out} cannot be opened ({exc}); their metadata is damaged: "
-            "restore the part folder, or harvest again into a new folder"
+            f"the arrays of part {part_name(rank)} of {out} cannot be opened ({exc}); their metadata is damaged "
+            "beyond what --repair rebuilds: restore the part folder, or harvest again into a new folder"
         ) from None
     jobs = [(name, array, coords) for name, array in arrays.items() for coords in np.ndindex(*array.cdata_shape)]
 
@@ -81,3 +86,68 @@ def check_chunks(store: Store, progress=None, threads: int = 8) -> list[str]:
 
     with ThreadPoolExecutor(threads) as pool:
         return [problem for problem in pool.map(check, jobs) if problem is not None]
+
+
+def _opens(folder: Path, kind: str) -> bool:
+    """Whether `folder` opens as a zarr `kind` ("array" or "group"): its zarr.json is there and valid."""
+    try:
+        (zarr.open_array if kind == "array" else zarr.open_group)(folder, mode="r")
+        return True
+    except Exception:  # a missing or damaged zarr.json
+        return False
+
+
+def repair_metadata(out: Path, rank: int, header: Manifest) -> list[str]:
+    """`--repair`: rebuild what of part `rank`'s metadata is damaged and can be rebuilt exactly, before its
+    chunks are checked: its progress.json from manifest.json (a finished part), the zarr.json of each of its
+    arrays from harvest.json and the part's rows and documents, and the groups' zarr.json (root, parts, the
+    part). Each file is written as the harvest wrote it (temporary file and rename). Returns what it rewrote."""
+    folder, fixed = out / "parts" / part_name(rank), []
+    try:
+        progress = store.read_progress(folder / store.PROGRESS_FILE)
+    except DflashError:
+        progress = None
+        try:
+            manifest = store.read_manifest(out / store.MANIFEST_FILE)
+        except DflashError:
+            manifest = None
+        entry = next((e for e in manifest.parts if e.name == part_name(rank)), None) if manifest else None
+        if entry is None:
+            raise
+        counts = {key: getattr(entry, key) for key in store.PART_COUNTS}
+        progress = {"rows": entry.rows, "rows_committed": entry.rows, "counts": counts}
+        progress |= {
+            "header_sha256": store.header_sha256(header),
+            "fingerprint": store.header_content(header)["fingerprint"],
+        }
+        store.write_json_atomic(folder / store.PROGRESS_FILE, progress)
+        fixed.append(str(folder / store.PROGRESS_FILE))
+    if progress is None:
+        return fixed  # a part never started: nothing of it to rebuild
+    names = [name for name in arrays_of(header.features, header.teacher) if not _opens(folder / name, "array")]
+    groups = [g for g in (out, out / "parts", folder) if not _opens(g, "group")]
+    if not names and not groups:
+        return fixed
+    spec = store.PartSpec(
+        rank,
+        progress["rows"],
+        header.token_budget,
+        header.features,
+        np.zeros((progress["counts"]["documents"], len(store.DOCUMENT_COLUMNS)), np.int64),
+        progress["counts"],
+        header.teacher,
+    )
+    tmp = out / f"{store.TMP_PREFIX}metadata.{uuid.uuid4().hex}"
+    try:
+        store.create_part_arrays(zarr.open_group(tmp, mode="w", zarr_format=3), spec)
+        rebuilt = [(tmp / name / "zarr.json", folder / name / "zarr.json") for name in names]
+        rebuilt += [(tmp / "zarr.json", group / "zarr.json") for group in groups]
+        for source, target in rebuilt:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            partial = target.with_name(f"{store.TMP_PREFIX}zarr.json.{uuid.uuid4().hex}")
+            shutil.copyfile(source, partial)
+            os.replace(partial, target)
+            fixed.append(str(target))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return fixed

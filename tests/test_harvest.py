@@ -642,6 +642,37 @@ def test_a_finished_part_with_holes_is_not_called_complete(harvested, tiny_targe
     assert store_files(out) == store_files(reference)
 
 
+@pytest.mark.parametrize(
+    "damaged, fix",
+    [
+        ("manifest.json", "rerun the harvest command, which rewrites it"),
+        ("zarr.json", "with --repair, which rebuilds the zarr.json files"),
+        ("parts/rank00000/hidden/zarr.json", "with --repair, which rebuilds the zarr.json files"),
+        ("parts/rank00000/documents/zarr.json", "with --repair, which rebuilds the zarr.json files"),
+        ("parts/rank00000/progress.json", None),  # the store reads without it; --repair rewrites it
+    ],
+)
+def test_damaged_metadata_is_rebuilt_by_the_command_its_error_names(
+    damaged, fix, harvested, tiny_target, data_file, tmp_path
+):
+    """No loop between inspect ("harvest again") and harvest ("already complete"): the command the error names
+    rebuilds the file, as the harvest wrote it."""
+    reference, out = harvested("qwen3"), tmp_path / "store"
+    shutil.copytree(reference, out)
+    (out / damaged).write_text("{torn")
+    args = cli_args(tiny_target("qwen3"), data_file, out)
+    result = CliRunner().invoke(main, ["inspect", str(out), "--verify"])
+    if fix is None:
+        assert result.exit_code == 0, result.output
+        result = CliRunner().invoke(main, [*args, "--repair"])
+    else:
+        assert result.exit_code == 2 and fix in result.output, result.output
+        result = CliRunner().invoke(main, [*args, *(["--repair"] if "--repair" in fix else [])])
+    assert result.exit_code == 0, result.output
+    assert store_files(out) == store_files(reference)
+    assert run_cli(["inspect", str(out), "--verify"]).exit_code == 0
+
+
 def test_repair_of_an_unfinished_part_is_refused(harvested, tiny_target, data_file, tmp_path):
     out = tmp_path / "store"
     shutil.copytree(harvested("qwen3"), out)
