@@ -111,12 +111,14 @@ def inspect(store_path, verify, reforward, seed, model, device):
     if verify:
         failed = _verify(opened)
     if reforward:
-        from dflash.selfcheck import describe_failure, run_reforward
+        from dflash.selfcheck import NO_LAYER_MATCHES, describe_failure, no_layer_matches, run_reforward
 
         check = run_reforward(path, reforward, seed, device, model)
         click.echo(f"reforward  {check.describe()}")
         for failure in check.failures:
             click.echo(f"  {describe_failure(failure)}")
+        if no_layer_matches(check):
+            click.echo(f"  {NO_LAYER_MATCHES}")
         failed = failed or not check.passed
     if failed:
         raise SystemExit(1)
@@ -154,11 +156,11 @@ def _describe(path, manifest) -> str:
 def _verify(opened) -> bool:
     from tqdm import tqdm
 
-    from dflash import store
+    from dflash import verify
 
     total = sum(array.nbytes for part in opened.parts for array in part.values())
     with tqdm(total=total, unit="B", unit_scale=True, desc="verify", mininterval=1.0) as bar:
-        problems = store.check_chunks(opened, progress=bar.update)
+        problems = verify.check_chunks(opened, progress=bar.update)
     if problems:
         click.echo(f"verify     {len(problems)} damaged chunks:")
         for problem in problems:

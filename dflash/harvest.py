@@ -21,6 +21,7 @@ import shutil
 import signal
 import threading
 import time
+import uuid
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from dflash import __version__, features, manifest, selfcheck, sources, store
+from dflash import __version__, features, manifest, selfcheck, sources, store, verify
 from dflash.config import HarvestConfig
 from dflash.data import DataConfig, Document, load_documents, load_tokenizer
 from dflash.device import DTYPES, local_device
@@ -36,7 +37,7 @@ from dflash.drafter import rope_theta_of
 from dflash.errors import DflashError
 from dflash.packing import PAD_MULTIPLE, PartPlan, forward_batches, round_up
 from dflash.target import TappedTarget, check_layer_ids, default_layer_ids
-from dflash.target_files import MASK_TOKEN, load_config
+from dflash.target_files import MASK_TOKEN, load_config, weights_sha256
 
 logger = logging.getLogger("dflash")
 
@@ -171,6 +172,7 @@ def _fingerprint(cfg: HarvestConfig) -> dict:
         else None,
         "projection_sha256": _borrowed_projection(cfg, encoding, len(layers) * text.hidden_size)[2],
         "model": model,
+        "weights_sha256": weights_sha256(cfg.model),  # weights rewritten in place under the same config.json
         "layers": layers,
         **_data_identity(cfg),
         "dedup": cfg.dedup,
@@ -266,7 +268,7 @@ def run_harvest(cfg: HarvestConfig) -> Path:
 
 def _harvest(cfg: HarvestConfig) -> Path:
     out = Path(cfg.out)
-    fingerprint = _fingerprint(cfg)
+    fingerprint = store.as_recorded(out, _fingerprint(cfg))
     state = store.check_folder(out, fingerprint)
     if state == "complete" and not cfg.repair:
         logger.info(
@@ -276,6 +278,9 @@ def _harvest(cfg: HarvestConfig) -> Path:
         )
         return out
     store.check_writable(out)
+    if cfg.repair and state != "new":  # what of the part's metadata is damaged is rebuilt first
+        for rewritten in verify.repair_metadata(out, cfg.rank, store.read_manifest(out / store.HARVEST_FILE)):
+            logger.info("repaired: rewrote %s", rewritten)
     with contextlib.ExitStack() as stack:  # the part's lock, once taken, is held to the end of the run
 
         def lock() -> None:
@@ -294,13 +299,16 @@ def _harvest_part(cfg: HarvestConfig, out: Path, fingerprint: dict, state: str, 
                 f"--repair mends a finished part, and part {store.part_name(cfg.rank)} of {out} is not finished; rerun "
                 "the same command without --repair to finish it first"
             )
-        header = store.read_manifest(out / store.HARVEST_FILE)
-        damage = store.part_damage(out, cfg.rank, header.features, header.teacher)
-        if not damage.rows and not damage.documents:
+        recorded = store.read_manifest(out / store.HARVEST_FILE)
+        damage = verify.part_damage(out, cfg.rank, recorded.features, recorded.teacher)
+        whole = store.damaged_whole_arrays(out, recorded)  # the projection, the document sources
+        if not damage.rows and not damage.documents and not whole:
             logger.info("part %s of %s: every chunk present and its checksum correct; nothing to repair", cfg.rank, out)
             if state != "complete":
                 _finish(out, cfg)
             return out
+        for problem in whole.values():
+            logger.info("repairing: %s", problem)
         logger.info("part %d: re-harvesting %d damaged rows %s", cfg.rank, len(damage.rows), damage.rows[:20])
     elif done:
         _finish(out, cfg)
@@ -338,13 +346,20 @@ def _harvest_part(cfg: HarvestConfig, out: Path, fingerprint: dict, state: str, 
             f"the checkpoint at {cfg.model} changed since {out} was started (its config differs); harvest into a new folder"
         )
     projection = None
-    if header.features.subspace is not None:
+    if header.features.subspace is not None and _projection_damaged(out, damage is not None and whole):
+        recorded = store.read_manifest(out / store.HARVEST_FILE)  # None: stopped before harvest.json, no row uses it
+        projection, header = _recalibrated(out, cfg, header, documents, target, recorded)
+    elif header.features.subspace is not None:
         projection, header = _calibrated(out, cfg, header, documents, target)
+    if damage is not None and store.DOCUMENT_SOURCES in whole:
+        shutil.rmtree(out / store.DOCUMENT_SOURCES)  # rewritten below from the data, as every rank computes it
 
     store.create_store(out, header)  # harvest.json: the first write of this run but the calibration
+    # Ranks started together race to write harvest.json: each checks the one it finds before its first row.
+    store.check_header(out, header, cfg.rank)
     if len(stats.sources) > 1:  # what training needs for its metrics per source
         store.write_document_sources(out, document_sources(documents, stats.lines))
-    part = store.PartWriter(out, plan.part_spec(cfg.rank, header.features, header.teacher))
+    part = store.PartWriter(out, plan.part_spec(cfg.rank, header.features, header.teacher), header)
     counts = plan.counts()
     logger.info(
         "rank %d/%d: %d documents, %d tokens in %d rows of %d (%.1f%% padding)%s",
@@ -373,8 +388,9 @@ def _repair(cfg, out: Path, plan: PartPlan, target, part, header, projection, da
     per_group = max(1, cfg.forward_tokens // cfg.token_budget)
     firsts = sorted({row // per_group * per_group for row in damage.rows})
     groups = [(first, min(first + per_group, len(plan.rows))) for first in firsts]
-    _run_rows(cfg, plan, target, part, header, projection, groups)
-    left = store.part_damage(out, cfg.rank, header.features, header.teacher)
+    if groups:
+        _run_rows(cfg, plan, target, part, header, projection, groups)
+    left = verify.part_damage(out, cfg.rank, header.features, header.teacher)
     if left.rows or left.documents:
         raise DflashError(
             f"part {store.part_name(cfg.rank)} of {out} is still damaged after the repair: {left.problems[:3]}"
@@ -462,7 +478,7 @@ def _calibrated(
         )
     if stored is None and cfg.projection_from is not None:
         projection, record, _ = _borrowed_projection(cfg, header.features, header.feature_dim)
-        stored = store.write_projection(out, projection, {**record, "fingerprint_sha256": made_for})
+        stored = _written_projection(out, cfg, projection, {**record, "fingerprint_sha256": made_for}, made_for)
     if stored is None:
         width = header.features.subspace.width
         moment, sample = _second_moment(documents, target, cfg.calibration_tokens, cfg.forward_tokens)
@@ -481,7 +497,7 @@ def _calibrated(
             "calibration_documents": sample,
             "fingerprint_sha256": made_for,
         }
-        stored = store.write_projection(out, projection.numpy(), record)
+        stored = _written_projection(out, cfg, projection.numpy(), record, made_for)
     projection, record = stored
     subspace = manifest.SubspaceSpec(
         header.features.width,
@@ -491,6 +507,65 @@ def _calibrated(
     )
     header = replace(header, features=replace(header.features, subspace=subspace))
     return torch.from_numpy(projection).to(cfg.device), header
+
+
+def _projection_damaged(out: Path, whole: dict | bool) -> bool:
+    """Whether the store's projection must be recomputed: found damaged by --repair, or unreadable on a resume."""
+    if whole:
+        return store.PROJECTION in whole
+    try:
+        store.read_projection(out)
+    except DflashError as exc:
+        logger.info("recomputing: %s", exc)
+        return True
+    return False
+
+
+def _recalibrated(out: Path, cfg: HarvestConfig, header, documents: list[Document], target, recorded):
+    """`--repair` of a damaged (or missing) projection: calibrate again, deterministically, and keep the result
+    only if it is the matrix the store's rows were encoded with (the calibration record of harvest.json, and the
+    sha256 the damaged array's attributes record when they are readable); otherwise put the damaged one back."""
+    folder, aside = out / store.PROJECTION, out / f"{store.TMP_PREFIX}{store.PROJECTION}.damaged.{uuid.uuid4().hex}"
+    old_sha256 = None
+    if folder.exists():
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
+            old_sha256 = json.loads((folder / "zarr.json").read_text())["attributes"].get("sha256")
+        os.rename(folder, aside)
+    try:
+        projection, header = _calibrated(out, cfg, header, documents, target)
+        new_sha256 = store.read_projection(out)[1].get("sha256")
+        if recorded is not None and (
+            header.features.subspace != recorded.features.subspace or old_sha256 not in (None, new_sha256)
+        ):
+            raise DflashError(
+                f"the recomputed projection of {out} is not the one its rows were encoded with (calibration "
+                f"{header.features.subspace}, the store records {recorded.features.subspace}): rerun --repair on the "
+                f"device type and --dtype the harvest ran with ({recorded.fingerprint.get('dtype')}), restore "
+                f"{folder} from a copy, or harvest again into a new folder"
+            )
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)  # nothing half-repaired: the damaged array goes back
+        if aside.exists():
+            os.rename(aside, folder)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+    logger.info("projection of %s recomputed: the same matrix as the one the rows were encoded with", out)
+    return projection, header
+
+
+def _written_projection(out: Path, cfg: HarvestConfig, projection: np.ndarray, record: dict, made_for: str):
+    """Store this rank's projection unless another rank's is there, and check that the stored one was made for
+    this rank's settings: ranks that calibrate at once with other settings must not share a matrix."""
+    stored = store.write_projection(out, projection, record)
+    if stored[1].get("fingerprint_sha256") != made_for:
+        raise DflashError(
+            f"rank {cfg.rank} calibrated with other settings than the rank that stored {out / store.PROJECTION} "
+            f"(another --subspace, --precision, --data or --layers; its shape is {stored[0].shape[0]} x "
+            f"{stored[0].shape[1]}, this rank's {projection.shape[0]} x {projection.shape[1]}); every rank of a "
+            "harvest must run the same command but for --rank: stop this rank and rerun it with the other ranks' "
+            "settings, or harvest into a new --out folder"
+        )
+    return stored
 
 
 def _second_moment(documents: list[Document], target: TappedTarget, tokens: int, forward_tokens: int):

@@ -130,7 +130,9 @@ def reforward_check(path: Path, target: TappedTarget, documents: int, seed: int 
             if layer is not None:
                 others = {other: _relative(values[:, columns], h.float()) for other, h in by_layer.items()}
                 best = min(others, key=others.get)
-                match = best if best != layer and others[best] < error else None
+                # Named only when that layer really matches (within the tolerance): a slice that matches no layer
+                # (another target's weights, damaged rows) is closer to some layer by chance, which blames nothing.
+                match = best if best != layer and others[best] <= tolerance else None
             failures.append(manifest.CheckFailure(doc_id, piece, row, layer, error, match))
     teacher = None
     if m.teacher is not None:
@@ -185,7 +187,21 @@ def describe_failure(failure: manifest.CheckFailure) -> str:
     text = f"{where} (row {failure.row}): {what} off by {failure.relative_error:.2e} relative"
     if failure.matches_layer is not None:
         text += f"; it matches layer {failure.matches_layer} of the fresh forward better"
+    elif failure.layer is not None:
+        text += "; it matches no tapped layer of the fresh forward"
     return text
+
+
+def no_layer_matches(check: manifest.SelfCheck) -> bool:
+    """Every failing slice matches no layer of the fresh forward: not an off-by-one, another model (or damage)."""
+    return bool(check.failures) and all(f.matches_layer is None for f in check.failures)
+
+
+NO_LAYER_MATCHES = (
+    "no failing slice matches any tapped layer of the fresh forward: the target checked is not the model that "
+    "wrote the store (its weights changed since the harvest, or another checkpoint of the same config), or the "
+    "rows are damaged (`dflash inspect --verify`)"
+)
 
 
 def log_check(check: manifest.SelfCheck, out: Path) -> None:
@@ -194,6 +210,8 @@ def log_check(check: manifest.SelfCheck, out: Path) -> None:
         return
     for failure in check.failures[:10]:
         logger.error("self-check: %s", describe_failure(failure))
+    if no_layer_matches(check):
+        logger.error("self-check: %s", NO_LAYER_MATCHES)
     raise DflashError(
         f"self-check against the target {check.describe()}: the stored features of {out} are not the target's "
         "(recorded in its manifest, so training can refuse the store); report this with the harvest's command line"

@@ -16,7 +16,7 @@ The exact format, and how to read it with plain zarr, is in docs/shard-format.md
 import bisect
 import dataclasses
 import errno
-import json
+import logging
 import math
 import os
 import shutil
@@ -31,6 +31,38 @@ import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
+from dflash.bookkeeping import (  # noqa: F401  (re-exported: dflash.store is where callers find them)
+    CONTENT_KEYS,
+    DOCUMENT_SOURCES,
+    DOCUMENT_SOURCES_FIX,
+    FINGERPRINT_BEFORE,
+    FINGERPRINT_UNRECORDED,
+    HARVEST_FILE,
+    MANIFEST_FILE,
+    PART_COUNTS,
+    PROGRESS_FILE,
+    PROJECTION,
+    PROJECTION_FIX,
+    REPAIR,
+    TMP_PREFIX,
+    as_recorded,
+    check_header,
+    check_parts_agree,
+    content_sha256,
+    header_content,
+    header_differences,
+    header_sha256,
+    missing_chunks,
+    missing_committed_chunks,
+    part_name,
+    part_progress,
+    read_json,
+    read_manifest,
+    read_progress,
+    read_whole,
+    write_json_atomic,
+    write_json_exclusive,
+)
 from dflash.errors import DflashError, describe_differences
 from dflash.locks import LOCK_FILE, FileLock
 from dflash.manifest import (
@@ -45,12 +77,8 @@ from dflash.manifest import (
     identity_of,
 )
 
-HARVEST_FILE = "harvest.json"
-MANIFEST_FILE = "manifest.json"
-PROGRESS_FILE = "progress.json"
-PROJECTION = "projection"
-DOCUMENT_SOURCES = "document_sources"  # per doc id, its data source: a store of several sources
-TMP_PREFIX = ".dflash-tmp-"
+logger = logging.getLogger("dflash")
+
 CHUNK_BYTES = 32 << 20  # uncompressed size of one hidden chunk: a row is read in a few large, parallel reads
 DOC_CHUNK = 65536
 TOKEN_ARRAYS = {"input_ids": "int32", "position_ids": "int32", "doc_ids": "int32", "loss_mask": "uint8"}
@@ -138,40 +166,6 @@ def hidden_chunk_tokens(token_budget: int, row_bytes_per_token: int) -> int:
     return math.ceil(token_budget / slices)
 
 
-def part_name(rank: int) -> str:
-    return f"rank{rank:05d}"
-
-
-def write_json_atomic(path: Path, obj: dict) -> None:
-    """Write through a temporary file, fsync it and rename, so readers, killed writers and a power loss never
-    leave half a file."""
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{uuid.uuid4().hex}")
-    try:
-        with open(tmp, "w") as f:
-            f.write(json.dumps(obj, indent=2) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def read_json(path: Path) -> dict | None:
-    """A JSON file's contents, None when it does not exist; DflashError when it is damaged."""
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise DflashError(f"{path} is damaged ({exc}); restore it, or start again in a new folder") from None
-
-
-def read_manifest(path: Path) -> Manifest | None:
-    """harvest.json or manifest.json at `path`, validated; None when the file does not exist."""
-    raw = read_json(path)
-    return None if raw is None else Manifest.from_json(raw, str(path))
-
-
 def _array_config(read: bool) -> dict:
     # Every chunk is written, even all-padding ones, so that a missing chunk file means damage; zarr >= 3.2
     # can then be told to raise on a missing chunk instead of returning fill values.
@@ -181,11 +175,6 @@ def _array_config(read: bool) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- write side
-
-
-# Fingerprint fields added after stores were made without them, with the value that matches what those stores did:
-# a store begun before deduplication existed kept every record, and resuming it with dedup on would pack other rows.
-FINGERPRINT_BEFORE = {"dedup": False}
 
 
 def check_folder(out: Path, fingerprint: dict) -> str:
@@ -220,12 +209,30 @@ def check_folder(out: Path, fingerprint: dict) -> str:
     existing = Manifest.from_json(raw, str(out / HARVEST_FILE))
     old, new = ({**FINGERPRINT_BEFORE, **f} for f in (existing.fingerprint, fingerprint))
     details = describe_differences(old, new, "store has", "this run")
+    if (
+        details
+        and set(old) | set(new) == set(old) & set(new)
+        and [key for key in old if old[key] != new[key]] == ["weights_sha256"]
+    ):
+        raise DflashError(
+            f"the target's weights at {new.get('model')} changed since {out} was started (same config.json, other "
+            f"safetensors content: weights_sha256 {old['weights_sha256'][:12]}, now {new['weights_sha256'][:12]}); "
+            "resuming would mix two models in one store: restore the checkpoint the store was started with, or "
+            "harvest into a new --out folder"
+        )
     if details:
         raise DflashError(
             f"{out} holds a harvest made with different settings ({details}); rerun with the store's settings "
             f"to resume it, or choose a new --out folder"
         )
-    return "complete" if (out / MANIFEST_FILE).exists() else "resume"
+    if not (out / MANIFEST_FILE).exists():
+        return "resume"
+    try:
+        complete = read_manifest(out / MANIFEST_FILE).complete
+    except DflashError as exc:  # rebuilt from harvest.json and the parts' progress by finishing again
+        complete = False
+        logger.warning("%s; rewriting it from %s and the parts' progress", exc, HARVEST_FILE)
+    return "complete" if complete else "resume"
 
 
 def _only_locks(folder: Path) -> bool:
@@ -268,10 +275,11 @@ def part_lock(out: Path, rank: int) -> FileLock:
 
 
 def create_store(out: Path, header: Manifest) -> None:
-    """Create the folder, `harvest.json` (first) and the root groups; a no-op on an existing store."""
+    """Create the folder, `harvest.json` (first; of ranks racing, one writes it) and the root groups; a no-op on
+    an existing store. A rank then checks the header it finds against its own (`check_header`)."""
     out.mkdir(parents=True, exist_ok=True)
     if not (out / HARVEST_FILE).exists():
-        write_json_atomic(out / HARVEST_FILE, header.header().to_json())
+        write_json_exclusive(out / HARVEST_FILE, header.header().to_json())
     _ensure_group(out)
     _ensure_group(out / "parts")
 
@@ -300,92 +308,69 @@ class PartSpec:
 class PartWriter:
     """Writes one rank's rows; opening an existing part resumes after its committed rows."""
 
-    def __init__(self, out: Path, spec: PartSpec):
+    def __init__(self, out: Path, spec: PartSpec, header: Manifest | None = None):
+        """`header`: the rank's own header, recorded in progress.json and checked against harvest.json before
+        every commit (None: no check, for tests and benchmarks that write parts directly)."""
+        self.out, self.header = out, header
         self.folder = out / "parts" / part_name(spec.rank)
         self.progress = read_progress(self.folder / PROGRESS_FILE)
+        recorded = (
+            {}
+            if header is None
+            else {"header_sha256": header_sha256(header), "fingerprint": header_content(header)["fingerprint"]}
+        )
         if self.progress is None:  # absent until every array exists: a half-created part is simply redone
-            self._create(out, spec)
+            self._create(out, spec, recorded)
         elif self.progress["rows"] != spec.rows or self.progress["counts"] != spec.counts:
             raise DflashError(
                 f"part {part_name(spec.rank)} of {out} was planned differently ({self.progress['rows']} rows, "
                 f"now {spec.rows}); the data or tokenizer changed under the store: harvest into a new folder"
             )
+        elif recorded and self.progress.get("header_sha256", recorded["header_sha256"]) != recorded["header_sha256"]:
+            details = describe_differences(
+                self.progress.get("fingerprint", {}), recorded["fingerprint"], "part has", "this run"
+            )
+            raise DflashError(
+                f"part {part_name(spec.rank)} of {out} was written under other settings ({details or 'its header differs'}); "
+                f"rerun it with the settings it was started with, or delete {self.folder} and rerun this rank"
+            )
         else:  # resuming: drop the temporary files of writes a killed run left unfinished
             # Only rows past the committed ones are written again (all of them for a finished part: a repair).
             committed = self.progress["rows_committed"]
+            if committed < self.progress["rows"]:  # chunks of committed rows may be missing from a copied store
+                hole, examples = missing_committed_chunks(self.folder, committed, documents=False)
+                if hole is not None:
+                    logger.warning(
+                        "part %s of %s: chunk files of committed rows are missing (%s; copied while being written?): "
+                        "resuming from row %d instead of %d",
+                        part_name(spec.rank),
+                        out,
+                        ", ".join(examples),
+                        hole,
+                        committed,
+                    )
+                    committed = hole
+                    self.progress = {**self.progress, "rows_committed": hole}
+                    write_json_atomic(self.folder / PROGRESS_FILE, self.progress)
             first = committed if committed < self.progress["rows"] else 0
             for leftover in [*_unfinished_writes(self.folder, first), *self.folder.glob(f"{TMP_PREFIX}*")]:
                 leftover.unlink(missing_ok=True)
+            self.progress = {**self.progress, **recorded}  # a part of an older dflash gains the record at its commit
         group = zarr.open_group(self.folder, mode="r+")
         names = arrays_of(spec.features, spec.teacher)
         self.arrays = {name: group[name].with_config(_array_config(read=False)) for name in names}
+        if missing_chunks(self.arrays["documents"], self.folder / "documents"):  # a copy of a store being written
+            self.arrays["documents"][:] = spec.documents
         self.chunk_writers = {
             name: HiddenChunkWriter(self.arrays[name], self.folder / name, spec.features if name == "hidden" else BF16)
             for name in CHUNK_WRITTEN
             if name in self.arrays
         }
 
-    def _create(self, out: Path, spec: PartSpec) -> None:
-        group = _ensure_group(self.folder)
-        T, f = spec.token_budget, spec.features
-        write = dict(overwrite=True, config=_array_config(read=False))
-        chunk = hidden_chunk_tokens(T, f.width * f.bytes_per_value)
-        group.create_array(
-            "hidden",
-            shape=(spec.rows, T, f.width),
-            chunks=(1, chunk, f.width),
-            dtype=HIDDEN_DTYPES[f.precision],
-            compressors=hidden_compressors(f),
-            fill_value=0,
-            **write,
-            attributes={"precision": f.precision, "encoding": HIDDEN_ENCODINGS[f.precision]},
-        )
-        if f.precision == "fp8":
-            group.create_array(
-                "scales",
-                shape=(spec.rows, T, f.scale_groups),
-                chunks=(1, T, f.scale_groups),
-                dtype=SCALE_DTYPE,
-                compressors=token_compressors(),
-                fill_value=0,
-                attributes={"meaning": "log2 of each group's scale"},
-                **write,
-            )
-        for name, dtype in TOKEN_ARRAYS.items():
-            fill = -1 if name == "doc_ids" else 0
-            group.create_array(
-                name,
-                shape=(spec.rows, T),
-                chunks=(1, T),
-                dtype=dtype,
-                compressors=token_compressors(),
-                fill_value=fill,
-                **write,
-            )
-        for name, (shape, dtype) in teacher_arrays(spec.teacher, T).items():
-            chunk = (hidden_chunk_tokens(T, 2 * shape[1]), shape[1]) if name == "teacher_hidden" else shape
-            group.create_array(
-                name,
-                shape=(spec.rows, *shape),
-                chunks=(1, *chunk),
-                dtype=dtype,
-                compressors=compressors_of(name, f),
-                fill_value=0,
-                attributes={"meaning": TEACHER_MEANINGS[name]},
-                **write,
-            )
-        documents = group.create_array(
-            "documents",
-            shape=spec.documents.shape,
-            chunks=(DOC_CHUNK, len(DOCUMENT_COLUMNS)),
-            dtype="int64",
-            compressors=token_compressors(),
-            fill_value=0,
-            attributes={"columns": DOCUMENT_COLUMNS},
-            **write,
-        )
+    def _create(self, out: Path, spec: PartSpec, recorded: dict) -> None:
+        documents = create_part_arrays(_ensure_group(self.folder), spec)
         documents[:] = spec.documents
-        self.progress = {"rows": spec.rows, "rows_committed": 0, "counts": spec.counts}
+        self.progress = {"rows": spec.rows, "rows_committed": 0, "counts": spec.counts, **recorded}
         write_json_atomic(self.folder / PROGRESS_FILE, self.progress)
 
     @property
@@ -403,9 +388,75 @@ class PartWriter:
                 self.arrays[name][rows] = others[name]
 
     def commit(self, rows_committed: int) -> None:
-        """Record rows as durable; call only once write_rows for them has returned."""
+        """Record rows as durable; call only once write_rows for them has returned. The store's harvest.json is
+        checked first against the header the rows were written under: rows of a mixed store are never committed."""
+        if self.header is not None:
+            check_header(self.out, self.header, int(self.folder.name.removeprefix("rank")))
         self.progress = {**self.progress, "rows_committed": rows_committed}
         write_json_atomic(self.folder / PROGRESS_FILE, self.progress)
+
+
+def create_part_arrays(group: zarr.Group, spec: PartSpec) -> zarr.Array:
+    """Create (metadata only, overwriting) every array of a part in `group`; returns the documents array. Also
+    what `--repair` rebuilds a damaged zarr.json from (dflash.verify.repair_metadata)."""
+    T, f = spec.token_budget, spec.features
+    write = dict(overwrite=True, config=_array_config(read=False))
+    chunk = hidden_chunk_tokens(T, f.width * f.bytes_per_value)
+    group.create_array(
+        "hidden",
+        shape=(spec.rows, T, f.width),
+        chunks=(1, chunk, f.width),
+        dtype=HIDDEN_DTYPES[f.precision],
+        compressors=hidden_compressors(f),
+        fill_value=0,
+        **write,
+        attributes={"precision": f.precision, "encoding": HIDDEN_ENCODINGS[f.precision]},
+    )
+    if f.precision == "fp8":
+        group.create_array(
+            "scales",
+            shape=(spec.rows, T, f.scale_groups),
+            chunks=(1, T, f.scale_groups),
+            dtype=SCALE_DTYPE,
+            compressors=token_compressors(),
+            fill_value=0,
+            attributes={"meaning": "log2 of each group's scale"},
+            **write,
+        )
+    for name, dtype in TOKEN_ARRAYS.items():
+        fill = -1 if name == "doc_ids" else 0
+        group.create_array(
+            name,
+            shape=(spec.rows, T),
+            chunks=(1, T),
+            dtype=dtype,
+            compressors=token_compressors(),
+            fill_value=fill,
+            **write,
+        )
+    for name, (shape, dtype) in teacher_arrays(spec.teacher, T).items():
+        chunk = (hidden_chunk_tokens(T, 2 * shape[1]), shape[1]) if name == "teacher_hidden" else shape
+        group.create_array(
+            name,
+            shape=(spec.rows, *shape),
+            chunks=(1, *chunk),
+            dtype=dtype,
+            compressors=compressors_of(name, f),
+            fill_value=0,
+            attributes={"meaning": TEACHER_MEANINGS[name]},
+            **write,
+        )
+    documents = group.create_array(
+        "documents",
+        shape=spec.documents.shape,
+        chunks=(DOC_CHUNK, len(DOCUMENT_COLUMNS)),
+        dtype="int64",
+        compressors=token_compressors(),
+        fill_value=0,
+        attributes={"columns": DOCUMENT_COLUMNS},
+        **write,
+    )
+    return documents
 
 
 class HiddenChunkWriter:
@@ -458,47 +509,26 @@ def _unfinished_writes(folder: Path, first_row: int) -> list[Path]:
     return [path for path in found if path.name.endswith(".partial")]
 
 
-PART_COUNTS = ("documents", "tokens", "loss_tokens", "padding_tokens")
-
-
-def read_progress(path: Path) -> dict | None:
-    """A part's progress.json, validated: rows, rows_committed (0..rows) and the part's counts; None if absent."""
-    raw = read_json(path)
-    if raw is None:
-        return None
-
-    def count(value) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-    counts = raw.get("counts") if isinstance(raw, dict) else None
-    if (
-        not isinstance(raw, dict)
-        or not count(raw.get("rows"))
-        or not count(raw.get("rows_committed"))
-        or raw["rows_committed"] > raw["rows"]
-        or not isinstance(counts, dict)
-        or sorted(counts) != sorted(PART_COUNTS)
-        or not all(count(v) for v in counts.values())
-    ):
-        raise DflashError(
-            f"{path} is damaged or was edited (expected rows, rows_committed <= rows and the counts "
-            f"{', '.join(PART_COUNTS)}, all non-negative integers); delete it to redo that part, or restore it"
-        )
-    return raw
-
-
-def part_progress(out: Path, world_size: int) -> list[dict | None]:
-    return [read_progress(out / "parts" / part_name(rank) / PROGRESS_FILE) for rank in range(world_size)]
-
-
-def finalize(out: Path, header: Manifest) -> bool:
+def finalize(out: Path, header: Manifest, check_chunks: bool = True) -> bool:
     """Write `manifest.json` if every part is done; whichever rank finishes last does it (idempotently).
+    `check_chunks` False skips the listing of every committed row's chunk files: only for synthetic stores whose
+    rows are written later or never (tests and benchmarks of the reader's start-up).
 
     The manifest is `header` (the contents of harvest.json) plus its identity and the counts and rows of every part.
     """
     progress = part_progress(out, header.world_size)
     if any(p is None or p["rows_committed"] < p["rows"] for p in progress):
         return False
+    check_parts_agree(out, header, progress)
+    for rank, p in enumerate(progress if check_chunks else ()):
+        first, examples = missing_committed_chunks(out / "parts" / part_name(rank), p["rows_committed"])
+        if first is not None:
+            raise DflashError(
+                f"part {part_name(rank)} of {out} records {p['rows_committed']} rows committed, but chunk files of "
+                f"row {first} and maybe others are missing ({', '.join(examples)}): the store was copied while being "
+                f"written, or damaged; no manifest is written. Rerun rank {rank}'s harvest command with --repair, "
+                "which re-harvests exactly the rows with missing or damaged chunks"
+            )
     parts = [PartEntry(part_name(rank), p["rows"], **p["counts"]) for rank, p in enumerate(progress)]
     manifest = dataclasses.replace(header, identity=identity_of(header)).with_parts(parts)
     write_json_atomic(out / MANIFEST_FILE, manifest.to_json())
@@ -532,10 +562,12 @@ def target_path(path: Path, manifest: Manifest) -> str:
 
 def _write_array_once(out: Path, name: str, data: np.ndarray, chunks: tuple, attributes: dict | None = None) -> None:
     """Write the store-level array `name` unless it is there: into a temporary folder renamed into place (atomic),
-    so that of several ranks writing it the first wins and nobody sees half of one."""
+    so that of several ranks writing it the first wins and nobody sees half of one. Its attributes record the
+    sha256 of its content (`read_whole`)."""
     if (out / name / "zarr.json").exists():
         return
     tmp = out / f"{TMP_PREFIX}{name}.{uuid.uuid4().hex}"
+    attributes = {**(attributes or {}), "sha256": content_sha256(data)}
     zarr.create_array(tmp, data=data, chunks=chunks, compressors=token_compressors(), attributes=attributes)
     try:
         os.rename(tmp, out / name)  # fails when another rank's is already there, which then wins
@@ -560,29 +592,25 @@ def write_document_sources(out: Path, sources: np.ndarray) -> None:
 
 def read_document_sources(out: Path) -> np.ndarray | None:
     """Each doc id's data source, None for a store of one source (or one made before stores recorded them)."""
-    if not (out / DOCUMENT_SOURCES / "zarr.json").exists():
-        return None
-    try:
-        return np.asarray(zarr.open_array(out / DOCUMENT_SOURCES, mode="r")[:])
-    except Exception as exc:  # a checksum mismatch, a missing chunk, damaged metadata
-        raise DflashError(
-            f"the document sources of {out} ({out / DOCUMENT_SOURCES}) are damaged ({exc}); delete that folder to "
-            "train without per-source metrics, or harvest again"
-        ) from None
+    stored = read_whole(out, DOCUMENT_SOURCES, "document sources", DOCUMENT_SOURCES_FIX)
+    return None if stored is None else stored[0]
 
 
 def read_projection(out: Path) -> tuple[np.ndarray, dict] | None:
     """(P, calibration record) of a subspace store, None when it has none (yet)."""
-    if not (out / PROJECTION / "zarr.json").exists():
-        return None
-    try:
-        array = zarr.open_array(out / PROJECTION, mode="r")
-        return np.asarray(array[:]), dict(array.attrs)
-    except Exception as exc:  # a checksum mismatch, a missing chunk, damaged metadata
-        raise DflashError(
-            f"the projection of {out} ({out / PROJECTION}) is damaged ({exc}); a subspace store cannot be read or "
-            "resumed without it: harvest again"
-        ) from None
+    return read_whole(out, PROJECTION, "projection", PROJECTION_FIX)
+
+
+def damaged_whole_arrays(out: Path, header: Manifest) -> dict[str, str]:
+    """The store-level arrays of `out` that fail `read_whole` (or that a subspace store lacks): name -> problem."""
+    damaged = {}
+    for name, read in ((PROJECTION, read_projection), (DOCUMENT_SOURCES, read_document_sources)):
+        try:
+            if read(out) is None and name == PROJECTION and header.features.subspace is not None:
+                damaged[name] = f"the subspace store {out} has no {PROJECTION} array"
+        except DflashError as exc:
+            damaged[name] = str(exc)
+    return damaged
 
 
 def new_manifest(
@@ -643,7 +671,7 @@ def write_store(
         spec = PartSpec(
             rank, content.rows, header.token_budget, header.features, content.documents, content.counts, header.teacher
         )
-        writer = PartWriter(out, spec)
+        writer = PartWriter(out, spec, header)
         for r in range(content.rows):
             hidden, others = content.row(r)
             writer.write_rows(r, hidden[None], {name: value[None] for name, value in others.items()})
@@ -669,10 +697,17 @@ class PartContent:
 def _open_manifest(path: Path) -> Manifest:
     if not path.is_dir():
         raise DflashError(f"{path} is not a folder; pass the folder a harvest wrote (it holds {MANIFEST_FILE})")
-    manifest = read_manifest(path / MANIFEST_FILE)
+    rewrite = (
+        "rerun the harvest command, which rewrites it from harvest.json and the parts' progress.json (and runs the "
+        "self-check again)"
+    )
+    try:
+        manifest = read_manifest(path / MANIFEST_FILE)
+    except DflashError as exc:
+        raise DflashError(f"{str(exc).split('; restore it')[0]}; {rewrite}") from None
     if manifest is not None:
         if not manifest.complete:
-            raise DflashError(f"{path / MANIFEST_FILE} has no counts; the file is damaged: restore it or harvest again")
+            raise DflashError(f"{path / MANIFEST_FILE} has no counts; the file is damaged: {rewrite}")
         return manifest
     header = read_manifest(path / HARVEST_FILE)
     if header is None:
@@ -770,11 +805,19 @@ class Store:
             ]
         except Exception as exc:  # a missing part folder or array, damaged zarr.json metadata
             raise DflashError(
-                f"the arrays of {path} cannot be opened ({type(exc).__name__}: {exc}); the store is damaged: restore "
-                "its parts folder, or harvest again"
+                f"the arrays of {path} cannot be opened ({type(exc).__name__}: {exc}); their metadata is damaged: "
+                "rerun the harvest command of each rank with --repair, which rebuilds the zarr.json files from "
+                "harvest.json and then re-harvests any damaged rows (or restore the parts folder)"
             ) from None
         for entry, arrays in zip(manifest.parts, self.parts):
             self._check_shapes(entry, arrays)
+            missing = missing_chunks(arrays["documents"], path / "parts" / entry.name / "documents")
+            if missing:
+                raise DflashError(
+                    f"the documents table of part {entry.name} of {path} is damaged (chunk file "
+                    f"{', '.join(missing[:3])} missing: it would read as zeros); {REPAIR} for rank "
+                    f"{int(entry.name.removeprefix('rank'))}, which rewrites it"
+                )
         self.row_readers = self._chunk_readers(self.row_layout)
         self.teacher_readers = self._chunk_readers(self.teacher_layout)
         self.document_sources = read_document_sources(path)  # int16 [doc ids]: a store of several data sources
@@ -783,7 +826,9 @@ class Store:
             stored = read_projection(path)
             if stored is None or stored[0].shape != (self.features.width, manifest.feature_dim):
                 raise DflashError(
-                    f"{path} is a subspace store without a valid {PROJECTION} array; the store is damaged: harvest again"
+                    f"{path} is a subspace store without a valid {PROJECTION} array ("
+                    + ("none" if stored is None else f"its shape is {stored[0].shape}")
+                    + f"); {PROJECTION_FIX}"
                 )
             self.projection = stored[0]
 
@@ -891,8 +936,14 @@ class Store:
     def documents(self) -> np.ndarray:
         """int64 [n_docs, 5] of DOCUMENT_COLUMNS for the whole store, with global row numbers."""
         tables = []
-        for part, start in zip(self.parts, self.part_starts):
-            table = part["documents"][:]
+        for part, start, name in zip(self.parts, self.part_starts, self.part_names):
+            try:
+                table = part["documents"][:]
+            except Exception as exc:  # a checksum mismatch, a codec error
+                raise DflashError(
+                    f"the documents table of part {name} of {self.path} is damaged ({type(exc).__name__}: {exc}); "
+                    f"{REPAIR} for rank {int(name.removeprefix('rank'))}, which rewrites it"
+                ) from None
             table[:, 2] += start
             tables.append(table)
         return np.concatenate(tables) if tables else np.zeros((0, len(DOCUMENT_COLUMNS)), np.int64)
@@ -903,73 +954,3 @@ class Store:
 
 def disk_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
-
-
-@dataclass
-class PartDamage:
-    rows: list[int]  # rows of the part (local) with a missing or corrupt chunk in any row array
-    documents: bool  # the documents table is damaged
-    problems: list[str]
-
-
-def _chunk_problem(array: zarr.Array, chunk_file: Path, coords) -> str | None:
-    try:
-        if not chunk_file.is_file():
-            return "chunk file missing"
-        array.get_block_selection(coords)
-        return None
-    except Exception as exc:  # zarr raises ValueError on a checksum mismatch, codec errors otherwise
-        return str(exc)
-
-
-def part_damage(
-    out: Path, rank: int, features: FeatureSpec, teacher: TeacherSpec | None = None, threads: int = 8
-) -> PartDamage:
-    """Read every chunk of one part (finished, with or without the store's manifest): its damaged rows."""
-    folder = out / "parts" / part_name(rank)
-    try:
-        group = zarr.open_group(folder, mode="r")
-        names = arrays_of(features, teacher)
-        arrays = {name: group[name].with_config(_array_config(read=True)) for name in names}
-    except Exception as exc:
-        raise DflashError(
-            f"the arrays of part {part_name(rank)} of {out} cannot be opened ({exc}); their metadata is damaged: "
-            "restore the part folder, or harvest again into a new folder"
-        ) from None
-    jobs = [(name, array, coords) for name, array in arrays.items() for coords in np.ndindex(*array.cdata_shape)]
-
-    def check(job):
-        name, array, coords = job
-        problem = _chunk_problem(array, folder / name / array.metadata.encode_chunk_key(coords), coords)
-        return None if problem is None else (name, coords, f"array {name} chunk {coords}: {problem}")
-
-    with ThreadPoolExecutor(threads) as pool:
-        found = [result for result in pool.map(check, jobs) if result is not None]
-    rows = sorted({coords[0] for name, coords, _ in found if name != "documents"})
-    return PartDamage(rows, any(name == "documents" for name, _, _ in found), [text for _, _, text in found])
-
-
-def check_chunks(store: Store, progress=None, threads: int = 8) -> list[str]:
-    """Read every chunk of every array; return one line per missing or corrupt chunk, naming part/array/row."""
-    jobs = [
-        (part, name, array, coords)
-        for part, arrays in enumerate(store.parts)
-        for name, array in arrays.items()
-        for coords in np.ndindex(*array.cdata_shape)
-    ]
-
-    def check(job) -> str | None:
-        part, name, array, coords = job
-        where = f"part {store.part_names[part]} array {name} chunk {coords}"
-        if name != "documents":
-            where += f" (row {store.part_starts[part] + coords[0]})"
-        chunk_file = store.path / "parts" / store.part_names[part] / name / array.metadata.encode_chunk_key(coords)
-        try:
-            problem = _chunk_problem(array, chunk_file, coords)
-            return None if problem is None else f"{where}: {problem}"
-        finally:
-            if progress is not None:
-                progress(array.nbytes // array.nchunks)
-
-    with ThreadPoolExecutor(threads) as pool:
-        return [problem for problem in pool.map(check, jobs) if problem is not None]

@@ -6,6 +6,7 @@ transformers modeling code (transformers' config and file lookup are imported on
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -168,6 +169,48 @@ def config_hash(path: str) -> str:
     """sha256 of config.json, canonical (sorted keys, no whitespace)."""
     config = read_config_json(path)
     return hashlib.sha256(json.dumps(config, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+# The weights' fingerprint (`weights_sha256`): per checkpoint file, its name, its size and the sha256 of
+# WEIGHT_SAMPLES samples of WEIGHT_SAMPLE_BYTES at fixed offsets (the first at 0, which holds the safetensors
+# header: every tensor's name, dtype, shape and offsets; the last ending at the file's end; the rest evenly
+# between). It reads 8 MiB of each file, whatever its size: the cost measured in docs/shard-format.md.
+WEIGHT_SAMPLES = 32
+WEIGHT_SAMPLE_BYTES = 256 << 10
+
+
+def weight_files(path: str) -> list[str]:
+    """The checkpoint's weight files (names within the checkpoint), sorted."""
+    index = checkpoint_file(path, "model.safetensors.index.json")
+    if index is not None:
+        return sorted(set(json.loads(Path(index).read_text())["weight_map"].values()))
+    return ["model.safetensors"]
+
+
+def file_sample_sha256(file: str | Path) -> tuple[int, str]:
+    """(size, sha256 of the size and of WEIGHT_SAMPLES fixed-offset samples) of one file."""
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        digest.update(size.to_bytes(8, "little"))
+        last = max(0, size - WEIGHT_SAMPLE_BYTES)
+        for offset in sorted({last * i // (WEIGHT_SAMPLES - 1) for i in range(WEIGHT_SAMPLES)}):
+            f.seek(offset)
+            digest.update(f.read(WEIGHT_SAMPLE_BYTES))
+    return size, digest.hexdigest()
+
+
+def weights_sha256(path: str) -> str:
+    """A cheap content fingerprint of the target's weights: sha256 over each weight file's name, size and
+    `file_sample_sha256` (8 MiB read per file). Weights rewritten in place under the same config.json change it."""
+    entries = []
+    for name in weight_files(path):
+        file = checkpoint_file(path, name)
+        if file is None:
+            raise DflashError(f"{path} lists the weight file {name}, which is missing; copy the checkpoint again")
+        size, sampled = file_sample_sha256(file)
+        entries.append([name, size, sampled])
+    return hashlib.sha256(json.dumps(entries, separators=(",", ":")).encode()).hexdigest()
 
 
 def checkpoint_file(path: str, filename: str) -> str | None:

@@ -2,6 +2,7 @@
 decoder written from the format's definition; the subspace against a float64 eigendecomposition; harvests of
 each mode read back with plain zarr + numpy by following docs/shard-format.md alone."""
 
+import dataclasses
 import json
 import shutil
 
@@ -328,3 +329,65 @@ def test_a_leftover_projection_of_other_settings_is_refused(harvest, tiny_target
                 calibration_tokens=999,
             )
         )
+
+
+def test_a_missing_projection_chunk_is_refused_and_repair_recomputes_it(harvest, tiny_target, data_file, tmp_path):
+    """P read back as zarr's fill value would be P = 0 for training and export: open and verify refuse it naming
+    --repair, which recomputes the calibration, checks it is the rows' matrix and restores the store bit for bit;
+    a recomputation that differs (another device) is refused with the damaged array put back."""
+    from click.testing import CliRunner
+
+    from cli.main import main
+    from dflash.errors import DflashError
+
+    reference, out = harvest(subspace="1/4"), tmp_path / "s"
+    shutil.copytree(reference, out)
+    chunk = out / store.PROJECTION / "c" / "0" / "0"
+    chunk.unlink()
+    result = CliRunner().invoke(main, ["inspect", str(out), "--verify"])
+    assert result.exit_code == 2, result.output
+    assert "projection of" in result.output and "chunk file c/0/0 missing" in result.output
+    assert "rerun the harvest command (with --repair once the store is complete), which recomputes it" in result.output
+    config = HarvestConfig(
+        model=str(tiny_target("qwen3")),
+        data=str(data_file),
+        out=str(out),
+        token_budget=BUDGET,
+        forward_tokens=2 * BUDGET,
+        dtype="float32",
+        workers=1,
+        device="cpu",
+        subspace="1/4",
+        repair=True,
+    )
+    top_subspace = features.top_subspace
+
+    def on_another_device(*args):
+        projection, captured = top_subspace(*args)
+        return projection * (1 + 2**-20), captured
+
+    features.top_subspace = on_another_device
+    try:
+        with pytest.raises(DflashError, match="recomputed projection .* is not the one its rows were encoded with"):
+            run_harvest(config)
+    finally:
+        features.top_subspace = top_subspace
+    assert not chunk.exists() and (out / store.PROJECTION / "zarr.json").exists()  # the damaged one, put back
+    assert not [p for p in out.iterdir() if p.name.startswith(store.TMP_PREFIX)]
+    run_harvest(config)
+    files = {str(f.relative_to(out)): f.read_bytes() for f in out.rglob("*") if f.is_file() and f.name != ".lock"}
+    expected = {
+        str(f.relative_to(reference)): f.read_bytes() for f in reference.rglob("*") if f.is_file() and f.name != ".lock"
+    }
+    assert files == expected
+    assert CliRunner().invoke(main, ["inspect", str(out), "--verify"]).exit_code == 0
+
+    # A stopped harvest (no manifest, rows left) with the same damage: the plain rerun recomputes it and resumes.
+    (out / store.MANIFEST_FILE).unlink()
+    progress_file = out / "parts" / "rank00000" / store.PROGRESS_FILE
+    progress = json.loads(progress_file.read_text())
+    progress_file.write_text(json.dumps({**progress, "rows_committed": progress["rows"] - 1}))
+    chunk.unlink()
+    run_harvest(dataclasses.replace(config, repair=False))
+    assert chunk.read_bytes() == (reference / store.PROJECTION / "c" / "0" / "0").read_bytes()
+    assert store.Store.open(out).num_rows == store.Store.open(reference).num_rows

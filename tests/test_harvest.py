@@ -276,6 +276,55 @@ def test_two_ranks_make_one_store_equal_to_one_rank(harvested, tiny_target, data
     assert_same_content(out, harvested("qwen3"))
 
 
+@pytest.mark.parametrize(
+    "theirs, ours, hook",
+    [
+        ({}, {"data": "half"}, "load_documents"),
+        ({}, {"precision": "fp8"}, "load_documents"),
+        ({"subspace": "1/8"}, {"subspace": "1/4"}, "_second_moment"),
+    ],
+    ids=["data", "precision", "subspace"],
+)
+def test_ranks_started_together_with_other_settings_are_refused(
+    theirs, ours, hook, tiny_target, data_file, tmp_path, monkeypatch
+):
+    """Rank 1 looks at the empty folder, then rank 0 (other settings) writes harvest.json, its projection and its
+    whole part while rank 1 reads its data (or calibrates): rank 1 must refuse before its first row, and the
+    store must not complete as a mix of two harvests."""
+    from dflash import harvest
+    from dflash.errors import DflashError
+
+    half = tmp_path / "half.jsonl"
+    half.write_text("\n".join(data_file.read_text().splitlines()[:50]) + "\n")
+    out, model = tmp_path / "store", str(tiny_target("qwen3"))
+
+    def config(rank, **options):
+        data = str(half) if options.pop("data", None) == "half" else str(data_file)
+        return HarvestConfig(model=model, data=data, out=str(out), rank=rank, world_size=2, **{**OPTIONS, **options})
+
+    real, ran = getattr(harvest, hook), []
+
+    def other_rank_runs_meanwhile(*args, **kwargs):
+        if not ran:
+            ran.append(True)
+            run_harvest(config(0, **theirs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(harvest, hook, other_rank_runs_meanwhile)
+    with pytest.raises(DflashError, match=r"rank 1 (runs|calibrated) with other settings") as refused:
+        run_harvest(config(1, **ours))
+    assert ran and "every rank of a harvest must run the same command" in str(refused.value)
+    if hook == "load_documents":
+        assert ("data_sha256" if "data" in ours else "precision: the store has 'bf16', rank 1 has 'fp8'") in str(
+            refused.value
+        )
+    assert not (out / "parts" / "rank00001" / store.PROGRESS_FILE).exists()  # no row of rank 1 was written
+    assert not (out / store.MANIFEST_FILE).exists()
+    monkeypatch.undo()
+    run_harvest(config(1, **theirs))  # the way out: rank 1 with the store's settings completes it
+    assert Store.open(out).num_rows > 0
+
+
 def test_disk_full_fails_cleanly_and_the_rerun_resumes(harvested, tiny_target, data_file, tmp_path, monkeypatch):
     out = tmp_path / "store"
     args = cli_args(tiny_target("qwen3"), data_file, out)
@@ -554,6 +603,76 @@ def test_repair_rewrites_exactly_the_damaged_rows_bit_for_bit(harvested, tiny_ta
     assert result.exit_code == 0, result.output
 
 
+def copied_while_written(reference: Path, out: Path, rows_left: int) -> dict:
+    """A copy of `reference` as a copy of a store being written can be: no manifest, `rows_left` rows not yet
+    committed, and chunk files of committed row 3 (and a documents chunk) not copied; returns its progress."""
+    shutil.copytree(reference, out)
+    (out / store.MANIFEST_FILE).unlink()
+    part = out / "parts" / "rank00000"
+    progress = json.loads((part / store.PROGRESS_FILE).read_text())
+    progress["rows_committed"] = progress["rows"] - rows_left
+    store.write_json_atomic(part / store.PROGRESS_FILE, progress)
+    for chunk in ("hidden/c/3/0/0", "input_ids/c/3/0", "documents/c/0/0"):
+        (part / chunk).unlink()
+    return progress
+
+
+def test_a_store_copied_while_written_resumes_from_its_first_hole(harvested, tiny_target, data_file, tmp_path, caplog):
+    reference, out = harvested("qwen3"), tmp_path / "store"
+    copied_while_written(reference, out, rows_left=2)
+    with caplog.at_level("INFO", logger="dflash"):
+        result = run_cli(cli_args(tiny_target("qwen3"), data_file, out))
+    assert result.exit_code == 0, result.output
+    assert "resuming from row 3 instead of" in caplog.text and "resuming after row 3" in caplog.text
+    assert_same_content(out, reference)  # resumed row groups batch other documents together: last bits differ
+    assert run_cli(["inspect", str(out), "--verify"]).exit_code == 0
+
+
+def test_a_finished_part_with_holes_is_not_called_complete(harvested, tiny_target, data_file, tmp_path):
+    reference, out = harvested("qwen3"), tmp_path / "store"
+    copied_while_written(reference, out, rows_left=0)
+    args = cli_args(tiny_target("qwen3"), data_file, out)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert "chunk files of row 0 and maybe others are missing" in result.output, result.output
+    assert "hidden/c/3/0/0" in result.output and "with --repair" in result.output
+    assert "store complete" not in result.output and not (out / store.MANIFEST_FILE).exists()
+    result = run_cli([*args, "--repair"])
+    assert result.exit_code == 0, result.output
+    assert store_files(out) == store_files(reference)
+
+
+@pytest.mark.parametrize(
+    "damaged, fix",
+    [
+        ("manifest.json", "rerun the harvest command, which rewrites it"),
+        ("zarr.json", "with --repair, which rebuilds the zarr.json files"),
+        ("parts/rank00000/hidden/zarr.json", "with --repair, which rebuilds the zarr.json files"),
+        ("parts/rank00000/documents/zarr.json", "with --repair, which rebuilds the zarr.json files"),
+        ("parts/rank00000/progress.json", None),  # the store reads without it; --repair rewrites it
+    ],
+)
+def test_damaged_metadata_is_rebuilt_by_the_command_its_error_names(
+    damaged, fix, harvested, tiny_target, data_file, tmp_path
+):
+    """No loop between inspect ("harvest again") and harvest ("already complete"): the command the error names
+    rebuilds the file, as the harvest wrote it."""
+    reference, out = harvested("qwen3"), tmp_path / "store"
+    shutil.copytree(reference, out)
+    (out / damaged).write_text("{torn")
+    args = cli_args(tiny_target("qwen3"), data_file, out)
+    result = CliRunner().invoke(main, ["inspect", str(out), "--verify"])
+    if fix is None:
+        assert result.exit_code == 0, result.output
+        result = CliRunner().invoke(main, [*args, "--repair"])
+    else:
+        assert result.exit_code == 2 and fix in result.output, result.output
+        result = CliRunner().invoke(main, [*args, *(["--repair"] if "--repair" in fix else [])])
+    assert result.exit_code == 0, result.output
+    assert store_files(out) == store_files(reference)
+    assert run_cli(["inspect", str(out), "--verify"]).exit_code == 0
+
+
 def test_repair_of_an_unfinished_part_is_refused(harvested, tiny_target, data_file, tmp_path):
     out = tmp_path / "store"
     shutil.copytree(harvested("qwen3"), out)
@@ -595,6 +714,50 @@ def test_sigterm_and_sigint_say_that_the_rerun_resumes(sig, tiny_target, tmp_pat
     assert f"harvest interrupted ({sig.name}); the rows committed so far are kept: rerun the same command" in output
     assert "Aborted!" not in output
     assert 1 <= json.loads(progress.read_text())["rows_committed"]
+
+
+def test_weights_changed_in_place_are_refused_on_resume_and_reforward_blames_no_layer(
+    harvested, tiny_target, data_file, tmp_path
+):
+    """The same config.json over other weights: the resumed harvest must refuse (it would mix two models), and a
+    reforward against the other weights must not name a layer that 'matches better' when none matches."""
+    from dflash.tiny import make_tiny_target
+
+    model, other = tmp_path / "target", make_tiny_target(tmp_path / "other", "qwen3", seed=1)
+    shutil.copytree(tiny_target("qwen3"), model)
+    assert (model / "config.json").read_bytes() == (other / "config.json").read_bytes()
+    out = tmp_path / "store"
+    rank = dict(world_size=2, self_check=0)
+    assert run_cli(cli_args(model, data_file, out, rank=0, **rank)).exit_code == 0
+    shutil.copy(other / "model.safetensors", model / "model.safetensors")  # rewritten in place, same size
+    result = CliRunner().invoke(main, cli_args(model, data_file, out, rank=1, **rank))
+    assert result.exit_code == 2, result.output
+    assert "the target's weights at" in result.output and "changed since" in result.output, result.output
+    assert "restore the checkpoint the store was started with, or harvest into a new --out folder" in result.output
+    assert not (out / "parts" / "rank00001" / store.PROGRESS_FILE).exists()
+
+    result = run_cli(["inspect", str(harvested("qwen3")), "--reforward", "2", "--device", "cpu", "--model", str(other)])
+    assert result.exit_code == 1, result.output
+    assert "reforward  FAILED" in result.output and "matches layer" not in result.output, result.output
+    assert "it matches no tapped layer of the fresh forward" in result.output
+    assert "the target checked is not the model that wrote the store" in result.output
+
+
+def test_weights_fingerprint_reads_fixed_samples_of_each_file(tmp_path):
+    from dflash import target_files
+
+    path = tmp_path / "big.bin"
+    data = bytearray(np.random.default_rng(0).integers(0, 256, 20 << 20, dtype=np.uint8).tobytes())
+    path.write_bytes(data)
+    size, digest = target_files.file_sample_sha256(path)
+    assert size == len(data)
+    last = len(data) - target_files.WEIGHT_SAMPLE_BYTES
+    data[last * 16 // (target_files.WEIGHT_SAMPLES - 1) + 1000] ^= 1  # one bit inside a sample in the middle
+    path.write_bytes(data)
+    assert target_files.file_sample_sha256(path)[1] != digest
+    data.append(0)  # the size is part of it
+    path.write_bytes(data)
+    assert target_files.file_sample_sha256(path)[0] == size + 1
 
 
 def test_reforward_names_a_target_that_moved(harvested, tmp_path):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import zarr
 
-from dflash import store
+from dflash import store, verify
 from dflash.errors import DflashError
 from dflash.manifest import FeatureSpec, TargetSpec, TokenizerSpec
 from dflash.packing import first_fit_decreasing
@@ -96,7 +96,7 @@ def test_round_trip_across_parts_and_chunks(tmp_path, monkeypatch):
     assert [p.rows for p in manifest.parts] == [3, 2]
     with pytest.raises(IndexError):
         shards.read_row(5)
-    assert store.check_chunks(shards) == []
+    assert verify.check_chunks(shards) == []
 
 
 def test_direct_reader_equals_plain_zarr_with_an_edge_chunk(tmp_path, monkeypatch):
@@ -170,7 +170,7 @@ def test_a_rank_without_documents_gives_an_empty_part(tmp_path):
     out = tmp_path / "s"
     write_store(out, rows=(2, 0))
     shards = store.Store.open(out)
-    assert shards.num_rows == 2 and len(shards.documents()) == 2 and store.check_chunks(shards) == []
+    assert shards.num_rows == 2 and len(shards.documents()) == 2 and verify.check_chunks(shards) == []
 
 
 def test_incomplete_store_is_refused_until_the_last_part_finishes(tmp_path):
@@ -197,6 +197,36 @@ def test_incomplete_store_is_refused_until_the_last_part_finishes(tmp_path):
     assert store.Store.open(out).num_rows == 3
 
 
+def test_a_part_under_other_settings_is_never_committed_nor_finished(tmp_path):
+    """Two ranks with other settings: harvest.json is written by one of them only, the other's commit is refused,
+    and a part whose progress.json records another header stops the finishing step, naming the setting."""
+    out = tmp_path / "s"
+    ours, theirs = header(2), header(2, data_sha256="other")
+    store.create_store(out, ours)
+    store.create_store(out, theirs)  # the rank that lost the race to harvest.json
+    assert json.loads((out / store.HARVEST_FILE).read_text())["fingerprint"].get("data_sha256") is None
+    assert not store.write_json_exclusive(out / store.HARVEST_FILE, theirs.to_json())
+    for rank, head in ((0, ours), (1, theirs)):
+        spec, hidden, tokens = synthetic_part(rank, 2, seed=rank)
+        part = store.PartWriter(out, spec, head)
+        part.write_rows(0, hidden, tokens)
+        if rank == 0:
+            part.commit(2)
+    with pytest.raises(
+        DflashError, match=r"rank 1 runs with other settings .*data_sha256: the store has None, rank 1 has 'other'"
+    ):
+        part.commit(2)
+    progress_file = out / "parts" / "rank00001" / store.PROGRESS_FILE
+    progress = json.loads(progress_file.read_text())
+    assert progress["rows_committed"] == 0 and progress["header_sha256"] == store.header_sha256(theirs)
+    progress_file.write_text(json.dumps({**progress, "rows_committed": 2}))  # say its rows got committed anyway
+    with pytest.raises(
+        DflashError, match=r"mixed store.*rank00001: data_sha256: store has None, part has 'other'.*rerun rank\(s\) 1"
+    ):
+        store.finalize(out, ours)
+    assert not (out / store.MANIFEST_FILE).exists()
+
+
 def test_changed_plan_under_a_started_part_is_refused(tmp_path):
     out = tmp_path / "s"
     store.create_store(out, header(1))
@@ -220,7 +250,7 @@ def test_corrupt_and_missing_chunks_are_named(tmp_path):
         shards.read_row(4)
     with pytest.raises(DflashError, match=r"row 2 \(part rank00000, array loss_mask, row 2\): chunk file missing"):
         shards.read_row(2)
-    problems = store.check_chunks(shards)
+    problems = verify.check_chunks(shards)
     assert len(problems) == 2, problems
     token_chunk = out / "parts" / "rank00000" / "input_ids" / "c" / "0" / "0"
     data = bytearray(token_chunk.read_bytes())
@@ -232,12 +262,38 @@ def test_corrupt_and_missing_chunks_are_named(tmp_path):
     assert any("part rank00000 array loss_mask chunk (2, 0) (row 2): chunk file missing" in p for p in problems)
 
 
+def test_whole_arrays_with_a_missing_or_swapped_chunk_are_refused_on_open(tmp_path):
+    """zarr reads a missing chunk as its fill value (zeros): the document sources and the documents tables must
+    be refused on open, naming the chunk and --repair; a CRC-valid chunk of other content fails the sha256."""
+    out, other = tmp_path / "s", tmp_path / "other"
+    write_store(out)
+    store.write_document_sources(out, np.array([0, 1, 0, 1, 1], np.int16))
+    assert store.Store.open(out).document_sources.tolist() == [0, 1, 0, 1, 1]
+    chunk = out / store.DOCUMENT_SOURCES / "c" / "0"
+    saved = chunk.read_bytes()
+    chunk.unlink()
+    with pytest.raises(
+        DflashError,
+        match=r"document sources .* damaged \(chunk file c/0 missing: it would read as zeros\); rerun the harvest command with --repair",
+    ):
+        store.Store.open(out)
+    other.mkdir()
+    store.write_document_sources(other, np.array([1, 1, 0, 1, 1], np.int16))
+    chunk.write_bytes((other / store.DOCUMENT_SOURCES / "c" / "0").read_bytes())  # its CRC32C is right
+    with pytest.raises(DflashError, match=r"does not match the sha256 its attributes record"):
+        store.Store.open(out)
+    chunk.write_bytes(saved)
+    (out / "parts" / "rank00001" / "documents" / "c" / "0" / "0").unlink()
+    with pytest.raises(DflashError, match=r"documents table of part rank00001 .*c/0/0 missing.*--repair for rank 1"):
+        store.Store.open(out)
+
+
 def test_all_padding_chunks_are_still_written(tmp_path):
     """A chunk equal to the fill value is written too, so a missing chunk file always means damage."""
     out = tmp_path / "s"
     write_store(out)
     assert (out / "parts" / "rank00000" / "position_ids" / "c" / "0" / "0").is_file()
-    assert store.check_chunks(store.Store.open(out)) == []
+    assert verify.check_chunks(store.Store.open(out)) == []
 
 
 def test_other_format_version_is_refused(tmp_path):

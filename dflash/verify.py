@@ -1,0 +1,153 @@
+"""Verification of a store: every chunk of every array read and its CRC32C checked (`dflash inspect --verify`,
+and the damage a `--repair` mends), and the rebuilding of a finished part's metadata by `--repair`. Imports
+dflash.store, which never imports it."""
+
+import os
+import shutil
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import zarr
+
+from dflash import store
+from dflash.errors import DflashError
+from dflash.manifest import FeatureSpec, Manifest, TeacherSpec
+from dflash.store import Store, _array_config, arrays_of, part_name
+
+
+@dataclass
+class PartDamage:
+    rows: list[int]  # rows of the part (local) with a missing or corrupt chunk in any row array
+    documents: bool  # the documents table is damaged
+    problems: list[str]
+
+
+def _chunk_problem(array: zarr.Array, chunk_file: Path, coords) -> str | None:
+    try:
+        if not chunk_file.is_file():
+            return "chunk file missing"
+        array.get_block_selection(coords)
+        return None
+    except Exception as exc:  # zarr raises ValueError on a checksum mismatch, codec errors otherwise
+        return str(exc)
+
+
+def part_damage(
+    out: Path, rank: int, features: FeatureSpec, teacher: TeacherSpec | None = None, threads: int = 8
+) -> PartDamage:
+    """Read every chunk of one part (finished, with or without the store's manifest): its damaged rows."""
+    folder = out / "parts" / part_name(rank)
+    try:
+        group = zarr.open_group(folder, mode="r")
+        names = arrays_of(features, teacher)
+        arrays = {name: group[name].with_config(_array_config(read=True)) for name in names}
+    except Exception as exc:
+        raise DflashError(
+            f"the arrays of part {part_name(rank)} of {out} cannot be opened ({exc}); their metadata is damaged "
+            "beyond what --repair rebuilds: restore the part folder, or harvest again into a new folder"
+        ) from None
+    jobs = [(name, array, coords) for name, array in arrays.items() for coords in np.ndindex(*array.cdata_shape)]
+
+    def check(job):
+        name, array, coords = job
+        problem = _chunk_problem(array, folder / name / array.metadata.encode_chunk_key(coords), coords)
+        return None if problem is None else (name, coords, f"array {name} chunk {coords}: {problem}")
+
+    with ThreadPoolExecutor(threads) as pool:
+        found = [result for result in pool.map(check, jobs) if result is not None]
+    rows = sorted({coords[0] for name, coords, _ in found if name != "documents"})
+    return PartDamage(rows, any(name == "documents" for name, _, _ in found), [text for _, _, text in found])
+
+
+def check_chunks(store: Store, progress=None, threads: int = 8) -> list[str]:
+    """Read every chunk of every array; return one line per missing or corrupt chunk, naming part/array/row."""
+    jobs = [
+        (part, name, array, coords)
+        for part, arrays in enumerate(store.parts)
+        for name, array in arrays.items()
+        for coords in np.ndindex(*array.cdata_shape)
+    ]
+
+    def check(job) -> str | None:
+        part, name, array, coords = job
+        where = f"part {store.part_names[part]} array {name} chunk {coords}"
+        if name != "documents":
+            where += f" (row {store.part_starts[part] + coords[0]})"
+        chunk_file = store.path / "parts" / store.part_names[part] / name / array.metadata.encode_chunk_key(coords)
+        try:
+            problem = _chunk_problem(array, chunk_file, coords)
+            return None if problem is None else f"{where}: {problem}"
+        finally:
+            if progress is not None:
+                progress(array.nbytes // array.nchunks)
+
+    with ThreadPoolExecutor(threads) as pool:
+        return [problem for problem in pool.map(check, jobs) if problem is not None]
+
+
+def _opens(folder: Path, kind: str) -> bool:
+    """Whether `folder` opens as a zarr `kind` ("array" or "group"): its zarr.json is there and valid."""
+    try:
+        (zarr.open_array if kind == "array" else zarr.open_group)(folder, mode="r")
+        return True
+    except Exception:  # a missing or damaged zarr.json
+        return False
+
+
+def repair_metadata(out: Path, rank: int, header: Manifest) -> list[str]:
+    """`--repair`: rebuild what of part `rank`'s metadata is damaged and can be rebuilt exactly, before its
+    chunks are checked: its progress.json from manifest.json (a finished part), the zarr.json of each of its
+    arrays from harvest.json and the part's rows and documents, and the groups' zarr.json (root, parts, the
+    part). Each file is written as the harvest wrote it (temporary file and rename). Returns what it rewrote."""
+    folder, fixed = out / "parts" / part_name(rank), []
+    try:
+        progress = store.read_progress(folder / store.PROGRESS_FILE)
+    except DflashError:
+        progress = None
+        try:
+            manifest = store.read_manifest(out / store.MANIFEST_FILE)
+        except DflashError:
+            manifest = None
+        entry = next((e for e in manifest.parts if e.name == part_name(rank)), None) if manifest else None
+        if entry is None:
+            raise
+        counts = {key: getattr(entry, key) for key in store.PART_COUNTS}
+        progress = {"rows": entry.rows, "rows_committed": entry.rows, "counts": counts}
+        progress |= {
+            "header_sha256": store.header_sha256(header),
+            "fingerprint": store.header_content(header)["fingerprint"],
+        }
+        store.write_json_atomic(folder / store.PROGRESS_FILE, progress)
+        fixed.append(str(folder / store.PROGRESS_FILE))
+    if progress is None:
+        return fixed  # a part never started: nothing of it to rebuild
+    names = [name for name in arrays_of(header.features, header.teacher) if not _opens(folder / name, "array")]
+    groups = [g for g in (out, out / "parts", folder) if not _opens(g, "group")]
+    if not names and not groups:
+        return fixed
+    spec = store.PartSpec(
+        rank,
+        progress["rows"],
+        header.token_budget,
+        header.features,
+        np.zeros((progress["counts"]["documents"], len(store.DOCUMENT_COLUMNS)), np.int64),
+        progress["counts"],
+        header.teacher,
+    )
+    tmp = out / f"{store.TMP_PREFIX}metadata.{uuid.uuid4().hex}"
+    try:
+        store.create_part_arrays(zarr.open_group(tmp, mode="w", zarr_format=3), spec)
+        rebuilt = [(tmp / name / "zarr.json", folder / name / "zarr.json") for name in names]
+        rebuilt += [(tmp / "zarr.json", group / "zarr.json") for group in groups]
+        for source, target in rebuilt:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            partial = target.with_name(f"{store.TMP_PREFIX}zarr.json.{uuid.uuid4().hex}")
+            shutil.copyfile(source, partial)
+            os.replace(partial, target)
+            fixed.append(str(target))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return fixed
