@@ -296,6 +296,13 @@ class RegenerateConfig:
     top_p: float = option(1.0, "Nucleus sampling (with --temperature > 0), in (0, 1].")
     top_k: int = option(0, "Top-k sampling; 0 = off (overrides the model's default).")
     seed: int = option(0, "Sampling seed.")
+    turns: str = option(
+        "last",
+        "Assistant turns the target writes: last (the answer to the last user turn; earlier assistant turns stay "
+        "the data's, as context with no loss in harvest) or all (every assistant turn, in order, each answering "
+        "the target's own history).",
+        choices=["last", "all"],
+    )
     device: str = option("auto", DEVICE_HELP)
     dtype: str = option("auto", DTYPE_HELP)
     server: str | None = option(None, "OpenAI-compatible server to generate through, e.g. http://localhost:8000.")

@@ -7,7 +7,9 @@ ShareGPT `conversations` into `messages`; each record is one document:
   the generation prompt (`<|im_start|>assistant\\n`) to the end of the turn, including its end-of-turn token
   (`<|im_end|>`) so that the drafter learns to stop, excluding the whitespace a template writes after that token
   (the model never generates it). Everything else (system, user, tool turns, role headers) is off. A tool turn
-  (sources.TOOL_ROLES) the chat template does not render is refused, never dropped silently.
+  (sources.TOOL_ROLES) the chat template does not render is refused, never dropped silently. In a conversation
+  where `dflash regenerate` marked the turns the target wrote (`"target": true`), only those are on: the other
+  assistant turns were written by the data, not the target, and are context (counted as `context_turns`).
 - `{"text": "..."}` is tokenised as the tokenizer does by default (its BOS if it defines one; no EOS added) and
   the loss mask is on for every token.
 - `{"prompt": "...", "completion": "..."}` (what `dflash regenerate` writes for text prompts) is tokenised as the
@@ -46,6 +48,8 @@ logger = logging.getLogger("dflash")
 OVERFLOW_MODES = ("truncate", "split")
 TRUNCATION_WARNING = 0.5  # a truncation dropping more than this share of a document's tokens is warned about
 KINDS = {"messages": "chat", "text": "text", "prompt": "completion"}  # the key that names a line's kind
+TARGET = "target"  # an assistant message's mark that the target wrote it (dflash regenerate)
+TURN_COUNTS = ("context_turns",)  # DataStats fields counted per record while it is encoded
 
 
 @dataclass
@@ -84,6 +88,7 @@ class DataStats:
     split: int = 0  # documents split ...
     split_pieces: int = 0  # ... into this many pieces
     dropped_no_loss: int = 0  # pieces (or truncated documents) left without a loss token
+    context_turns: int = 0  # assistant turns the data wrote in conversations the target answered: no loss
     documents: int = 0  # documents returned, pieces counted one by one
     tokens: int = 0
     loss_tokens: int = 0
@@ -115,8 +120,8 @@ def load_documents(cfg: DataConfig, tokenizer_path: str) -> tuple[list[Document]
         # Every record once, in file order: one repeated by a weight > 1 gives views of the same tokens.
         wanted = np.unique(records)
         spill = _Spill(cfg.spill_dir)
-        for ids, mask in encoder.encode(mixture.read(wanted), len(wanted)):
-            spill.add(ids, mask, cfg)
+        for ids, mask, counts in encoder.encode(mixture.read(wanted), len(wanted)):
+            spill.add(ids, mask, counts, cfg)
     rows, source_of = np.searchsorted(wanted, records), mixture.source_of(records)
     documents = spill.documents(chosen, rows, source_of, cfg, stats, mixture.sources)
     if not documents:
@@ -140,7 +145,8 @@ class _Spill:
     the Python heap. The files have no name from the start: the disk space returns when the last document is
     dropped. A record is added once, in file order; `documents` puts its pieces in the mixture's order."""
 
-    FACTS = 6  # per record: tokens before the cut, pieces before dropping, first kept piece, kept, tokens, loss
+    # per record: tokens before the cut, pieces before dropping, first kept piece, kept, tokens, loss, TURN_COUNTS
+    FACTS = 6 + len(TURN_COUNTS)
 
     def __init__(self, folder: str | Path | None):
         self.files = [tempfile.TemporaryFile(prefix="dflash-tokens-", dir=folder) for _ in range(2)]
@@ -148,7 +154,7 @@ class _Spill:
         self.facts = array.array("q")  # per record: FACTS numbers
         self.size = 0
 
-    def add(self, ids: np.ndarray, mask: np.ndarray, cfg: DataConfig) -> None:
+    def add(self, ids: np.ndarray, mask: np.ndarray, counts: tuple[int, ...], cfg: DataConfig) -> None:
         """Cut one record by cfg.overflow (truncate: its first piece only) and keep the pieces with a loss token."""
         limit, first = cfg.max_length, len(self.pieces) // 3
         starts = range(0, len(ids), limit) if cfg.overflow == "split" else range(1)
@@ -163,13 +169,15 @@ class _Spill:
             self.size += len(piece_mask)
             tokens += len(piece_mask)
             loss += int(piece_mask.sum())
-        self.facts.extend((len(ids), len(starts), first, len(self.pieces) // 3 - first, tokens, loss))
+        self.facts.extend((len(ids), len(starts), first, len(self.pieces) // 3 - first, tokens, loss, *counts))
 
     def documents(self, chosen, rows, source_of, cfg: DataConfig, stats: DataStats, counts) -> list[Document]:
         """The documents of the mixture entries `chosen` (their records' rows here, and their sources), counted
         into `stats` and the sources' `counts`."""
         facts = np.frombuffer(self.facts, np.int64).reshape(-1, self.FACTS)[rows]
         _count_cuts(chosen, facts[:, 0], facts[:, 1], facts[:, 3], cfg, stats)
+        for column, name in enumerate(TURN_COUNTS, start=6):
+            setattr(stats, name, int(facts[:, column].sum()))
         for column, name in zip((3, 4, 5), ("documents", "tokens", "loss_tokens")):
             for source, total in zip(counts, np.bincount(source_of, facts[:, column], len(counts)).tolist()):
                 setattr(source, name, int(total))
@@ -210,6 +218,12 @@ def _names(path) -> str:
 
 
 def _log(cfg: DataConfig, stats: DataStats) -> None:
+    if stats.context_turns:
+        logger.info(
+            "%d assistant turns of conversations the target answered were written by the data, not the target: "
+            "context, with no loss (dflash regenerate --turns all has the target write them)",
+            stats.context_turns,
+        )
     for counts in stats.sources:
         logger.info(
             "source %s: %d records read, %d duplicates dropped, %d used, %d documents, %d tokens (%d with loss)",
@@ -343,6 +357,11 @@ def _check_messages(messages, where: str) -> list[dict]:
         for key in ("role", "content"):
             if not isinstance(message.get(key), str):
                 raise DflashError(f'{where}: message {number} needs a string "{key}", got {message.get(key)!r:.60}')
+        if TARGET in message and (message[TARGET] is not True or message["role"] != "assistant"):
+            raise DflashError(
+                f'{where}: message {number} has "{TARGET}": {message[TARGET]!r}; only an assistant turn the target '
+                f'wrote is marked, "{TARGET}": true (dflash regenerate writes it): remove the key or fix it'
+            )
     return messages
 
 
@@ -404,7 +423,7 @@ def _chunks(items: Iterator, size: int) -> Iterator[list]:
         yield chunk
 
 
-def _encode_chunk(tokenizer, records: list) -> list[tuple[np.ndarray, np.ndarray]]:
+def _encode_chunk(tokenizer, records: list) -> list[tuple[np.ndarray, np.ndarray, tuple[int, ...]]]:
     """Render every record, tokenise them in one batched call per kind of special-token handling, and mask them.
 
     A record that cannot be rendered raises after the records before it are checked, so that the first bad record
@@ -424,23 +443,30 @@ def _encode_chunk(tokenizer, records: list) -> list[tuple[np.ndarray, np.ndarray
             encoding = tokenizer(texts, add_special_tokens=special, return_offsets_mapping=True, verbose=False)
             for i, ids, offsets in zip(batch, encoding["input_ids"], encoding["offset_mapping"]):
                 tokens[i] = ids, offsets
-    encoded = [_masked(where, kind, spans, *token) for (where, kind, _, spans), token in zip(prepared, tokens)]
+    encoded = [
+        (*_masked(where, kind, spans, *token), counts)
+        for (where, kind, _, spans, counts), token in zip(prepared, tokens)
+    ]
     if error is not None:
         raise error
     return encoded
 
 
-def _prepare(tokenizer, where: str, kind: str, payload) -> tuple[str, list[tuple[float, float]] | None]:
-    """The text to tokenise and the character spans on the loss (None: every token)."""
+def _prepare(tokenizer, where: str, kind: str, payload) -> tuple[str, list[tuple[float, float]] | None, tuple]:
+    """The text to tokenise, the character spans on the loss (None: every token) and the record's TURN_COUNTS."""
     if kind == "text":
-        return payload, None
+        return payload, None, (0,)
     if kind == "completion":
         prompt, completion = payload
         # A token holding completion characters ends after the prompt; added special tokens span (0, 0).
-        return prompt + completion, [(len(prompt), math.inf)]
-    full = _render(tokenizer, payload, where)
-    _check_tool_turns(payload, full, where)
-    return full, _assistant_spans(tokenizer, payload, full, where)
+        return prompt + completion, [(len(prompt), math.inf)], (0,)
+    messages = [{key: value for key, value in message.items() if key != TARGET} for message in payload]
+    full = _render(tokenizer, messages, where)
+    _check_tool_turns(messages, full, where)
+    assistant = [turn for turn, message in enumerate(payload) if message["role"] == "assistant"]
+    marked = [turn for turn in assistant if payload[turn].get(TARGET)]
+    turns = marked or assistant  # none marked: the data's own answers, every one on the loss
+    return full, _assistant_spans(tokenizer, messages, full, where, turns), (len(assistant) - len(turns),)
 
 
 def _masked(where: str, kind: str, spans, ids: list[int], offsets) -> tuple[np.ndarray, np.ndarray]:
@@ -487,8 +513,8 @@ def _check_tool_turns(messages: list[dict], full: str, where: str) -> None:
 # ---- assistant spans ----------------------------------------------------------------------------------------
 
 
-def _assistant_spans(tokenizer, messages: list[dict], full: str, where: str) -> list[tuple[int, int]]:
-    """Character span in `full` of every assistant turn as generated: after its header, through its end token.
+def _assistant_spans(tokenizer, messages: list[dict], full: str, where: str, turns: list[int]) -> list[tuple[int, int]]:
+    """Character span in `full` of the assistant turns `turns` as generated: after the header, through the end token.
 
     First choice: diff renderings of conversation prefixes (exact when the template is prefix-consistent).
     Templates that render a turn differently once later turns follow (Qwen3 drops the think block of earlier
@@ -498,9 +524,7 @@ def _assistant_spans(tokenizer, messages: list[dict], full: str, where: str) -> 
     """
     render = _prefix_renderer(tokenizer, messages, full)
     spans, content_spans = [], None
-    for turn, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
+    for turn in turns:
         span = _span_by_prefix(render, turn, full)
         if span is None:
             if content_spans is None:

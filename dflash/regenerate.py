@@ -5,8 +5,9 @@ Prompts are read as harvest reads data (JSONL, .gz, .zst, Parquet, folders: docs
 original answer, is dropped), rendered with the tokenizer's chat template; or text records, `{"text": ...}` or
 `{"prompt": ...}` (a `"completion"` beside it, an original answer, is dropped), which the target continues as
 raw text. Output lines, in prompt order, are what `dflash harvest` reads:
-`{"messages": [...prompt turns, {"role": "assistant", "content": response}]}` for chat prompts and
-`{"prompt": prompt, "completion": response}` for text prompts (harvest puts the loss on the response only).
+`{"messages": [...prompt turns, {"role": "assistant", "content": response, "target": true}]}` for chat prompts
+(with `--turns all`, every assistant turn of the prompt is the target's too, marked alike) and
+`{"prompt": prompt, "completion": response}` for text prompts (harvest puts the loss on the target's text only).
 
 Resuming: dflash.answers (the prompt and response records, the output's resume check and recorded settings,
 shared with `--server`, where dflash.remote asks a serving engine (vLLM, SGLang) for the answers instead).
@@ -14,13 +15,15 @@ shared with `--server`, where dflash.remote asks a serving engine (vLLM, SGLang)
 
 from dflash.answers import (
     RegenerateStats,
+    answer_records,
     append_lines,
     check_output,
     completed_count,
+    context_turns,
     generation_settings,
     load_prompts,
     output_path,
-    response_record,
+    plain_messages,
 )
 from dflash.config import RegenerateConfig
 from dflash.errors import DflashError
@@ -36,7 +39,7 @@ def encode_prompt(tokenizer, record: dict) -> list[int]:
         return tokenizer(record["prompt"])["input_ids"]
     if not tokenizer.chat_template:
         raise DflashError('chat prompts need a tokenizer with a chat template; use {"text": ...} prompts instead')
-    text = tokenizer.apply_chat_template(record["messages"], add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(plain_messages(record["messages"]), add_generation_prompt=True, tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -92,9 +95,9 @@ def regenerate(cfg: RegenerateConfig, progress: bool = True) -> RegenerateStats:
     records = load_prompts(cfg.data)
     out = output_path(cfg)
     check_output(out, generation_settings(cfg))
-    done = completed_count(out, records)
+    done = completed_count(out, records, cfg.turns)
     if done == len(records):
-        return RegenerateStats(len(records), done, 0)
+        return RegenerateStats(len(records), done, 0, *context_turns(out))
     model, tokenizer = load_target(cfg.model, cfg.device, cfg.dtype)
     eos_ids = eos_token_ids(model, tokenizer)
     bar = tqdm(total=len(records), initial=done, unit="prompt", desc="regenerate", disable=not progress)
@@ -102,8 +105,11 @@ def regenerate(cfg: RegenerateConfig, progress: bool = True) -> RegenerateStats:
         batch = records[start : start + cfg.batch_size]
         # Seeded by position so that a resumed sampled run does not repeat the first run's random stream.
         torch.manual_seed(cfg.seed + start)
-        responses = generate_batch(model, tokenizer, [encode_prompt(tokenizer, r) for r in batch], cfg, eos_ids)
-        append_lines(out, [response_record(r, text) for r, text in zip(batch, responses)])
+
+        def generate(prompts: list[dict]) -> list[str]:
+            return generate_batch(model, tokenizer, [encode_prompt(tokenizer, p) for p in prompts], cfg, eos_ids)
+
+        append_lines(out, answer_records(batch, cfg.turns, generate))
         bar.update(len(batch))
     bar.close()
-    return RegenerateStats(len(records), done, len(records) - done)
+    return RegenerateStats(len(records), done, len(records) - done, *context_turns(out))

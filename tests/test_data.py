@@ -314,6 +314,24 @@ def test_batched_masks_equal_the_reference_algorithm(tmp_path, template, save_to
     records.insert(2, ("line t", "text", "plain text between the chats"))
     encoded = _encode_chunk(tokenizer, records)
     del encoded[2]
-    for messages, (ids, mask) in zip(CONVERSATIONS, encoded, strict=True):
+    for messages, (ids, mask, _) in zip(CONVERSATIONS, encoded, strict=True):
         reference_ids, reference_mask = _reference_chat_mask(tokenizer, messages)
         assert ids.tolist() == reference_ids and mask.tolist() == reference_mask and mask.any()
+
+
+def test_only_the_turns_the_target_wrote_are_on_the_loss(tmp_path, tokenizer_path):
+    marked = [
+        {"role": "user", "content": "Hi?"},
+        {"role": "assistant", "content": "the data's answer"},
+        {"role": "user", "content": "More?"},
+        {"role": "assistant", "content": "the target's answer", "target": True},
+    ]
+    documents, stats = load_documents(DataConfig(_jsonl(tmp_path, {"messages": marked})), tokenizer_path)
+    assert _masked_runs(tokenizer_path, documents[0]) == ["the target's answer<|im_end|>"]
+    assert stats.context_turns == 1
+    unmarked = [{k: v for k, v in m.items() if k != "target"} for m in marked]
+    documents, stats = load_documents(DataConfig(_jsonl(tmp_path, {"messages": unmarked})), tokenizer_path)
+    assert len(_masked_runs(tokenizer_path, documents[0])) == 2 and stats.context_turns == 0
+    for bad in ({**marked[0], "target": True}, {**marked[1], "target": "yes"}):
+        with pytest.raises(DflashError, match='message 0 has "target"|message 1 has "target"'):
+            load_documents(DataConfig(_jsonl(tmp_path, {"messages": [bad, *marked[1:]]})), tokenizer_path)
