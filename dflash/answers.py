@@ -7,7 +7,10 @@ turn of the data is dropped first) and keeps the earlier assistant turns as the 
 every assistant turn in order, each answering the history the target itself wrote before it (an assistant turn
 holding `tool_calls` stays the data's, since the tool results after it answer that call). Every assistant turn
 the target wrote is marked `"target": true` in the output; `dflash harvest` puts the loss on the marked turns
-only, so an earlier turn kept from the data is context, never training text (dflash/data.py).
+only, so an earlier turn kept from the data is context, never training text (dflash/data.py). An answer cut at
+`--max-new-tokens` before the target ended it is marked `"unfinished": true` (on its turn, or on a completion
+record): harvest keeps the end-of-turn token the template closes it with out of the loss, since the target never
+wrote it there.
 
 Resuming: the output is only ever appended whole batches at a time (one write, flushed and fsynced), a
 trailing partial line left by a killed run is cut off, and a rerun starts after the lines already there, once
@@ -26,7 +29,8 @@ from dflash.data import check_record, jsonl_lines
 from dflash.errors import DflashError, describe_differences
 
 TARGET = "target"  # on an assistant message: the target wrote it (dflash harvest puts the loss on those only)
-MARKS = (TARGET,)  # dflash's own keys on a message, never shown to a chat template or a server
+UNFINISHED = "unfinished"  # on a target turn or completion: cut at --max-new-tokens, the target did not end it
+MARKS = (TARGET, UNFINISHED)  # dflash's own keys on a message, never shown to a chat template or a server
 
 # ---------------------------------------------------------------------------------------------------------------
 # Prompts
@@ -86,7 +90,7 @@ def rewritten_turns(messages: list[dict], turns: str) -> list[int]:
 
 class Conversation:
     """The response record of one prompt, written turn by turn: `prompt()` is what the target answers next,
-    `answer(text)` records it, until `todo` is empty."""
+    `answer(text, unfinished)` records it, until `todo` is empty."""
 
     def __init__(self, record: dict, turns: str):
         self.record = record
@@ -102,34 +106,35 @@ class Conversation:
             return {"prompt": self.record["prompt"]}
         return {"messages": plain_messages(self.messages[: self.todo[0]])}
 
-    def answer(self, text: str) -> None:
+    def answer(self, text: str, unfinished: bool) -> None:
         turn = self.todo.pop(0)
+        cut = {UNFINISHED: True} if unfinished else {}
         if self.messages is None:
-            self.completion = text
+            self.completion = {"completion": text, **cut}
         else:
-            self.messages[turn] = {"role": "assistant", "content": text, TARGET: True}
+            self.messages[turn] = {"role": "assistant", "content": text, TARGET: True, **cut}
 
     def result(self) -> dict:
         if self.messages is None:
-            return {"prompt": self.record["prompt"], "completion": self.completion}
+            return {"prompt": self.record["prompt"], **self.completion}
         return {"messages": self.messages}
 
 
 def answer_records(records: list[dict], turns: str, generate) -> list[dict]:
-    """The response records of `records`: `generate(prompt records) -> texts` is called once per round, each
-    round answering the next turn of every conversation that has one left (turns of a conversation in order)."""
+    """The response records of `records`: `generate(prompt records) -> [(text, unfinished)]` is called once per
+    round, each round answering the next turn of every conversation that has one left (its turns in order)."""
     conversations = [Conversation(record, turns) for record in records]
     pending = conversations
     while pending:
-        for conversation, text in zip(pending, generate([c.prompt() for c in pending]), strict=True):
-            conversation.answer(text)
+        for conversation, answer in zip(pending, generate([c.prompt() for c in pending]), strict=True):
+            conversation.answer(*answer)
         pending = [c for c in pending if c.todo]
     return [c.result() for c in conversations]
 
 
-def response_record(record: dict, response: str) -> dict:
+def response_record(record: dict, response: str, unfinished: bool = False) -> dict:
     """The response record of a prompt answered by one turn (`--turns last`)."""
-    [done] = answer_records([record], "last", lambda prompts: [response])
+    [done] = answer_records([record], "last", lambda prompts: [(response, unfinished)])
     return done
 
 
@@ -152,16 +157,19 @@ def _answers(line: bytes, record: dict, turns: str) -> bool:
     return True
 
 
-def context_turns(out: Path) -> tuple[int, int]:
-    """(assistant turns the data wrote, kept as context with no loss; conversations holding them) in `out`."""
-    turns = conversations = 0
+def output_counts(out: Path) -> tuple[int, int, int]:
+    """(assistant turns the data wrote, kept as context with no loss; conversations holding them; answers cut at
+    --max-new-tokens) in `out`."""
+    turns = conversations = unfinished = 0
     if out.exists():
         for _, line in jsonl_lines(out.read_bytes()):
-            messages = json.loads(line).get("messages") or []
+            record = json.loads(line)
+            messages = record.get("messages") or []
             kept = sum(1 for m in messages if m.get("role") == "assistant" and not m.get(TARGET))
             turns += kept
             conversations += kept > 0
-    return turns, conversations
+            unfinished += sum(1 for m in messages if m.get(UNFINISHED)) + bool(record.get(UNFINISHED))
+    return turns, conversations, unfinished
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -283,6 +291,7 @@ class RegenerateStats:
     written: int
     context_turns: int = 0  # assistant turns of the output the data wrote, kept as context (no loss) ...
     context_conversations: int = 0  # ... in this many conversations
+    unfinished: int = 0  # answers of the output cut at --max-new-tokens
 
 
 def output_path(cfg: RegenerateConfig) -> Path:

@@ -291,7 +291,9 @@ class RegenerateConfig:
     )
     out: str = option(None, "Responses JSONL; an existing one is resumed.", path=True, required=True)
     batch_size: int = option(8, "Prompts per generate call (left-padded).")
-    max_new_tokens: int = option(512, "Longest response, in tokens.")
+    max_new_tokens: int = option(
+        512, "Longest response, in tokens; a longer one is cut, marked unfinished and kept without its end token."
+    )
     temperature: float = option(0.0, "0 = greedy; > 0 samples.")
     top_p: float = option(1.0, "Nucleus sampling (with --temperature > 0), in (0, 1].")
     top_k: int = option(0, "Top-k sampling; 0 = off (overrides the model's default).")

@@ -9,13 +9,16 @@ ShareGPT `conversations` into `messages`; each record is one document:
   (the model never generates it). Everything else (system, user, tool turns, role headers) is off. A tool turn
   (sources.TOOL_ROLES) the chat template does not render is refused, never dropped silently. In a conversation
   where `dflash regenerate` marked the turns the target wrote (`"target": true`), only those are on: the other
-  assistant turns were written by the data, not the target, and are context (counted as `context_turns`).
+  assistant turns were written by the data, not the target, and are context (counted as `context_turns`). A target
+  turn marked `"unfinished": true` (cut at regenerate's --max-new-tokens) keeps the end-of-turn token that closes
+  it out of the loss: the target never wrote it there (counted as `unfinished`).
 - `{"text": "..."}` is tokenised as the tokenizer does by default (its BOS if it defines one; no EOS added) and
   the loss mask is on for every token.
 - `{"prompt": "...", "completion": "..."}` (what `dflash regenerate` writes for text prompts) is tokenised as the
   text prompt + completion; the loss mask is on for the tokens holding completion characters only, since the
   drafter drafts what the target writes, not the prompt it was given. A completion that ends up without a loss
-  token (an empty response) is dropped and counted, like a split-off prompt.
+  token (an empty response) is dropped and counted, like a split-off prompt; one marked `"unfinished": true` is
+  counted (no end-of-text token is on its loss either way).
 
 Blank lines are skipped; `doc_id` is the 0-based index of the record in the mixture (the file's order for one
 source), error messages name the file and its 1-based line (or Parquet row). Documents longer than `max_length`
@@ -49,7 +52,8 @@ OVERFLOW_MODES = ("truncate", "split")
 TRUNCATION_WARNING = 0.5  # a truncation dropping more than this share of a document's tokens is warned about
 KINDS = {"messages": "chat", "text": "text", "prompt": "completion"}  # the key that names a line's kind
 TARGET = "target"  # an assistant message's mark that the target wrote it (dflash regenerate)
-TURN_COUNTS = ("context_turns",)  # DataStats fields counted per record while it is encoded
+UNFINISHED = "unfinished"  # a target answer's mark that it was cut at --max-new-tokens (dflash regenerate)
+TURN_COUNTS = ("context_turns", "unfinished")  # DataStats fields counted per record while it is encoded
 
 
 @dataclass
@@ -89,6 +93,7 @@ class DataStats:
     split_pieces: int = 0  # ... into this many pieces
     dropped_no_loss: int = 0  # pieces (or truncated documents) left without a loss token
     context_turns: int = 0  # assistant turns the data wrote in conversations the target answered: no loss
+    unfinished: int = 0  # target answers cut at regenerate's --max-new-tokens: no end-of-turn token on the loss
     documents: int = 0  # documents returned, pieces counted one by one
     tokens: int = 0
     loss_tokens: int = 0
@@ -224,6 +229,12 @@ def _log(cfg: DataConfig, stats: DataStats) -> None:
             "context, with no loss (dflash regenerate --turns all has the target write them)",
             stats.context_turns,
         )
+    if stats.unfinished:
+        logger.info(
+            "%d target answers were cut at regenerate's --max-new-tokens: their end-of-turn token is kept out of the "
+            "loss (regenerate them with a larger --max-new-tokens to train the drafter to stop there)",
+            stats.unfinished,
+        )
     for counts in stats.sources:
         logger.info(
             "source %s: %d records read, %d duplicates dropped, %d used, %d documents, %d tokens (%d with loss)",
@@ -334,16 +345,22 @@ def _check_text(text, where: str) -> str:
     return text
 
 
-def _check_completion(record: dict, where: str) -> tuple[str, str | None]:
-    """(prompt, completion); the completion may be absent (a prompt to answer), but not of another type."""
+def _check_completion(record: dict, where: str) -> tuple[str, str | None, bool]:
+    """(prompt, completion, unfinished); the completion may be absent (a prompt to answer), but not of another
+    type."""
     prompt, completion = record["prompt"], record.get("completion")
+    if record.get(UNFINISHED, True) is not True or (UNFINISHED in record and completion is None):
+        raise DflashError(
+            f'{where}: "{UNFINISHED}": {record[UNFINISHED]!r}; only a completion cut at --max-new-tokens is marked, '
+            f'"{UNFINISHED}": true (dflash regenerate writes it): remove the key or fix it'
+        )
     if not isinstance(prompt, str):
         raise DflashError(f'{where}: "prompt" must be a string, got {type(prompt).__name__}')
     if completion is not None and not isinstance(completion, str):
         raise DflashError(f'{where}: "completion" must be a string, got {type(completion).__name__}')
     if not (prompt + (completion or "")).strip():
         raise DflashError(f"{where}: empty document (no characters besides whitespace); remove the line")
-    return prompt, completion
+    return prompt, completion, UNFINISHED in record
 
 
 def _check_messages(messages, where: str) -> list[dict]:
@@ -361,6 +378,11 @@ def _check_messages(messages, where: str) -> list[dict]:
             raise DflashError(
                 f'{where}: message {number} has "{TARGET}": {message[TARGET]!r}; only an assistant turn the target '
                 f'wrote is marked, "{TARGET}": true (dflash regenerate writes it): remove the key or fix it'
+            )
+        if UNFINISHED in message and (message[UNFINISHED] is not True or message.get(TARGET) is not True):
+            raise DflashError(
+                f'{where}: message {number} has "{UNFINISHED}": {message[UNFINISHED]!r}; only a target turn cut at '
+                f'--max-new-tokens is marked, "{UNFINISHED}": true beside "{TARGET}": true: remove the key or fix it'
             )
     return messages
 
@@ -455,18 +477,24 @@ def _encode_chunk(tokenizer, records: list) -> list[tuple[np.ndarray, np.ndarray
 def _prepare(tokenizer, where: str, kind: str, payload) -> tuple[str, list[tuple[float, float]] | None, tuple]:
     """The text to tokenise, the character spans on the loss (None: every token) and the record's TURN_COUNTS."""
     if kind == "text":
-        return payload, None, (0,)
+        return payload, None, (0, 0)
     if kind == "completion":
-        prompt, completion = payload
+        prompt, completion, unfinished = payload
         # A token holding completion characters ends after the prompt; added special tokens span (0, 0).
-        return prompt + completion, [(len(prompt), math.inf)], (0,)
-    messages = [{key: value for key, value in message.items() if key != TARGET} for message in payload]
+        return prompt + completion, [(len(prompt), math.inf)], (0, int(unfinished))
+    messages = [
+        {key: value for key, value in message.items() if key not in (TARGET, UNFINISHED)} for message in payload
+    ]
     full = _render(tokenizer, messages, where)
     _check_tool_turns(messages, full, where)
     assistant = [turn for turn, message in enumerate(payload) if message["role"] == "assistant"]
     marked = [turn for turn in assistant if payload[turn].get(TARGET)]
     turns = marked or assistant  # none marked: the data's own answers, every one on the loss
-    return full, _assistant_spans(tokenizer, messages, full, where, turns), (len(assistant) - len(turns),)
+    spans = _assistant_spans(tokenizer, messages, full, where, turns)
+    cut = [i for i, turn in enumerate(turns) if payload[turn].get(UNFINISHED)]
+    for i in cut:  # the target never wrote the end-of-turn token the template closes a cut answer with
+        spans[i] = _without_closer(tokenizer, full, *spans[i], messages[turns[i]]["content"])
+    return full, spans, (len(assistant) - len(turns), len(cut))
 
 
 def _masked(where: str, kind: str, spans, ids: list[int], offsets) -> tuple[np.ndarray, np.ndarray]:
@@ -596,6 +624,15 @@ def _turn_closers(tokenizer, render, turn: int) -> list[str]:
     plain, prompted = render(turn, False), render(turn, True)
     header = prompted[len(plain) :] if plain is not None and prompted is not None and prompted.startswith(plain) else ""
     return sorted((token for token in tokenizer.all_special_tokens if token not in header), key=len, reverse=True)
+
+
+def _without_closer(tokenizer, full: str, start: int, end: int, content: str) -> tuple[int, int]:
+    """A turn's span without the special token (and the whitespace after it) that the template closed it with."""
+    text = full[start:end].rstrip()
+    for token in sorted(tokenizer.all_special_tokens, key=len, reverse=True):
+        if text.endswith(token) and not content.rstrip().endswith(token):
+            return start, start + len(text) - len(token)
+    return start, start + len(text)
 
 
 def _close_turn(full: str, start: int, end: int, closers: list[str]) -> tuple[int, int]:

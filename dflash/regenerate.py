@@ -19,9 +19,9 @@ from dflash.answers import (
     append_lines,
     check_output,
     completed_count,
-    context_turns,
     generation_settings,
     load_prompts,
+    output_counts,
     output_path,
     plain_messages,
 )
@@ -43,9 +43,12 @@ def encode_prompt(tokenizer, record: dict) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def generate_batch(model, tokenizer, prompts: list[list[int]], cfg: RegenerateConfig, eos_ids: set[int]) -> list[str]:
+def generate_batch(
+    model, tokenizer, prompts: list[list[int]], cfg: RegenerateConfig, eos_ids: set[int]
+) -> list[tuple[str, bool]]:
     """Generate for a batch of token-id prompts, left-padded, with `cfg`'s sampling settings; returns each response
-    up to its first EOS. A top_k of 0 turns off a top_k in the target's generation_config."""
+    up to its first EOS, and whether it is unfinished (no EOS within max_new_tokens). A top_k of 0 turns off a
+    top_k in the target's generation_config."""
     import torch
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
@@ -66,7 +69,7 @@ def generate_batch(model, tokenizer, prompts: list[list[int]], cfg: RegenerateCo
     for row in out[:, width:].tolist():
         stop = next((i for i, token in enumerate(row) if token in eos_ids), len(row))
         # Special tokens the target produced before EOS are part of its answer: keep them.
-        responses.append(tokenizer.decode(row[:stop], skip_special_tokens=False))
+        responses.append((tokenizer.decode(row[:stop], skip_special_tokens=False), stop == len(row)))
     return responses
 
 
@@ -97,7 +100,7 @@ def regenerate(cfg: RegenerateConfig, progress: bool = True) -> RegenerateStats:
     check_output(out, generation_settings(cfg))
     done = completed_count(out, records, cfg.turns)
     if done == len(records):
-        return RegenerateStats(len(records), done, 0, *context_turns(out))
+        return RegenerateStats(len(records), done, 0, *output_counts(out))
     model, tokenizer = load_target(cfg.model, cfg.device, cfg.dtype)
     eos_ids = eos_token_ids(model, tokenizer)
     bar = tqdm(total=len(records), initial=done, unit="prompt", desc="regenerate", disable=not progress)
@@ -106,10 +109,10 @@ def regenerate(cfg: RegenerateConfig, progress: bool = True) -> RegenerateStats:
         # Seeded by position so that a resumed sampled run does not repeat the first run's random stream.
         torch.manual_seed(cfg.seed + start)
 
-        def generate(prompts: list[dict]) -> list[str]:
+        def generate(prompts: list[dict]) -> list[tuple[str, bool]]:
             return generate_batch(model, tokenizer, [encode_prompt(tokenizer, p) for p in prompts], cfg, eos_ids)
 
         append_lines(out, answer_records(batch, cfg.turns, generate))
         bar.update(len(batch))
     bar.close()
-    return RegenerateStats(len(records), done, len(records) - done, *context_turns(out))
+    return RegenerateStats(len(records), done, len(records) - done, *output_counts(out))

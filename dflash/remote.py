@@ -27,9 +27,9 @@ from dflash.answers import (
     append_lines,
     check_output,
     completed_count,
-    context_turns,
     generation_settings,
     load_prompts,
+    output_counts,
     output_path,
     plain_messages,
 )
@@ -177,6 +177,11 @@ def answer_text(path: str, response: dict) -> str:
     return text
 
 
+def cut_off(response: dict) -> bool:
+    """Whether the server stopped the answer at max_tokens rather than at the target's end of turn."""
+    return response["choices"][0].get("finish_reason") == "length"
+
+
 def refusal(exc: Refused, path: str, index: int, names: list[str]) -> DflashError:
     if path == COMPLETIONS and exc.code in (404, 405):
         return DflashError(
@@ -200,12 +205,12 @@ def regenerate_remote(cfg: RegenerateConfig, progress: bool = True) -> Regenerat
     check_output(out, generation_settings(cfg, model))
     done = completed_count(out, records, cfg.turns)
     if done == len(records):
-        return RegenerateStats(len(records), done, 0, *context_turns(out))
+        return RegenerateStats(len(records), done, 0, *output_counts(out))
 
     def ask(index: int) -> tuple[dict, int]:
         tokens = 0
 
-        def generate(prompts: list[dict]) -> list[str]:  # one prompt: the next turn of this conversation
+        def generate(prompts: list[dict]) -> list[tuple[str, bool]]:  # one prompt: this conversation's next turn
             nonlocal tokens
             path, body = request_for(prompts[0], index, model, cfg)
             try:
@@ -213,7 +218,7 @@ def regenerate_remote(cfg: RegenerateConfig, progress: bool = True) -> Regenerat
             except Refused as exc:
                 raise refusal(exc, path, index, names) from None
             tokens += (response.get("usage") or {}).get("completion_tokens") or 0
-            return [answer_text(path, response)]
+            return [(answer_text(path, response), cut_off(response))]
 
         [record] = answer_records([records[index]], cfg.turns, generate)
         return record, tokens
@@ -234,7 +239,7 @@ def regenerate_remote(cfg: RegenerateConfig, progress: bool = True) -> Regenerat
         (len(records) - done) / seconds,
         rate,
     )
-    return RegenerateStats(len(records), done, len(records) - done, *context_turns(out))
+    return RegenerateStats(len(records), done, len(records) - done, *output_counts(out))
 
 
 def answer_in_order(ask, start: int, end: int, out: Path, concurrency: int, bar) -> int:

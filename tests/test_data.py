@@ -335,3 +335,24 @@ def test_only_the_turns_the_target_wrote_are_on_the_loss(tmp_path, tokenizer_pat
     for bad in ({**marked[0], "target": True}, {**marked[1], "target": "yes"}):
         with pytest.raises(DflashError, match='message 0 has "target"|message 1 has "target"'):
             load_documents(DataConfig(_jsonl(tmp_path, {"messages": [bad, *marked[1:]]})), tokenizer_path)
+
+
+def test_a_cut_target_answer_keeps_its_end_of_turn_token_out_of_the_loss(tmp_path, tokenizer_path):
+    turns = [
+        {"role": "user", "content": "Hi?"},
+        {"role": "assistant", "content": "a whole answer", "target": True},
+        {"role": "user", "content": "More?"},
+        {"role": "assistant", "content": "an answer cut", "target": True, "unfinished": True},
+    ]
+    completion = {"prompt": "def f():", "completion": " return", "unfinished": True}
+    documents, stats = load_documents(DataConfig(_jsonl(tmp_path, {"messages": turns}, completion)), tokenizer_path)
+    assert _masked_runs(tokenizer_path, documents[0]) == ["a whole answer<|im_end|>", "an answer cut"]
+    assert stats.unfinished == 2
+    for bad in ({**turns[3], "unfinished": False}, {**turns[1], "target": True, "unfinished": 1}):
+        with pytest.raises(DflashError, match='has "unfinished"'):
+            load_documents(DataConfig(_jsonl(tmp_path, {"messages": [*turns[:3], bad]})), tokenizer_path)
+    unmarked = {k: v for k, v in turns[3].items() if k != "target"}
+    with pytest.raises(DflashError, match="only a target turn cut at --max-new-tokens is marked"):
+        load_documents(DataConfig(_jsonl(tmp_path, {"messages": [*turns[:3], unmarked]})), tokenizer_path)
+    with pytest.raises(DflashError, match='"unfinished": False'):
+        load_documents(DataConfig(_jsonl(tmp_path, {**completion, "unfinished": False})), tokenizer_path)

@@ -309,3 +309,33 @@ def test_an_output_without_the_record_of_target_turns_is_not_resumed(tmp_path):
         check_output(out, {**old, "turns": "last"})
     with pytest.raises(DflashError, match="written by an older dflash"):
         completed_count(out, load_prompts(write_jsonl(tmp_path / "p.jsonl", [MULTI_TURN])))
+
+
+def test_answers_cut_at_max_new_tokens_are_marked_counted_and_keep_no_end_token_on_the_loss(tiny_target, tmp_path):
+    from cli.main import main
+
+    target_path = tiny_target("qwen3_5")
+    prompts, out = write_jsonl(tmp_path / "p.jsonl", [PROMPTS[0], PROMPTS[2], PROMPTS[4]]), tmp_path / "out.jsonl"
+    args = ["regenerate", "--model", str(target_path), "--data", str(prompts), "--out", str(out), "--device", "cpu"]
+    result = CliRunner().invoke(main, args + ["--max-new-tokens", "3"])
+    assert result.exit_code == 0, result.output
+    lines = read_lines(out)
+    model, tokenizer = load_target(target_path, "cpu", "float32")
+    eos_ids = eos_token_ids(model, tokenizer)
+    cut = 0
+    for record, line in zip(load_prompts(prompts), lines):
+        ids = torch.tensor([encode_prompt(tokenizer, record)])
+        new = model.generate(ids, max_new_tokens=3, do_sample=False)[0, ids.shape[1] :].tolist()
+        unfinished = not set(new) & eos_ids
+        mark = line["messages"][-1].get("unfinished") if "messages" in line else line.get("unfinished")
+        assert mark is (True if unfinished else None)
+        cut += unfinished
+    assert cut >= 2  # random weights rarely end a turn within 3 tokens
+    assert f"{cut} answers were cut at --max-new-tokens 3 before the target ended them" in result.output
+
+    documents, stats = load_documents(DataConfig(out), str(target_path))
+    assert stats.unfinished == cut
+    for document, line in zip(documents, lines):
+        text = loss_text(tokenizer, document)
+        if "messages" in line:
+            assert text.endswith("<|im_end|>") is not line["messages"][-1].get("unfinished", False)

@@ -184,9 +184,12 @@ def test_greedy_answers_are_the_local_ones(served, prompts_file, through_server,
     for record, line in zip(load_prompts(prompts_file), read_lines(through_server)):
         ids = torch.tensor([encode_prompt(tokenizer, record)])
         new = model.generate(ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)[0, ids.shape[1] :].tolist()
-        new = new[: next((i for i, t in enumerate(new) if t in eos_ids), len(new))]
-        assert not set(tokenizer.all_special_ids) & set(new)
-        assert answer(line) == tokenizer.decode(new)
+        stop = next((i for i, t in enumerate(new) if t in eos_ids), len(new))
+        assert not set(tokenizer.all_special_ids) & set(new[:stop])
+        assert answer(line) == tokenizer.decode(new[:stop])
+        # finish_reason "length": cut at max_tokens, marked so (on the turn, or on the completion record).
+        mark = line["messages"][-1].get("unfinished") if "messages" in line else line.get("unfinished")
+        assert mark is (True if stop == len(new) else None)
 
 
 def test_turns_all_through_the_server_are_the_local_ones(served, tmp_path):
