@@ -364,13 +364,19 @@ def _check_completion(record: dict, where: str) -> tuple[str, str | None, bool]:
 
 
 def _check_messages(messages, where: str) -> list[dict]:
+    """The messages, checked; an assistant turn of tool calls only (OpenAI's `"content": null`) gets content ""."""
     if not isinstance(messages, list) or not messages:
         raise DflashError(f'{where}: "messages" must be a non-empty list of {{"role": ..., "content": ...}} objects')
+    messages = list(messages)
     for number, message in enumerate(messages):
         if not isinstance(message, dict):
             raise DflashError(
                 f'{where}: message {number} must be an object with "role" and "content", got {type(message).__name__}'
             )
+        if "tool_calls" in message:
+            _check_tool_calls(message, number, where)
+            if message.get("content") is None:
+                messages[number] = message = {**message, "content": ""}
         for key in ("role", "content"):
             if not isinstance(message.get(key), str):
                 raise DflashError(f'{where}: message {number} needs a string "{key}", got {message.get(key)!r:.60}')
@@ -487,6 +493,7 @@ def _prepare(tokenizer, where: str, kind: str, payload) -> tuple[str, list[tuple
     ]
     full = _render(tokenizer, messages, where)
     _check_tool_turns(messages, full, where)
+    _check_tool_calls_rendered(tokenizer, messages, full, where)
     assistant = [turn for turn, message in enumerate(payload) if message["role"] == "assistant"]
     marked = [turn for turn in assistant if payload[turn].get(TARGET)]
     turns = marked or assistant  # none marked: the data's own answers, every one on the loss
@@ -524,18 +531,50 @@ def _render(tokenizer, messages: list[dict], where: str, generation_prompt: bool
 
 
 TOOL_FIX = (
-    "use a tokenizer whose chat template renders tool turns, or remove or rewrite those turns in the data "
+    "use a tokenizer whose chat template renders tool turns and tool calls, or remove or rewrite those turns in the data "
     "(dflash never drops a turn silently)"
 )
 
 
+def _check_tool_calls(message: dict, number: int, where: str) -> None:
+    """`tool_calls` of an assistant turn: a list of OpenAI calls, `{"function": {"name": ..., "arguments": ...}}`."""
+    calls = message["tool_calls"]
+    shape = 'a list of {"type": "function", "function": {"name": ..., "arguments": ...}} objects'
+    if message.get("role") != "assistant":
+        raise DflashError(
+            f'{where}: message {number} (role {message.get("role")!r}) has "tool_calls"; only an '
+            "assistant turn makes tool calls: move them to the assistant turn or remove them"
+        )
+    if not isinstance(calls, list) or not all(
+        isinstance(call, dict)
+        and isinstance(call.get("function"), dict)
+        and isinstance(call["function"].get("name"), str)
+        for call in calls
+    ):
+        raise DflashError(f'{where}: message {number}: "tool_calls" must be {shape}, got {calls!r:.80}')
+
+
 def _check_tool_turns(messages: list[dict], full: str, where: str) -> None:
-    """A template may skip roles it does not know: every tool turn's content must be in the rendering."""
+    """A template may skip roles it does not know, or the tool calls of an assistant turn: every tool turn's
+    content, and every tool call's function name, must be in the rendering."""
     for number, message in enumerate(messages):
         if message["role"] in sources.TOOL_ROLES and message["content"].strip() not in full:
             raise DflashError(
                 f"{where}: the chat template does not render message {number} (role {message['role']!r}); {TOOL_FIX}"
             )
+
+
+def _check_tool_calls_rendered(tokenizer, messages: list[dict], full: str, where: str) -> None:
+    """A template that ignores `tool_calls` renders the conversation without them as it does with them."""
+    calls = [number for number, message in enumerate(messages) if message.get("tool_calls")]
+    if not calls:
+        return
+    without = [{k: v for k, v in message.items() if k != "tool_calls"} for message in messages]
+    if _try_render(tokenizer, without, False) == full:
+        raise DflashError(
+            f"{where}: the chat template does not render the tool_calls of message {calls[0]} (its rendering is the "
+            f"same without them); {TOOL_FIX}"
+        )
 
 
 # ---- assistant spans ----------------------------------------------------------------------------------------
@@ -554,6 +593,12 @@ def _assistant_spans(tokenizer, messages: list[dict], full: str, where: str, tur
     spans, content_spans = [], None
     for turn in turns:
         span = _span_by_prefix(render, turn, full)
+        if span is None and messages[turn].get("tool_calls"):
+            raise DflashError(
+                f"{where}: cannot locate assistant message {turn}, which makes tool calls, in the chat template's "
+                "rendering (the template renders it otherwise once later turns follow), so its loss mask would be "
+                f"wrong; {TOOL_FIX}"
+            )
         if span is None:
             if content_spans is None:
                 content_spans = _content_spans(messages, full)

@@ -54,6 +54,7 @@ SHAREGPT_ROLES = {
 }
 # Turns of tools and their calls: rendered by the chat template as given, never in the loss.
 TOOL_ROLES = ("tool", "function", "function_call", "observation", "ipython")
+SHAREGPT_KEEP = ("tool_calls", "tool_call_id", "name")  # keys of a turn kept beside its role and content
 PARQUET_BATCH = 1024  # rows decoded at a time: memory stays that of one batch whatever the file's size
 
 
@@ -210,7 +211,9 @@ def _sharegpt_turn(turn, number: int, where: str) -> dict:
             f"{where}: conversation turn {number} has the role {role!r}, which dflash does not know; use one of "
             f"{', '.join(SHAREGPT_ROLES)} (or a tool role: {', '.join(TOOL_ROLES)})"
         )
-    return {"role": SHAREGPT_ROLES.get(role, role), "content": content}
+    # The keys of tool use go with the turn (its calls, the name of the tool a result comes from): never dropped.
+    extra = {key: turn[key] for key in SHAREGPT_KEEP if key in turn}
+    return {"role": SHAREGPT_ROLES.get(role, role), "content": content, **extra}
 
 
 # ---- mixing -------------------------------------------------------------------------------------------------

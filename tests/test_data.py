@@ -356,3 +356,42 @@ def test_a_cut_target_answer_keeps_its_end_of_turn_token_out_of_the_loss(tmp_pat
         load_documents(DataConfig(_jsonl(tmp_path, {"messages": [*turns[:3], unmarked]})), tokenizer_path)
     with pytest.raises(DflashError, match='"unfinished": False'):
         load_documents(DataConfig(_jsonl(tmp_path, {**completion, "unfinished": False})), tokenizer_path)
+
+
+# The tiny template, rendering an assistant turn's tool calls after its content.
+TOOL_CALL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for call in m.get('tool_calls') or [] %}<tool_call>{{ call['function']['name'] }}"
+    "({{ call['function']['arguments'] }})</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+TOOL_CALLS = [
+    {"role": "user", "content": "Weather in Oslo?"},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "c1", "content": "rain, 4 degrees"},
+    {"role": "assistant", "content": "It rains."},
+]
+
+
+def test_tool_calls_are_rendered_and_on_the_loss_or_refused_never_dropped(tmp_path, tokenizer_path, save_tokenizer):
+    data = _jsonl(tmp_path, {"messages": TOOL_CALLS})
+    documents, _ = load_documents(DataConfig(data), save_tokenizer(tmp_path / "tools", TOOL_CALL_TEMPLATE))
+    runs = _masked_runs(str(tmp_path / "tools"), documents[0])
+    assert runs == ['<tool_call>get_weather({"city": "Oslo"})</tool_call><|im_end|>', "It rains.<|im_end|>"]
+    # The tiny template leaves tool calls out: refused, naming the message and the way out.
+    with pytest.raises(DflashError, match="does not render the tool_calls of message 1 .*renders tool turns and tool"):
+        load_documents(DataConfig(data), tokenizer_path)
+    # ShareGPT turns keep their tool calls.
+    sharegpt = {"conversations": [{"from": m["role"], "value": m["content"], **m} for m in TOOL_CALLS]}
+    sharegpt["conversations"] = [
+        {k: v for k, v in t.items() if k not in ("role", "content")} for t in sharegpt["conversations"]
+    ]
+    same, _ = load_documents(DataConfig(_jsonl(tmp_path, sharegpt)), str(tmp_path / "tools"))
+    assert same[0].input_ids.tolist() == documents[0].input_ids.tolist()
+    for bad, message in (
+        ({**TOOL_CALLS[1], "tool_calls": "get_weather"}, '"tool_calls" must be a list of'),
+        ({**TOOL_CALLS[0], "tool_calls": [CALL]}, "only an assistant turn makes tool calls"),
+    ):
+        with pytest.raises(DflashError, match=message):
+            load_documents(DataConfig(_jsonl(tmp_path, {"messages": [bad, *TOOL_CALLS[1:]]})), tokenizer_path)
