@@ -364,7 +364,9 @@ def _check_completion(record: dict, where: str) -> tuple[str, str | None, bool]:
 
 
 def _check_messages(messages, where: str) -> list[dict]:
-    """The messages, checked; an assistant turn of tool calls only (OpenAI's `"content": null`) gets content ""."""
+    """The messages, checked; an assistant turn of tool calls only (OpenAI's `"content": null`) gets content "", and
+    OpenAI list content (`[{"type": "text", "text": ...}, ...]`) its text parts joined by line breaks (as vLLM
+    joins them for a text-only model)."""
     if not isinstance(messages, list) or not messages:
         raise DflashError(f'{where}: "messages" must be a non-empty list of {{"role": ..., "content": ...}} objects')
     messages = list(messages)
@@ -377,6 +379,8 @@ def _check_messages(messages, where: str) -> list[dict]:
             _check_tool_calls(message, number, where)
             if message.get("content") is None:
                 messages[number] = message = {**message, "content": ""}
+        if isinstance(message.get("content"), list):
+            messages[number] = message = {**message, "content": _joined_text(message["content"], number, where)}
         for key in ("role", "content"):
             if not isinstance(message.get(key), str):
                 raise DflashError(f'{where}: message {number} needs a string "{key}", got {message.get(key)!r:.60}')
@@ -534,6 +538,19 @@ TOOL_FIX = (
     "use a tokenizer whose chat template renders tool turns and tool calls, or remove or rewrite those turns in the data "
     "(dflash never drops a turn silently)"
 )
+
+
+def _joined_text(parts: list, number: int, where: str) -> str:
+    texts = []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise DflashError(
+                f"{where}: message {number} has a content part of type {kind!r}; dflash trains on text only: give "
+                'the content as a string or as text parts, [{"type": "text", "text": ...}], and leave the others out'
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _check_tool_calls(message: dict, number: int, where: str) -> None:

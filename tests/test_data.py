@@ -395,3 +395,21 @@ def test_tool_calls_are_rendered_and_on_the_loss_or_refused_never_dropped(tmp_pa
     ):
         with pytest.raises(DflashError, match=message):
             load_documents(DataConfig(_jsonl(tmp_path, {"messages": [bad, *TOOL_CALLS[1:]]})), tokenizer_path)
+
+
+def test_openai_list_content_is_its_text_parts_joined_and_other_parts_are_refused(tmp_path, tokenizer_path):
+    parts = [{"type": "text", "text": "What is 2 + 2?"}, {"type": "text", "text": "Say it in words."}]
+    listed = [{"role": "user", "content": parts}, {"role": "assistant", "content": [{"type": "text", "text": "Four."}]}]
+    plain = [
+        {"role": "user", "content": "What is 2 + 2?\nSay it in words."},
+        {"role": "assistant", "content": "Four."},
+    ]
+    documents, _ = load_documents(DataConfig(_jsonl(tmp_path, {"messages": listed})), tokenizer_path)
+    expected, _ = load_documents(DataConfig(_jsonl(tmp_path, {"messages": plain})), tokenizer_path)
+    assert documents[0].input_ids.tolist() == expected[0].input_ids.tolist()
+    assert documents[0].loss_mask.tolist() == expected[0].loss_mask.tolist()
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    with pytest.raises(DflashError, match="line 1: message 0 has a content part of type 'image_url'; dflash trains"):
+        load_documents(
+            DataConfig(_jsonl(tmp_path, {"messages": [{**listed[0], "content": [image]}, listed[1]]})), tokenizer_path
+        )

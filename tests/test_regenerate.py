@@ -339,3 +339,10 @@ def test_answers_cut_at_max_new_tokens_are_marked_counted_and_keep_no_end_token_
         text = loss_text(tokenizer, document)
         if "messages" in line:
             assert text.endswith("<|im_end|>") is not line["messages"][-1].get("unfinished", False)
+
+
+def test_prompts_with_openai_list_content_are_their_text():
+    listed = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
+    assert prompt_records([listed]) == [{"messages": [{"role": "user", "content": "a\nb"}]}]
+    with pytest.raises(DflashError, match="prompt 1: message 0 has a content part of type 'input_audio'"):
+        prompt_records([{"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}])
