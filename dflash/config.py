@@ -336,7 +336,11 @@ class RegenerateConfig:
 class EvalConfig:
     model: str = option(help="Target model folder.", path=True)
     # From Python, `data` may also be the prompt records themselves (any form a prompt file holds).
-    data: str = option(help="Prompts JSONL: chat 'messages', 'text' or 'prompt'.", path=True)
+    data: str = option(
+        help="Prompts: a JSONL (.gz, .zst) or Parquet file, or a folder of them; chat 'messages' or ShareGPT "
+        "'conversations', 'text' or 'prompt' records (docs/data.md).",
+        path=True,
+    )
     # From Python, `drafter` may also be one folder.
     drafter: list[str] = option(
         help="Exported drafter folder; repeat it to compare drafters on the same prompts (each against the first, "

@@ -311,6 +311,12 @@ def _mixed_order(kept: np.ndarray, ends: np.ndarray, sources: list[Source], stat
     parts = np.split(kept, np.searchsorted(kept, ends[:-1]))
     for counts, part in zip(stats, parts):
         counts.deduplicated = counts.records - len(part)
+    for source, part in zip(sources, parts):
+        if source.weight and len(part) and not round(source.weight * len(part)):
+            raise DflashError(
+                f"data source {source.name} takes round({source.weight:g} x {len(part)} records) = 0 of them; give it "
+                f"a weight of at least {1 / len(part):.2g} to take some, or 0 to leave it out on purpose"
+            )
     chosen = [part[_weighted(len(part), source.weight, rng)] for source, part in zip(sources, parts)]
     order = np.concatenate(chosen).astype(np.int64)
     if not (len(sources) == 1 and sources[0].weight in (None, 1)):
