@@ -353,7 +353,9 @@ class EvalConfig:
     block_size: int = option(16, "Block size of the --untrained drafter.")
     num_prompts: int | None = option(None, "Only the first N prompts.", default_doc="all")
     max_new_tokens: int = option(256, "Tokens generated per prompt.")
-    temperature: float = option(0.0, "0 = greedy (checked against plain decoding).")
+    temperature: float = option(
+        0.0, "0 = greedy (checked against plain greedy decoding); > 0 samples, and so does the plain baseline."
+    )
     prompt_lookup: int = option(10, "Prompt-lookup draft length to compare with; 0 = skip.")
     seed: int = option(0, "Seed for sampling and for the --untrained drafter.")
     device: str = option("auto", DEVICE_HELP)
