@@ -25,8 +25,9 @@ from pathlib import Path
 
 from dflash import sources
 from dflash.config import RegenerateConfig
-from dflash.data import check_record, jsonl_lines
+from dflash.data import jsonl_lines
 from dflash.errors import DflashError, describe_differences
+from dflash.records import check_record
 
 TARGET = "target"  # on an assistant message: the target wrote it (dflash harvest puts the loss on those only)
 UNFINISHED = "unfinished"  # on a target turn or completion: cut at --max-new-tokens, the target did not end it

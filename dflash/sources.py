@@ -189,7 +189,7 @@ def decode_json_line(line: bytes, where: str):
 
 
 def normalise(record, where: str):
-    """A ShareGPT record as an OpenAI `messages` one; other records unchanged (data.check_record checks them)."""
+    """A ShareGPT record as an OpenAI `messages` one; other records unchanged (records.check_record checks them)."""
     if not isinstance(record, dict) or "conversations" not in record:
         return record
     if "messages" in record:
