@@ -30,6 +30,18 @@ def regenerate_command(**options):
     click.echo(
         f"{cfg.out}: {stats.written} responses written, {stats.already_done} already there, {stats.prompts} prompts"
     )
+    if stats.context_turns:
+        click.echo(
+            f"{stats.context_turns} earlier assistant turns of {stats.context_conversations} conversations are the "
+            "data's, not the target's: kept as context, with no loss in harvest (--turns all has the target write "
+            "them)"
+        )
+    if stats.unfinished:
+        click.echo(
+            f"{stats.unfinished} answers were cut at --max-new-tokens {cfg.max_new_tokens} before the target ended "
+            'them: marked "unfinished", their end-of-turn token is kept out of the loss in harvest (raise '
+            "--max-new-tokens to let them finish)"
+        )
 
 
 @click.command("eval")

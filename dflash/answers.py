@@ -2,6 +2,16 @@
 here, dflash.remote through a serving engine): the prompt records read from the data, the response records
 appended to the output, its resume check and the settings recorded beside it.
 
+Which turns the target writes (`--turns`): `last` answers the conversation's last user turn (a final assistant
+turn of the data is dropped first) and keeps the earlier assistant turns as the data wrote them; `all` writes
+every assistant turn in order, each answering the history the target itself wrote before it (an assistant turn
+holding `tool_calls` stays the data's, since the tool results after it answer that call). Every assistant turn
+the target wrote is marked `"target": true` in the output; `dflash harvest` puts the loss on the marked turns
+only, so an earlier turn kept from the data is context, never training text (dflash/data.py). An answer cut at
+`--max-new-tokens` before the target ended it is marked `"unfinished": true` (on its turn, or on a completion
+record): harvest keeps the end-of-turn token the template closes it with out of the loss, since the target never
+wrote it there.
+
 Resuming: the output is only ever appended whole batches at a time (one write, flushed and fsynced), a
 trailing partial line left by a killed run is cut off, and a rerun starts after the lines already there, once
 they are checked to answer the same prompts and the settings recorded beside the output (model, length,
@@ -15,8 +25,13 @@ from pathlib import Path
 
 from dflash import sources
 from dflash.config import RegenerateConfig
-from dflash.data import check_record
+from dflash.data import jsonl_lines
 from dflash.errors import DflashError, describe_differences
+from dflash.records import check_record
+
+TARGET = "target"  # on an assistant message: the target wrote it (dflash harvest puts the loss on those only)
+UNFINISHED = "unfinished"  # on a target turn or completion: cut at --max-new-tokens, the target did not end it
+MARKS = (TARGET, UNFINISHED)  # dflash's own keys on a message, never shown to a chat template or a server
 
 # ---------------------------------------------------------------------------------------------------------------
 # Prompts
@@ -49,8 +64,10 @@ def _prompt_record(kind: str, payload, where: str) -> dict:
         return {"prompt": payload}
     if kind == "completion":
         return {"prompt": payload[0]}
-    # The target writes the answer itself: an answer already there is dropped.
-    messages = payload[:-1] if payload[-1]["role"] == "assistant" else payload
+    # The target writes the answer itself: an answer already there is dropped, and a mark of an earlier run's
+    # target is not this run's.
+    messages = plain_messages(payload)
+    messages = messages[:-1] if messages[-1]["role"] == "assistant" else messages
     if not messages or messages[-1]["role"] != "user":
         raise DflashError(
             f"{where}: the conversation must end with a user turn for the target to answer (a final assistant turn "
@@ -59,18 +76,101 @@ def _prompt_record(kind: str, payload, where: str) -> dict:
     return {"messages": messages}
 
 
-def response_record(record: dict, response: str) -> dict:
-    if "prompt" in record:
-        return {"prompt": record["prompt"], "completion": response}
-    return {"messages": [*record["messages"], {"role": "assistant", "content": response}]}
+def plain_messages(messages: list[dict]) -> list[dict]:
+    """The messages without dflash's marks, as a chat template or a server is given them."""
+    return [{key: value for key, value in message.items() if key not in MARKS} for message in messages]
 
 
-def _answers(line: bytes, record: dict) -> bool:
-    """Whether an output line is the response record of prompt `record`."""
+def rewritten_turns(messages: list[dict], turns: str) -> list[int]:
+    """The indices of a prompt's assistant turns the target writes anew under `--turns` (besides the answer to
+    its last user turn)."""
+    if turns == "last":
+        return []
+    return [i for i, message in enumerate(messages) if message["role"] == "assistant" and not message.get("tool_calls")]
+
+
+class Conversation:
+    """The response record of one prompt, written turn by turn: `prompt()` is what the target answers next,
+    `answer(text, unfinished)` records it, until `todo` is empty."""
+
+    def __init__(self, record: dict, turns: str):
+        self.record = record
+        if "prompt" in record:
+            self.todo, self.messages = [None], None
+        else:
+            given = record["messages"]
+            self.messages = [*given, {"role": "assistant", "content": ""}]
+            self.todo = [*rewritten_turns(given, turns), len(given)]
+
+    def prompt(self) -> dict:
+        if self.messages is None:
+            return {"prompt": self.record["prompt"]}
+        return {"messages": plain_messages(self.messages[: self.todo[0]])}
+
+    def answer(self, text: str, unfinished: bool) -> None:
+        turn = self.todo.pop(0)
+        cut = {UNFINISHED: True} if unfinished else {}
+        if self.messages is None:
+            self.completion = {"completion": text, **cut}
+        else:
+            self.messages[turn] = {"role": "assistant", "content": text, TARGET: True, **cut}
+
+    def result(self) -> dict:
+        if self.messages is None:
+            return {"prompt": self.record["prompt"], **self.completion}
+        return {"messages": self.messages}
+
+
+def answer_records(records: list[dict], turns: str, generate) -> list[dict]:
+    """The response records of `records`: `generate(prompt records) -> [(text, unfinished)]` is called once per
+    round, each round answering the next turn of every conversation that has one left (its turns in order)."""
+    conversations = [Conversation(record, turns) for record in records]
+    pending = conversations
+    while pending:
+        for conversation, answer in zip(pending, generate([c.prompt() for c in pending]), strict=True):
+            conversation.answer(*answer)
+        pending = [c for c in pending if c.todo]
+    return [c.result() for c in conversations]
+
+
+def response_record(record: dict, response: str, unfinished: bool = False) -> dict:
+    """The response record of a prompt answered by one turn (`--turns last`)."""
+    [done] = answer_records([record], "last", lambda prompts: [(response, unfinished)])
+    return done
+
+
+def _answers(line: bytes, record: dict, turns: str) -> bool:
+    """Whether an output line is the response record of prompt `record` under `turns`."""
     done = json.loads(line.decode("utf-8"))
     if "prompt" in record:
         return done.get("prompt") == record["prompt"] and isinstance(done.get("completion"), str)
-    return done.get("messages", [])[:-1] == record["messages"]
+    messages = done.get("messages")
+    given = record["messages"]
+    written = {*rewritten_turns(given, turns), len(given)}
+    if not isinstance(messages, list) or len(messages) != len(given) + 1:
+        return False
+    for turn, message in enumerate(messages):
+        if turn in written:
+            if not (isinstance(message, dict) and message.get(TARGET) is True and message.get("role") == "assistant"):
+                return False
+        elif message != given[turn]:
+            return False
+    return True
+
+
+def output_counts(out: Path) -> tuple[int, int, int]:
+    """(assistant turns the data wrote, kept as context with no loss; conversations holding them; answers cut at
+    --max-new-tokens) in `out`."""
+    turns = conversations = unfinished = 0
+    if out.exists():
+        for _, line in jsonl_lines(out.read_bytes()):
+            record = json.loads(line)
+            messages = record.get("messages") or []
+            kept = sum(1 for m in messages if m.get("role") == "assistant" and not m.get(TARGET))
+            turns += kept
+            conversations += kept > 0
+            unfinished += sum(1 for m in messages if m.get(UNFINISHED)) + bool(record.get(UNFINISHED))
+    return turns, conversations, unfinished
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -78,7 +178,7 @@ def _answers(line: bytes, record: dict) -> bool:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def completed_count(out: Path, records: list[dict]) -> int:
+def completed_count(out: Path, records: list[dict], turns: str = "last") -> int:
     """Number of prompts already answered in `out`, after cutting off a partial last line."""
     if not out.exists():
         return 0
@@ -93,12 +193,13 @@ def completed_count(out: Path, records: list[dict]) -> int:
         raise DflashError(f"{out} has {len(lines)} responses for {len(records)} prompts; write to a new --out")
     for number, (line, record) in enumerate(zip(lines, records), start=1):
         try:
-            same = _answers(line, record)
+            same = _answers(line, record, turns)
         except (ValueError, AttributeError):  # not UTF-8, not JSON, not an object
             same = False
         if not same:
             # Earlier versions wrote {"text": prompt + response} for text prompts: say so rather than blame the prompts.
-            source = "by an older dflash" if b'"text"' in line and "prompt" in record else "from other prompts"
+            older = (b'"text"' in line and "prompt" in record) or (b'"messages"' in line and b'"target"' not in line)
+            source = "by an older dflash (or with another --turns)" if older else "from other prompts or --turns"
             raise DflashError(
                 f"{out} line {number} does not answer prompt {number} of the data file; it was written {source}: "
                 "write to a new --out"
@@ -123,6 +224,7 @@ def generation_settings(cfg: RegenerateConfig, model: str | None = None) -> dict
         "top_p": cfg.top_p,
         "top_k": cfg.top_k,
         "seed": cfg.seed,
+        "turns": cfg.turns,
     }
 
 
@@ -143,6 +245,11 @@ def check_output(out: Path, settings: dict) -> None:
             f"{path} is damaged ({exc}); delete it if {out} was written with this run's settings"
         ) from None
     has_answers = out.stat().st_size > 0
+    if isinstance(recorded, dict) and has_answers and "turns" not in recorded:
+        raise DflashError(
+            f"{out} was written by an older dflash, which did not mark the turns the target wrote (harvest would put "
+            "the loss on turns the data wrote); write to a new --out"
+        )
     if isinstance(recorded, dict) and has_answers:
         details = describe_differences(recorded, settings, "the output has", "this run")
         if details:
@@ -183,6 +290,9 @@ class RegenerateStats:
     prompts: int
     already_done: int
     written: int
+    context_turns: int = 0  # assistant turns of the output the data wrote, kept as context (no loss) ...
+    context_conversations: int = 0  # ... in this many conversations
+    unfinished: int = 0  # answers of the output cut at --max-new-tokens
 
 
 def output_path(cfg: RegenerateConfig) -> Path:

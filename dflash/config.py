@@ -296,11 +296,20 @@ class RegenerateConfig:
     )
     out: str = option(None, "Responses JSONL; an existing one is resumed.", path=True, required=True)
     batch_size: int = option(8, "Prompts per generate call (left-padded).")
-    max_new_tokens: int = option(512, "Longest response, in tokens.")
+    max_new_tokens: int = option(
+        512, "Longest response, in tokens; a longer one is cut, marked unfinished and kept without its end token."
+    )
     temperature: float = option(0.0, "0 = greedy; > 0 samples.")
     top_p: float = option(1.0, "Nucleus sampling (with --temperature > 0), in (0, 1].")
     top_k: int = option(0, "Top-k sampling; 0 = off (overrides the model's default).")
     seed: int = option(0, "Sampling seed.")
+    turns: str = option(
+        "last",
+        "Assistant turns the target writes: last (the answer to the last user turn; earlier assistant turns stay "
+        "the data's, as context with no loss in harvest) or all (every assistant turn, in order, each answering "
+        "the target's own history).",
+        choices=["last", "all"],
+    )
     device: str = option("auto", DEVICE_HELP)
     dtype: str = option("auto", DTYPE_HELP)
     server: str | None = option(None, "OpenAI-compatible server to generate through, e.g. http://localhost:8000.")
@@ -332,7 +341,11 @@ class RegenerateConfig:
 class EvalConfig:
     model: str = option(help="Target model folder.", path=True)
     # From Python, `data` may also be the prompt records themselves (any form a prompt file holds).
-    data: str = option(help="Prompts JSONL: chat 'messages', 'text' or 'prompt'.", path=True)
+    data: str = option(
+        help="Prompts: a JSONL (.gz, .zst) or Parquet file, or a folder of them; chat 'messages' or ShareGPT "
+        "'conversations', 'text' or 'prompt' records (docs/data.md).",
+        path=True,
+    )
     # From Python, `drafter` may also be one folder.
     drafter: list[str] = option(
         help="Exported drafter folder; repeat it to compare drafters on the same prompts (each against the first, "
@@ -345,7 +358,9 @@ class EvalConfig:
     block_size: int = option(16, "Block size of the --untrained drafter.")
     num_prompts: int | None = option(None, "Only the first N prompts.", default_doc="all")
     max_new_tokens: int = option(256, "Tokens generated per prompt.")
-    temperature: float = option(0.0, "0 = greedy (checked against plain decoding).")
+    temperature: float = option(
+        0.0, "0 = greedy (checked against plain greedy decoding); > 0 samples, and so does the plain baseline."
+    )
     prompt_lookup: int = option(10, "Prompt-lookup draft length to compare with; 0 = skip.")
     confidence_cut: float | None = option(
         None,

@@ -7,13 +7,18 @@ ShareGPT `conversations` into `messages`; each record is one document:
   the generation prompt (`<|im_start|>assistant\\n`) to the end of the turn, including its end-of-turn token
   (`<|im_end|>`) so that the drafter learns to stop, excluding the whitespace a template writes after that token
   (the model never generates it). Everything else (system, user, tool turns, role headers) is off. A tool turn
-  (sources.TOOL_ROLES) the chat template does not render is refused, never dropped silently.
+  (sources.TOOL_ROLES) the chat template does not render is refused, never dropped silently. In a conversation
+  where `dflash regenerate` marked the turns the target wrote (`"target": true`), only those are on: the other
+  assistant turns were written by the data, not the target, and are context (counted as `context_turns`). A target
+  turn marked `"unfinished": true` (cut at regenerate's --max-new-tokens) keeps the end-of-turn token that closes
+  it out of the loss: the target never wrote it there (counted as `unfinished`).
 - `{"text": "..."}` is tokenised as the tokenizer does by default (its BOS if it defines one; no EOS added) and
   the loss mask is on for every token.
 - `{"prompt": "...", "completion": "..."}` (what `dflash regenerate` writes for text prompts) is tokenised as the
   text prompt + completion; the loss mask is on for the tokens holding completion characters only, since the
   drafter drafts what the target writes, not the prompt it was given. A completion that ends up without a loss
-  token (an empty response) is dropped and counted, like a split-off prompt.
+  token (an empty response) is dropped and counted, like a split-off prompt; one marked `"unfinished": true` is
+  counted (no end-of-text token is on its loss either way).
 
 Blank lines are skipped; `doc_id` is the 0-based index of the record in the mixture (the file's order for one
 source), error messages name the file and its 1-based line (or Parquet row). Documents longer than `max_length`
@@ -39,13 +44,13 @@ import numpy as np
 
 from dflash import sources
 from dflash.errors import DflashError
-from dflash.sources import LINE_EXAMPLE
+from dflash.records import TARGET, UNFINISHED, check_record
 
 logger = logging.getLogger("dflash")
 
 OVERFLOW_MODES = ("truncate", "split")
 TRUNCATION_WARNING = 0.5  # a truncation dropping more than this share of a document's tokens is warned about
-KINDS = {"messages": "chat", "text": "text", "prompt": "completion"}  # the key that names a line's kind
+TURN_COUNTS = ("context_turns", "unfinished")  # DataStats fields counted per record while it is encoded
 
 
 @dataclass
@@ -84,6 +89,8 @@ class DataStats:
     split: int = 0  # documents split ...
     split_pieces: int = 0  # ... into this many pieces
     dropped_no_loss: int = 0  # pieces (or truncated documents) left without a loss token
+    context_turns: int = 0  # assistant turns the data wrote in conversations the target answered: no loss
+    unfinished: int = 0  # target answers cut at regenerate's --max-new-tokens: no end-of-turn token on the loss
     documents: int = 0  # documents returned, pieces counted one by one
     tokens: int = 0
     loss_tokens: int = 0
@@ -115,8 +122,8 @@ def load_documents(cfg: DataConfig, tokenizer_path: str) -> tuple[list[Document]
         # Every record once, in file order: one repeated by a weight > 1 gives views of the same tokens.
         wanted = np.unique(records)
         spill = _Spill(cfg.spill_dir)
-        for ids, mask in encoder.encode(mixture.read(wanted), len(wanted)):
-            spill.add(ids, mask, cfg)
+        for ids, mask, counts in encoder.encode(mixture.read(wanted), len(wanted)):
+            spill.add(ids, mask, counts, cfg)
     rows, source_of = np.searchsorted(wanted, records), mixture.source_of(records)
     documents = spill.documents(chosen, rows, source_of, cfg, stats, mixture.sources)
     if not documents:
@@ -140,7 +147,8 @@ class _Spill:
     the Python heap. The files have no name from the start: the disk space returns when the last document is
     dropped. A record is added once, in file order; `documents` puts its pieces in the mixture's order."""
 
-    FACTS = 6  # per record: tokens before the cut, pieces before dropping, first kept piece, kept, tokens, loss
+    # per record: tokens before the cut, pieces before dropping, first kept piece, kept, tokens, loss, TURN_COUNTS
+    FACTS = 6 + len(TURN_COUNTS)
 
     def __init__(self, folder: str | Path | None):
         self.files = [tempfile.TemporaryFile(prefix="dflash-tokens-", dir=folder) for _ in range(2)]
@@ -148,7 +156,7 @@ class _Spill:
         self.facts = array.array("q")  # per record: FACTS numbers
         self.size = 0
 
-    def add(self, ids: np.ndarray, mask: np.ndarray, cfg: DataConfig) -> None:
+    def add(self, ids: np.ndarray, mask: np.ndarray, counts: tuple[int, ...], cfg: DataConfig) -> None:
         """Cut one record by cfg.overflow (truncate: its first piece only) and keep the pieces with a loss token."""
         limit, first = cfg.max_length, len(self.pieces) // 3
         starts = range(0, len(ids), limit) if cfg.overflow == "split" else range(1)
@@ -163,13 +171,15 @@ class _Spill:
             self.size += len(piece_mask)
             tokens += len(piece_mask)
             loss += int(piece_mask.sum())
-        self.facts.extend((len(ids), len(starts), first, len(self.pieces) // 3 - first, tokens, loss))
+        self.facts.extend((len(ids), len(starts), first, len(self.pieces) // 3 - first, tokens, loss, *counts))
 
     def documents(self, chosen, rows, source_of, cfg: DataConfig, stats: DataStats, counts) -> list[Document]:
         """The documents of the mixture entries `chosen` (their records' rows here, and their sources), counted
         into `stats` and the sources' `counts`."""
         facts = np.frombuffer(self.facts, np.int64).reshape(-1, self.FACTS)[rows]
         _count_cuts(chosen, facts[:, 0], facts[:, 1], facts[:, 3], cfg, stats)
+        for column, name in enumerate(TURN_COUNTS, start=6):
+            setattr(stats, name, int(facts[:, column].sum()))
         for column, name in zip((3, 4, 5), ("documents", "tokens", "loss_tokens")):
             for source, total in zip(counts, np.bincount(source_of, facts[:, column], len(counts)).tolist()):
                 setattr(source, name, int(total))
@@ -210,6 +220,18 @@ def _names(path) -> str:
 
 
 def _log(cfg: DataConfig, stats: DataStats) -> None:
+    if stats.context_turns:
+        logger.info(
+            "%d assistant turns of conversations the target answered were written by the data, not the target: "
+            "context, with no loss (dflash regenerate --turns all has the target write them)",
+            stats.context_turns,
+        )
+    if stats.unfinished:
+        logger.info(
+            "%d target answers were cut at regenerate's --max-new-tokens: their end-of-turn token is kept out of the "
+            "loss (regenerate them with a larger --max-new-tokens to train the drafter to stop there)",
+            stats.unfinished,
+        )
     for counts in stats.sources:
         logger.info(
             "source %s: %d records read, %d duplicates dropped, %d used, %d documents, %d tokens (%d with loss)",
@@ -291,61 +313,6 @@ def parse_line(line: bytes, where: str) -> tuple[str, object]:
     return check_record(sources.decode_json_line(line, where), where)
 
 
-def check_record(record, where: str) -> tuple[str, object]:
-    """parse_line for a record already decoded (a prompt given in memory, say); ShareGPT records are accepted."""
-    record = sources.normalise(record, where)
-    if not isinstance(record, dict):
-        raise DflashError(f"{where}: expected a JSON object, got {type(record).__name__}; write {LINE_EXAMPLE}")
-    keys = [key for key in KINDS if key in record]
-    if len(keys) != 1:
-        problem = (
-            f"has the keys {', '.join(keys)}"
-            if keys
-            else 'has none of the keys "messages", "text", "prompt" (nor ShareGPT "conversations")'
-        )
-        raise DflashError(f"{where}: the object {problem}; give exactly one kind of document, {LINE_EXAMPLE}")
-    kind = KINDS[keys[0]]
-    if kind == "text":
-        return kind, _check_text(record["text"], where)
-    if kind == "completion":
-        return kind, _check_completion(record, where)
-    return kind, _check_messages(record["messages"], where)
-
-
-def _check_text(text, where: str) -> str:
-    if not isinstance(text, str):
-        raise DflashError(f'{where}: "text" must be a string, got {type(text).__name__}')
-    if not text.strip():
-        raise DflashError(f'{where}: empty document ("text" holds no characters besides whitespace); remove the line')
-    return text
-
-
-def _check_completion(record: dict, where: str) -> tuple[str, str | None]:
-    """(prompt, completion); the completion may be absent (a prompt to answer), but not of another type."""
-    prompt, completion = record["prompt"], record.get("completion")
-    if not isinstance(prompt, str):
-        raise DflashError(f'{where}: "prompt" must be a string, got {type(prompt).__name__}')
-    if completion is not None and not isinstance(completion, str):
-        raise DflashError(f'{where}: "completion" must be a string, got {type(completion).__name__}')
-    if not (prompt + (completion or "")).strip():
-        raise DflashError(f"{where}: empty document (no characters besides whitespace); remove the line")
-    return prompt, completion
-
-
-def _check_messages(messages, where: str) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise DflashError(f'{where}: "messages" must be a non-empty list of {{"role": ..., "content": ...}} objects')
-    for number, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise DflashError(
-                f'{where}: message {number} must be an object with "role" and "content", got {type(message).__name__}'
-            )
-        for key in ("role", "content"):
-            if not isinstance(message.get(key), str):
-                raise DflashError(f'{where}: message {number} needs a string "{key}", got {message.get(key)!r:.60}')
-    return messages
-
-
 # ---- tokenisation -------------------------------------------------------------------------------------------
 
 CHUNK = 128  # records per task: one batched call into the tokenizer, and few, large messages to and from a worker
@@ -404,7 +371,7 @@ def _chunks(items: Iterator, size: int) -> Iterator[list]:
         yield chunk
 
 
-def _encode_chunk(tokenizer, records: list) -> list[tuple[np.ndarray, np.ndarray]]:
+def _encode_chunk(tokenizer, records: list) -> list[tuple[np.ndarray, np.ndarray, tuple[int, ...]]]:
     """Render every record, tokenise them in one batched call per kind of special-token handling, and mask them.
 
     A record that cannot be rendered raises after the records before it are checked, so that the first bad record
@@ -424,23 +391,37 @@ def _encode_chunk(tokenizer, records: list) -> list[tuple[np.ndarray, np.ndarray
             encoding = tokenizer(texts, add_special_tokens=special, return_offsets_mapping=True, verbose=False)
             for i, ids, offsets in zip(batch, encoding["input_ids"], encoding["offset_mapping"]):
                 tokens[i] = ids, offsets
-    encoded = [_masked(where, kind, spans, *token) for (where, kind, _, spans), token in zip(prepared, tokens)]
+    encoded = [
+        (*_masked(where, kind, spans, *token), counts)
+        for (where, kind, _, spans, counts), token in zip(prepared, tokens)
+    ]
     if error is not None:
         raise error
     return encoded
 
 
-def _prepare(tokenizer, where: str, kind: str, payload) -> tuple[str, list[tuple[float, float]] | None]:
-    """The text to tokenise and the character spans on the loss (None: every token)."""
+def _prepare(tokenizer, where: str, kind: str, payload) -> tuple[str, list[tuple[float, float]] | None, tuple]:
+    """The text to tokenise, the character spans on the loss (None: every token) and the record's TURN_COUNTS."""
     if kind == "text":
-        return payload, None
+        return payload, None, (0, 0)
     if kind == "completion":
-        prompt, completion = payload
+        prompt, completion, unfinished = payload
         # A token holding completion characters ends after the prompt; added special tokens span (0, 0).
-        return prompt + completion, [(len(prompt), math.inf)]
-    full = _render(tokenizer, payload, where)
-    _check_tool_turns(payload, full, where)
-    return full, _assistant_spans(tokenizer, payload, full, where)
+        return prompt + completion, [(len(prompt), math.inf)], (0, int(unfinished))
+    messages = [
+        {key: value for key, value in message.items() if key not in (TARGET, UNFINISHED)} for message in payload
+    ]
+    full = _render(tokenizer, messages, where)
+    _check_tool_turns(messages, full, where)
+    _check_tool_calls_rendered(tokenizer, messages, full, where)
+    assistant = [turn for turn, message in enumerate(payload) if message["role"] == "assistant"]
+    marked = [turn for turn in assistant if payload[turn].get(TARGET)]
+    turns = marked or assistant  # none marked: the data's own answers, every one on the loss
+    spans = _assistant_spans(tokenizer, messages, full, where, turns)
+    cut = [i for i, turn in enumerate(turns) if payload[turn].get(UNFINISHED)]
+    for i in cut:  # the target never wrote the end-of-turn token the template closes a cut answer with
+        spans[i] = _without_closer(tokenizer, full, *spans[i], messages[turns[i]]["content"])
+    return full, spans, (len(assistant) - len(turns), len(cut))
 
 
 def _masked(where: str, kind: str, spans, ids: list[int], offsets) -> tuple[np.ndarray, np.ndarray]:
@@ -470,13 +451,14 @@ def _render(tokenizer, messages: list[dict], where: str, generation_prompt: bool
 
 
 TOOL_FIX = (
-    "use a tokenizer whose chat template renders tool turns, or remove or rewrite those turns in the data "
+    "use a tokenizer whose chat template renders tool turns and tool calls, or remove or rewrite those turns in the data "
     "(dflash never drops a turn silently)"
 )
 
 
 def _check_tool_turns(messages: list[dict], full: str, where: str) -> None:
-    """A template may skip roles it does not know: every tool turn's content must be in the rendering."""
+    """A template may skip roles it does not know, or the tool calls of an assistant turn: every tool turn's
+    content, and every tool call's function name, must be in the rendering."""
     for number, message in enumerate(messages):
         if message["role"] in sources.TOOL_ROLES and message["content"].strip() not in full:
             raise DflashError(
@@ -484,11 +466,24 @@ def _check_tool_turns(messages: list[dict], full: str, where: str) -> None:
             )
 
 
+def _check_tool_calls_rendered(tokenizer, messages: list[dict], full: str, where: str) -> None:
+    """A template that ignores `tool_calls` renders the conversation without them as it does with them."""
+    calls = [number for number, message in enumerate(messages) if message.get("tool_calls")]
+    if not calls:
+        return
+    without = [{k: v for k, v in message.items() if k != "tool_calls"} for message in messages]
+    if _try_render(tokenizer, without, False) == full:
+        raise DflashError(
+            f"{where}: the chat template does not render the tool_calls of message {calls[0]} (its rendering is the "
+            f"same without them); {TOOL_FIX}"
+        )
+
+
 # ---- assistant spans ----------------------------------------------------------------------------------------
 
 
-def _assistant_spans(tokenizer, messages: list[dict], full: str, where: str) -> list[tuple[int, int]]:
-    """Character span in `full` of every assistant turn as generated: after its header, through its end token.
+def _assistant_spans(tokenizer, messages: list[dict], full: str, where: str, turns: list[int]) -> list[tuple[int, int]]:
+    """Character span in `full` of the assistant turns `turns` as generated: after the header, through the end token.
 
     First choice: diff renderings of conversation prefixes (exact when the template is prefix-consistent).
     Templates that render a turn differently once later turns follow (Qwen3 drops the think block of earlier
@@ -498,10 +493,14 @@ def _assistant_spans(tokenizer, messages: list[dict], full: str, where: str) -> 
     """
     render = _prefix_renderer(tokenizer, messages, full)
     spans, content_spans = [], None
-    for turn, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
+    for turn in turns:
         span = _span_by_prefix(render, turn, full)
+        if span is None and messages[turn].get("tool_calls"):
+            raise DflashError(
+                f"{where}: cannot locate assistant message {turn}, which makes tool calls, in the chat template's "
+                "rendering (the template renders it otherwise once later turns follow), so its loss mask would be "
+                f"wrong; {TOOL_FIX}"
+            )
         if span is None:
             if content_spans is None:
                 content_spans = _content_spans(messages, full)
@@ -572,6 +571,15 @@ def _turn_closers(tokenizer, render, turn: int) -> list[str]:
     plain, prompted = render(turn, False), render(turn, True)
     header = prompted[len(plain) :] if plain is not None and prompted is not None and prompted.startswith(plain) else ""
     return sorted((token for token in tokenizer.all_special_tokens if token not in header), key=len, reverse=True)
+
+
+def _without_closer(tokenizer, full: str, start: int, end: int, content: str) -> tuple[int, int]:
+    """A turn's span without the special token (and the whitespace after it) that the template closed it with."""
+    text = full[start:end].rstrip()
+    for token in sorted(tokenizer.all_special_tokens, key=len, reverse=True):
+        if text.endswith(token) and not content.rstrip().endswith(token):
+            return start, start + len(text) - len(token)
+    return start, start + len(text)
 
 
 def _close_turn(full: str, start: int, end: int, closers: list[str]) -> tuple[int, int]:

@@ -261,7 +261,20 @@ def speculative_generate(
 
 @torch.inference_mode()
 def plain_greedy(target, prompt: torch.Tensor, max_new_tokens: int, eos_ids: set[int]) -> Generation:
-    """The baseline: greedy decoding with the target's KV cache, one forward per token."""
+    """The baseline at temperature 0: greedy decoding with the target's KV cache, one forward per token."""
+    return plain_decode(target, prompt, max_new_tokens, eos_ids)
+
+
+def plain_decode(
+    target,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    eos_ids: set[int],
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> Generation:
+    """The baseline: decoding with the target's KV cache, one forward per token, greedy at temperature 0 and
+    sampled at `temperature` otherwise (as speculative sampling draws, `draw`)."""
     device = prompt.device
     _sync(device)
     start = time.perf_counter()
@@ -271,7 +284,7 @@ def plain_greedy(target, prompt: torch.Tensor, max_new_tokens: int, eos_ids: set
     while len(tokens) < max_new_tokens:
         logits = target(step_input[None], **cache, use_cache=True, logits_to_keep=1).logits[0, -1]
         top2.append(logits.float().topk(2).values)  # kept on device: no extra sync inside the timed loop
-        token = int(logits.argmax())
+        token = int(logits.argmax()) if temperature == 0 else int(draw(logits[None], temperature, generator).tokens[0])
         tokens.append(token)
         if token in eos_ids:
             break

@@ -1,5 +1,9 @@
-"""`dflash eval`: plain greedy decoding against speculative decoding with each method, prompt by prompt, and the
+"""`dflash eval`: plain decoding against speculative decoding with each method, prompt by prompt, and the
 report of acceptance length, tokens/s and speedup; a partial report can be resumed.
+
+The baseline every speedup is measured against is plain decoding at the eval's temperature: greedy at 0, sampled
+at `--temperature` otherwise (the report's `baseline` names it). transformers' prompt lookup
+(`prompt-lookup-generate`) decodes greedily, so it runs at temperature 0 only; sampled evals leave it out.
 
 Acceptance length tau = mean over rounds of the tokens a round commits (accepted drafts + the bonus token),
 cut at EOS like the public DFlash benchmark; the first token, from the prefill, belongs to no round, so
@@ -8,6 +12,7 @@ decoding's; a mismatch is reported with the plain target's top-2 logit gap there
 """
 
 import hashlib
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +23,7 @@ import torch
 from dflash import methods as drafter_methods
 from dflash.answers import load_prompts, prompt_records
 from dflash.config import EvalConfig
-from dflash.decoding import Generation, generate_prompt_lookup, plain_greedy, speculative_generate
+from dflash.decoding import Generation, generate_prompt_lookup, plain_decode, speculative_generate
 from dflash.drafter import DFlashDrafter, DrafterConfig
 from dflash.errors import DflashError, describe_differences
 from dflash.export import load_drafter, read_drafter_config
@@ -26,6 +31,8 @@ from dflash.proposers import DecodingOptions, PromptLookupProposer, Proposer
 from dflash.regenerate import encode_prompt, eos_token_ids
 from dflash.target import default_layer_ids, load_target
 from dflash.target_files import MASK_TOKEN, check_target_folder
+
+logger = logging.getLogger("dflash")
 
 # ---------------------------------------------------------------------------------------------------------------
 # The report
@@ -57,7 +64,7 @@ class Method:
     new_tokens: int
     seconds: float
     tokens_per_s: float
-    speedup: float  # its tokens/s over plain greedy decoding's, measured in the same run
+    speedup: float  # its tokens/s over the baseline's (plain decoding at the same temperature), in the same run
     mismatches: int | None  # temperature 0: prompts whose output differs from plain greedy decoding
     first_mismatch: dict | None
 
@@ -80,6 +87,7 @@ class EvalReport:
     ]  # per prompt: index, prompt_tokens, prompt_sha256, plain {new_tokens, seconds}, runs {method: Run}
     # Several drafters: each one's tau against the first one's, paired over the prompts (`compare_drafters`).
     comparisons: dict[str, dict] = field(default_factory=dict)
+    baseline: str = "plain greedy"  # what every speedup is measured against (`baseline_name`)
 
     def table(self) -> str:
         w = max(22, *(len(name) + 2 for name in self.methods))
@@ -87,7 +95,7 @@ class EvalReport:
             f"target {self.target}  drafter {self.drafter}  temperature {self.temperature}  "
             f"max_new_tokens {self.max_new_tokens}  {self.device} {self.dtype}  prompts {len(self.prompts)}",
             f"{'method':<{w}}{'tau':>7}{'tokens/s':>11}{'speedup':>9}{'mismatches':>12}  accepted drafts per round (0, 1, ...)",
-            f"{'plain greedy':<{w}}{'-':>7}{self.plain_tokens_per_s:>11.1f}{'1.00x':>9}{'-':>12}",
+            f"{self.baseline:<{w}}{'-':>7}{self.plain_tokens_per_s:>11.1f}{'1.00x':>9}{'-':>12}",
         ]
         for m in self.methods.values():
             tau = f"{m.tau:.2f}" if m.tau is not None else "-"
@@ -124,6 +132,10 @@ class EvalReport:
                 cells.append(f"{tau + mark:>26}{rate / plain_rate if plain_rate else 0.0:>7.2f}x")
             lines.append(f"{row['index']:>6}{plain['new_tokens']:>8}{plain_rate:>13.1f}" + "".join(cells))
         return "\n".join(lines)
+
+
+def baseline_name(temperature: float) -> str:
+    return "plain greedy" if temperature == 0 else f"plain sampling T={temperature:g}"
 
 
 def first_difference(tokens: list[int], reference: list[int]) -> int | None:
@@ -333,13 +345,14 @@ def evaluate(
             methods=summaries,
             prompts=rows,
             comparisons=compare_drafters(summaries, rows, trained) if compare else {},
+            baseline=baseline_name(cfg.temperature),
         )
 
     def in_order(rows: list[dict]) -> list[dict]:
         return sorted(rows, key=lambda row: row["index"])
 
     def run_all(prompt: torch.Tensor, budget: int) -> tuple[Generation, dict[str, Run]]:
-        plain = plain_greedy(target, prompt, budget, eos_ids)
+        plain = plain_decode(target, prompt, budget, eos_ids, cfg.temperature, generator)
         return plain, {name: m.run(target, prompt, budget, plain, eos_ids, generator) for name, m in methods.items()}
 
     rows = _resumed_rows(resume, report([]), encoded) if resume else []
@@ -479,8 +492,14 @@ def _methods(cfg: EvalConfig, target, tokenizer, named: dict, eos_ids: set[int])
     if cfg.prompt_lookup:
         proposer = PromptLookupProposer(cfg.prompt_lookup, eos_ids=eos_ids)
         methods["prompt-lookup"] = SpeculativeMethod(proposer, cfg.prompt_lookup, cfg.temperature)
-        # transformers refuses assisted generation on stateful (hybrid) models.
-        if not getattr(target, "_is_stateful", False):
+        # transformers refuses assisted generation on stateful (hybrid) models; it decodes greedily, so it has no
+        # place in a table of sampled methods.
+        if cfg.temperature > 0:
+            logger.info(
+                "prompt-lookup-generate (transformers' prompt lookup) decodes greedily: left out at temperature %g",
+                cfg.temperature,
+            )
+        elif not getattr(target, "_is_stateful", False):
             methods["prompt-lookup-generate"] = GenerateLookupMethod(cfg.prompt_lookup)
     return methods
 

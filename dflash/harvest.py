@@ -53,19 +53,27 @@ def _resolve(cfg: HarvestConfig) -> HarvestConfig:
     rank = cfg.rank if cfg.rank is not None else int(os.environ.get("RANK", 0))
     world_size = cfg.world_size if cfg.world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
     device = str(local_device(cfg.device))
-    cfg = HarvestConfig(**{**asdict(cfg), "rank": rank, "world_size": world_size, "device": device})
-    cfg.max_length = cfg.max_length or cfg.token_budget
+    cfg = check_options(HarvestConfig(**{**asdict(cfg), "rank": rank, "world_size": world_size, "device": device}))
+    if not 0 <= cfg.rank < cfg.world_size:
+        raise DflashError(f"rank {cfg.rank} must be in 0..{cfg.world_size - 1} for world size {cfg.world_size}")
+    return cfg
+
+
+def check_options(cfg: HarvestConfig) -> HarvestConfig:
+    """The checks of the options that need no file, shared by `dflash plan`; fills in the max length."""
+    cfg = replace(cfg, max_length=cfg.max_length or cfg.token_budget)
     if cfg.token_budget < BLOCK_SIZE:
         raise DflashError(
             f"token budget {cfg.token_budget} is too small to hold a block of {BLOCK_SIZE} tokens; use at least "
             f"{BLOCK_SIZE} (the default, 12288, suits a GPU)"
         )
     if not 1 <= cfg.max_length <= cfg.token_budget:
-        raise DflashError(f"max length {cfg.max_length} must be between 1 and the token budget {cfg.token_budget}")
+        raise DflashError(
+            f"--max-length {cfg.max_length} must be between 1 and the token budget {cfg.token_budget} (a document "
+            "is packed whole into a row); lower --max-length or raise --token-budget"
+        )
     if cfg.forward_tokens < 1:
         raise DflashError(f"forward tokens must be positive, got {cfg.forward_tokens}")
-    if not 0 <= cfg.rank < cfg.world_size:
-        raise DflashError(f"rank {cfg.rank} must be in 0..{cfg.world_size - 1} for world size {cfg.world_size}")
     if cfg.dtype not in DTYPES:
         raise DflashError(f"dtype {cfg.dtype!r} is not one of {', '.join(DTYPES)}")
     if cfg.precision not in manifest.PRECISIONS:
@@ -74,25 +82,35 @@ def _resolve(cfg: HarvestConfig) -> HarvestConfig:
         raise DflashError("--scale-groups takes a positive number, and only with --precision fp8")
     if cfg.calibration_tokens < 1:
         raise DflashError(f"--calibration-tokens must be positive, got {cfg.calibration_tokens}")
-    if cfg.projection_from is not None and subspace_width(cfg.subspace, 1 << 30) is None:
+    if cfg.projection_from is not None and subspace_width(cfg.subspace, None) is None:
         raise DflashError("--projection-from takes the projection of a subspace store: give --subspace too")
     return cfg
 
 
-def subspace_width(value: str | int | None, feature_dim: int) -> int | None:
-    """`--subspace`: K, a fraction of the feature width ("1/4"), or none."""
+def tapped_layers(cfg: HarvestConfig, num_layers: int) -> list[int]:
+    """The layers to tap: --layers, checked, or the DFlash rule's (harvest and plan alike)."""
+    return default_layer_ids(num_layers) if cfg.layers is None else check_layer_ids(cfg.layers, num_layers)
+
+
+def subspace_width(value: str | int | None, feature_dim: int | None) -> int | None:
+    """`--subspace`: K, a fraction of the feature width ("1/4"), or none; `feature_dim` None checks the form only."""
     text = str(value).strip().lower() if value is not None else "none"
-    if text in ("none", "0", ""):
+    if text in ("none", ""):
         return None
+    width = -1
     try:
         numerator, _, denominator = text.partition("/")
-        width = int(numerator) if not denominator else round(feature_dim * int(numerator) / int(denominator))
+        if not denominator:
+            width = int(numerator)
+        elif int(denominator) > 0 and 0 < int(numerator) <= int(denominator):
+            width = round((feature_dim or int(denominator)) * int(numerator) / int(denominator))
     except ValueError:
-        width = -1
-    if not 1 <= width <= feature_dim:
+        pass
+    if not 1 <= width <= (feature_dim or width):
+        within = f"between 1 and the feature width {feature_dim}" if feature_dim else "of at least 1"
         raise DflashError(
-            f"--subspace {value} is not a width between 1 and the feature width {feature_dim}; give K (e.g. "
-            f"{feature_dim // 4}), a fraction such as 1/4, or none"
+            f"--subspace {value} is not a width {within}; give K (e.g. {(feature_dim or 2048) // 4}), a fraction such "
+            "as 1/4, or none (the full width)"
         )
     return width
 
@@ -158,7 +176,7 @@ def _fingerprint(cfg: HarvestConfig) -> dict:
     """What decides the store's content: a store is only ever resumed by a run with the same fingerprint."""
     text = load_config(cfg.model).get_text_config()
     num_layers = text.num_hidden_layers
-    layers = default_layer_ids(num_layers) if cfg.layers is None else check_layer_ids(cfg.layers, num_layers)
+    layers = tapped_layers(cfg, num_layers)
     model = str(Path(cfg.model).resolve()) if Path(cfg.model).exists() else cfg.model
     encoding = feature_encoding(cfg, len(layers), len(layers) * text.hidden_size)
     teacher = teacher_encoding(cfg)
@@ -190,6 +208,11 @@ def _borrowed_projection(cfg: HarvestConfig, encoding: manifest.FeatureSpec, fea
     """(P, calibration record, sha256 of P) of --projection-from's store; (None, None, None) without it."""
     if cfg.projection_from is None:
         return None, None, None
+    if not (Path(cfg.projection_from) / store.HARVEST_FILE).exists():
+        raise DflashError(
+            f"--projection-from {cfg.projection_from} is not a dflash store (no {store.HARVEST_FILE} there); give the "
+            "folder of the finished subspace store whose projection to use"
+        )
     stored = store.read_projection(Path(cfg.projection_from))
     if stored is None:
         raise DflashError(f"--projection-from {cfg.projection_from} is not a subspace store (it has no projection)")

@@ -19,12 +19,19 @@ from dflash.config import HarvestConfig
 from dflash.data import load_documents
 from dflash.drafter import DrafterConfig
 from dflash.errors import DflashError
-from dflash.harvest import BEST_CODEC_RATIO, data_config, feature_encoding, row_bytes, teacher_encoding
+from dflash.harvest import (
+    BEST_CODEC_RATIO,
+    check_options,
+    data_config,
+    feature_encoding,
+    row_bytes,
+    tapped_layers,
+    teacher_encoding,
+)
 from dflash.manifest import FeatureSpec, TeacherSpec, teacher_spec
 from dflash.metrics import step_flops
 from dflash.packing import PartPlan
 from dflash.store import nearest_existing
-from dflash.target import default_layer_ids
 from dflash.target_files import checkpoint_file, load_config, tensor_files
 
 H200_PEAK = 792e12
@@ -138,9 +145,10 @@ def mode_bytes(features: FeatureSpec, token_budget: int, teacher: TeacherSpec | 
 
 
 def plan_report(cfg: HarvestConfig, sample: int | None, epochs: int, draft_layers: int, block_size: int) -> str:
+    cfg = check_options(cfg)  # harvest's checks, in harvest's words
     config = load_config(cfg.model)
     text = config.get_text_config()
-    layers = cfg.layers or default_layer_ids(text.num_hidden_layers)
+    layers = tapped_layers(cfg, text.num_hidden_layers)
     feature_dim = len(layers) * text.hidden_size
     chosen_encoding = feature_encoding(cfg, len(layers), feature_dim)  # refuses invalid options
     data = estimate_data(cfg, sample)

@@ -5,8 +5,9 @@ Prompts are read as harvest reads data (JSONL, .gz, .zst, Parquet, folders: docs
 original answer, is dropped), rendered with the tokenizer's chat template; or text records, `{"text": ...}` or
 `{"prompt": ...}` (a `"completion"` beside it, an original answer, is dropped), which the target continues as
 raw text. Output lines, in prompt order, are what `dflash harvest` reads:
-`{"messages": [...prompt turns, {"role": "assistant", "content": response}]}` for chat prompts and
-`{"prompt": prompt, "completion": response}` for text prompts (harvest puts the loss on the response only).
+`{"messages": [...prompt turns, {"role": "assistant", "content": response, "target": true}]}` for chat prompts
+(with `--turns all`, every assistant turn of the prompt is the target's too, marked alike) and
+`{"prompt": prompt, "completion": response}` for text prompts (harvest puts the loss on the target's text only).
 
 Resuming: dflash.answers (the prompt and response records, the output's resume check and recorded settings,
 shared with `--server`, where dflash.remote asks a serving engine (vLLM, SGLang) for the answers instead).
@@ -14,13 +15,15 @@ shared with `--server`, where dflash.remote asks a serving engine (vLLM, SGLang)
 
 from dflash.answers import (
     RegenerateStats,
+    answer_records,
     append_lines,
     check_output,
     completed_count,
     generation_settings,
     load_prompts,
+    output_counts,
     output_path,
-    response_record,
+    plain_messages,
 )
 from dflash.config import RegenerateConfig
 from dflash.errors import DflashError
@@ -36,13 +39,16 @@ def encode_prompt(tokenizer, record: dict) -> list[int]:
         return tokenizer(record["prompt"])["input_ids"]
     if not tokenizer.chat_template:
         raise DflashError('chat prompts need a tokenizer with a chat template; use {"text": ...} prompts instead')
-    text = tokenizer.apply_chat_template(record["messages"], add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(plain_messages(record["messages"]), add_generation_prompt=True, tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def generate_batch(model, tokenizer, prompts: list[list[int]], cfg: RegenerateConfig, eos_ids: set[int]) -> list[str]:
+def generate_batch(
+    model, tokenizer, prompts: list[list[int]], cfg: RegenerateConfig, eos_ids: set[int]
+) -> list[tuple[str, bool]]:
     """Generate for a batch of token-id prompts, left-padded, with `cfg`'s sampling settings; returns each response
-    up to its first EOS. A top_k of 0 turns off a top_k in the target's generation_config."""
+    up to its first EOS, and whether it is unfinished (no EOS within max_new_tokens). A top_k of 0 turns off a
+    top_k in the target's generation_config."""
     import torch
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
@@ -63,7 +69,7 @@ def generate_batch(model, tokenizer, prompts: list[list[int]], cfg: RegenerateCo
     for row in out[:, width:].tolist():
         stop = next((i for i, token in enumerate(row) if token in eos_ids), len(row))
         # Special tokens the target produced before EOS are part of its answer: keep them.
-        responses.append(tokenizer.decode(row[:stop], skip_special_tokens=False))
+        responses.append((tokenizer.decode(row[:stop], skip_special_tokens=False), stop == len(row)))
     return responses
 
 
@@ -92,9 +98,9 @@ def regenerate(cfg: RegenerateConfig, progress: bool = True) -> RegenerateStats:
     records = load_prompts(cfg.data)
     out = output_path(cfg)
     check_output(out, generation_settings(cfg))
-    done = completed_count(out, records)
+    done = completed_count(out, records, cfg.turns)
     if done == len(records):
-        return RegenerateStats(len(records), done, 0)
+        return RegenerateStats(len(records), done, 0, *output_counts(out))
     model, tokenizer = load_target(cfg.model, cfg.device, cfg.dtype)
     eos_ids = eos_token_ids(model, tokenizer)
     bar = tqdm(total=len(records), initial=done, unit="prompt", desc="regenerate", disable=not progress)
@@ -102,8 +108,11 @@ def regenerate(cfg: RegenerateConfig, progress: bool = True) -> RegenerateStats:
         batch = records[start : start + cfg.batch_size]
         # Seeded by position so that a resumed sampled run does not repeat the first run's random stream.
         torch.manual_seed(cfg.seed + start)
-        responses = generate_batch(model, tokenizer, [encode_prompt(tokenizer, r) for r in batch], cfg, eos_ids)
-        append_lines(out, [response_record(r, text) for r, text in zip(batch, responses)])
+
+        def generate(prompts: list[dict]) -> list[tuple[str, bool]]:
+            return generate_batch(model, tokenizer, [encode_prompt(tokenizer, p) for p in prompts], cfg, eos_ids)
+
+        append_lines(out, answer_records(batch, cfg.turns, generate))
         bar.update(len(batch))
     bar.close()
-    return RegenerateStats(len(records), done, len(records) - done)
+    return RegenerateStats(len(records), done, len(records) - done, *output_counts(out))

@@ -23,13 +23,15 @@ from pathlib import Path
 
 from dflash.answers import (
     RegenerateStats,
+    answer_records,
     append_lines,
     check_output,
     completed_count,
     generation_settings,
     load_prompts,
+    output_counts,
     output_path,
-    response_record,
+    plain_messages,
 )
 from dflash.config import RegenerateConfig
 from dflash.errors import DflashError
@@ -151,7 +153,7 @@ def request_for(record: dict, index: int, model: str, cfg: RegenerateConfig) -> 
             body["top_k"] = cfg.top_k
     if "prompt" in record:
         return COMPLETIONS, {**body, "prompt": record["prompt"]}
-    return CHAT, {**body, "messages": record["messages"]}
+    return CHAT, {**body, "messages": plain_messages(record["messages"])}
 
 
 def answer_text(path: str, response: dict) -> str:
@@ -175,6 +177,11 @@ def answer_text(path: str, response: dict) -> str:
     return text
 
 
+def cut_off(response: dict) -> bool:
+    """Whether the server stopped the answer at max_tokens rather than at the target's end of turn."""
+    return response["choices"][0].get("finish_reason") == "length"
+
+
 def refusal(exc: Refused, path: str, index: int, names: list[str]) -> DflashError:
     if path == COMPLETIONS and exc.code in (404, 405):
         return DflashError(
@@ -196,18 +203,25 @@ def regenerate_remote(cfg: RegenerateConfig, progress: bool = True) -> Regenerat
     client = Client(cfg.server, cfg.request_timeout, cfg.retries)
     model, names = served_model(client, cfg.server_model)
     check_output(out, generation_settings(cfg, model))
-    done = completed_count(out, records)
+    done = completed_count(out, records, cfg.turns)
     if done == len(records):
-        return RegenerateStats(len(records), done, 0)
+        return RegenerateStats(len(records), done, 0, *output_counts(out))
 
     def ask(index: int) -> tuple[dict, int]:
-        path, body = request_for(records[index], index, model, cfg)
-        try:
-            response = client.call(path, body)
-        except Refused as exc:
-            raise refusal(exc, path, index, names) from None
-        tokens = (response.get("usage") or {}).get("completion_tokens") or 0
-        return response_record(records[index], answer_text(path, response)), tokens
+        tokens = 0
+
+        def generate(prompts: list[dict]) -> list[tuple[str, bool]]:  # one prompt: this conversation's next turn
+            nonlocal tokens
+            path, body = request_for(prompts[0], index, model, cfg)
+            try:
+                response = client.call(path, body)
+            except Refused as exc:
+                raise refusal(exc, path, index, names) from None
+            tokens += (response.get("usage") or {}).get("completion_tokens") or 0
+            return [(answer_text(path, response), cut_off(response))]
+
+        [record] = answer_records([records[index]], cfg.turns, generate)
+        return record, tokens
 
     log.info(
         "regenerate: %d prompts through %s (%s), %d in flight", len(records) - done, client.base, model, cfg.concurrency
@@ -225,7 +239,7 @@ def regenerate_remote(cfg: RegenerateConfig, progress: bool = True) -> Regenerat
         (len(records) - done) / seconds,
         rate,
     )
-    return RegenerateStats(len(records), done, len(records) - done)
+    return RegenerateStats(len(records), done, len(records) - done, *output_counts(out))
 
 
 def answer_in_order(ask, start: int, end: int, out: Path, concurrency: int, bar) -> int:

@@ -54,6 +54,7 @@ SHAREGPT_ROLES = {
 }
 # Turns of tools and their calls: rendered by the chat template as given, never in the loss.
 TOOL_ROLES = ("tool", "function", "function_call", "observation", "ipython")
+SHAREGPT_KEEP = ("tool_calls", "tool_call_id", "name")  # keys of a turn kept beside its role and content
 PARQUET_BATCH = 1024  # rows decoded at a time: memory stays that of one batch whatever the file's size
 
 
@@ -188,7 +189,7 @@ def decode_json_line(line: bytes, where: str):
 
 
 def normalise(record, where: str):
-    """A ShareGPT record as an OpenAI `messages` one; other records unchanged (data.check_record checks them)."""
+    """A ShareGPT record as an OpenAI `messages` one; other records unchanged (records.check_record checks them)."""
     if not isinstance(record, dict) or "conversations" not in record:
         return record
     if "messages" in record:
@@ -210,7 +211,9 @@ def _sharegpt_turn(turn, number: int, where: str) -> dict:
             f"{where}: conversation turn {number} has the role {role!r}, which dflash does not know; use one of "
             f"{', '.join(SHAREGPT_ROLES)} (or a tool role: {', '.join(TOOL_ROLES)})"
         )
-    return {"role": SHAREGPT_ROLES.get(role, role), "content": content}
+    # The keys of tool use go with the turn (its calls, the name of the tool a result comes from): never dropped.
+    extra = {key: turn[key] for key in SHAREGPT_KEEP if key in turn}
+    return {"role": SHAREGPT_ROLES.get(role, role), "content": content, **extra}
 
 
 # ---- mixing -------------------------------------------------------------------------------------------------
@@ -308,6 +311,12 @@ def _mixed_order(kept: np.ndarray, ends: np.ndarray, sources: list[Source], stat
     parts = np.split(kept, np.searchsorted(kept, ends[:-1]))
     for counts, part in zip(stats, parts):
         counts.deduplicated = counts.records - len(part)
+    for source, part in zip(sources, parts):
+        if source.weight and len(part) and not round(source.weight * len(part)):
+            raise DflashError(
+                f"data source {source.name} takes round({source.weight:g} x {len(part)} records) = 0 of them; give it "
+                f"a weight of at least {1 / len(part):.2g} to take some, or 0 to leave it out on purpose"
+            )
     chosen = [part[_weighted(len(part), source.weight, rng)] for source, part in zip(sources, parts)]
     order = np.concatenate(chosen).astype(np.int64)
     if not (len(sources) == 1 and sources[0].weight in (None, 1)):

@@ -314,6 +314,102 @@ def test_batched_masks_equal_the_reference_algorithm(tmp_path, template, save_to
     records.insert(2, ("line t", "text", "plain text between the chats"))
     encoded = _encode_chunk(tokenizer, records)
     del encoded[2]
-    for messages, (ids, mask) in zip(CONVERSATIONS, encoded, strict=True):
+    for messages, (ids, mask, _) in zip(CONVERSATIONS, encoded, strict=True):
         reference_ids, reference_mask = _reference_chat_mask(tokenizer, messages)
         assert ids.tolist() == reference_ids and mask.tolist() == reference_mask and mask.any()
+
+
+def test_only_the_turns_the_target_wrote_are_on_the_loss(tmp_path, tokenizer_path):
+    marked = [
+        {"role": "user", "content": "Hi?"},
+        {"role": "assistant", "content": "the data's answer"},
+        {"role": "user", "content": "More?"},
+        {"role": "assistant", "content": "the target's answer", "target": True},
+    ]
+    documents, stats = load_documents(DataConfig(_jsonl(tmp_path, {"messages": marked})), tokenizer_path)
+    assert _masked_runs(tokenizer_path, documents[0]) == ["the target's answer<|im_end|>"]
+    assert stats.context_turns == 1
+    unmarked = [{k: v for k, v in m.items() if k != "target"} for m in marked]
+    documents, stats = load_documents(DataConfig(_jsonl(tmp_path, {"messages": unmarked})), tokenizer_path)
+    assert len(_masked_runs(tokenizer_path, documents[0])) == 2 and stats.context_turns == 0
+    for bad in ({**marked[0], "target": True}, {**marked[1], "target": "yes"}):
+        with pytest.raises(DflashError, match='message 0 has "target"|message 1 has "target"'):
+            load_documents(DataConfig(_jsonl(tmp_path, {"messages": [bad, *marked[1:]]})), tokenizer_path)
+
+
+def test_a_cut_target_answer_keeps_its_end_of_turn_token_out_of_the_loss(tmp_path, tokenizer_path):
+    turns = [
+        {"role": "user", "content": "Hi?"},
+        {"role": "assistant", "content": "a whole answer", "target": True},
+        {"role": "user", "content": "More?"},
+        {"role": "assistant", "content": "an answer cut", "target": True, "unfinished": True},
+    ]
+    completion = {"prompt": "def f():", "completion": " return", "unfinished": True}
+    documents, stats = load_documents(DataConfig(_jsonl(tmp_path, {"messages": turns}, completion)), tokenizer_path)
+    assert _masked_runs(tokenizer_path, documents[0]) == ["a whole answer<|im_end|>", "an answer cut"]
+    assert stats.unfinished == 2
+    for bad in ({**turns[3], "unfinished": False}, {**turns[1], "target": True, "unfinished": 1}):
+        with pytest.raises(DflashError, match='has "unfinished"'):
+            load_documents(DataConfig(_jsonl(tmp_path, {"messages": [*turns[:3], bad]})), tokenizer_path)
+    unmarked = {k: v for k, v in turns[3].items() if k != "target"}
+    with pytest.raises(DflashError, match="only a target turn cut at --max-new-tokens is marked"):
+        load_documents(DataConfig(_jsonl(tmp_path, {"messages": [*turns[:3], unmarked]})), tokenizer_path)
+    with pytest.raises(DflashError, match='"unfinished": False'):
+        load_documents(DataConfig(_jsonl(tmp_path, {**completion, "unfinished": False})), tokenizer_path)
+
+
+# The tiny template, rendering an assistant turn's tool calls after its content.
+TOOL_CALL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for call in m.get('tool_calls') or [] %}<tool_call>{{ call['function']['name'] }}"
+    "({{ call['function']['arguments'] }})</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+TOOL_CALLS = [
+    {"role": "user", "content": "Weather in Oslo?"},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "c1", "content": "rain, 4 degrees"},
+    {"role": "assistant", "content": "It rains."},
+]
+
+
+def test_tool_calls_are_rendered_and_on_the_loss_or_refused_never_dropped(tmp_path, tokenizer_path, save_tokenizer):
+    data = _jsonl(tmp_path, {"messages": TOOL_CALLS})
+    documents, _ = load_documents(DataConfig(data), save_tokenizer(tmp_path / "tools", TOOL_CALL_TEMPLATE))
+    runs = _masked_runs(str(tmp_path / "tools"), documents[0])
+    assert runs == ['<tool_call>get_weather({"city": "Oslo"})</tool_call><|im_end|>', "It rains.<|im_end|>"]
+    # The tiny template leaves tool calls out: refused, naming the message and the way out.
+    with pytest.raises(DflashError, match="does not render the tool_calls of message 1 .*renders tool turns and tool"):
+        load_documents(DataConfig(data), tokenizer_path)
+    # ShareGPT turns keep their tool calls.
+    sharegpt = {"conversations": [{"from": m["role"], "value": m["content"], **m} for m in TOOL_CALLS]}
+    sharegpt["conversations"] = [
+        {k: v for k, v in t.items() if k not in ("role", "content")} for t in sharegpt["conversations"]
+    ]
+    same, _ = load_documents(DataConfig(_jsonl(tmp_path, sharegpt)), str(tmp_path / "tools"))
+    assert same[0].input_ids.tolist() == documents[0].input_ids.tolist()
+    for bad, message in (
+        ({**TOOL_CALLS[1], "tool_calls": "get_weather"}, '"tool_calls" must be a list of'),
+        ({**TOOL_CALLS[0], "tool_calls": [CALL]}, "only an assistant turn makes tool calls"),
+    ):
+        with pytest.raises(DflashError, match=message):
+            load_documents(DataConfig(_jsonl(tmp_path, {"messages": [bad, *TOOL_CALLS[1:]]})), tokenizer_path)
+
+
+def test_openai_list_content_is_its_text_parts_joined_and_other_parts_are_refused(tmp_path, tokenizer_path):
+    parts = [{"type": "text", "text": "What is 2 + 2?"}, {"type": "text", "text": "Say it in words."}]
+    listed = [{"role": "user", "content": parts}, {"role": "assistant", "content": [{"type": "text", "text": "Four."}]}]
+    plain = [
+        {"role": "user", "content": "What is 2 + 2?\nSay it in words."},
+        {"role": "assistant", "content": "Four."},
+    ]
+    documents, _ = load_documents(DataConfig(_jsonl(tmp_path, {"messages": listed})), tokenizer_path)
+    expected, _ = load_documents(DataConfig(_jsonl(tmp_path, {"messages": plain})), tokenizer_path)
+    assert documents[0].input_ids.tolist() == expected[0].input_ids.tolist()
+    assert documents[0].loss_mask.tolist() == expected[0].loss_mask.tolist()
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    with pytest.raises(DflashError, match="line 1: message 0 has a content part of type 'image_url'; dflash trains"):
+        load_documents(
+            DataConfig(_jsonl(tmp_path, {"messages": [{**listed[0], "content": [image]}, listed[1]]})), tokenizer_path
+        )

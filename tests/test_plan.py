@@ -77,3 +77,35 @@ def test_plan_prints_every_mode_and_whether_it_fits(model, tmp_path):
         main, ["plan", "--model", model, "--data", str(CORPUS), "--out", str(tmp_path / "s"), "--sample", "1"]
     )
     assert bad.exit_code == 2 and "--sample 1" in bad.output
+
+
+@pytest.mark.parametrize(
+    "command, options, message",
+    [
+        ("plan", ["--subspace", "1/0"], "--subspace 1/0 is not a width between 1 and the feature width"),
+        ("harvest", ["--subspace", "1/0"], "--subspace 1/0 is not a width between 1 and the feature width"),
+        ("plan", ["--subspace", "0"], "--subspace 0 is not a width between 1 and the feature width"),
+        ("plan", ["--layers=-1"], "bad --layers [-1]: [-1] outside the target's 8 layers"),
+        ("harvest", ["--layers=-1"], "bad --layers [-1]: [-1] outside the target's 8 layers"),
+        ("plan", ["--layers", "3,3"], "bad --layers [3, 3]: duplicates"),  # harvest refuses it: plan too
+        ("plan", ["--layers", "4,2"], "bad --layers [4, 2]: not in increasing order"),
+        ("plan", ["--token-budget", "64", "--max-length", "100"], "--max-length 100 must be between 1 and the token"),
+        ("plan", ["--token-budget", "0"], "token budget 0 is too small to hold a block of 16 tokens"),
+        ("harvest", ["--subspace", "1/4", "--projection-from", "/nonexistent"], "/nonexistent is not a dflash store"),
+        (
+            "plan",
+            ["--data", "WEIGHTED:0.01"],
+            "takes round(0.01 x 50 records) = 0 of them; give it a weight of at least 0.02",
+        ),
+    ],
+)
+def test_bad_options_are_one_line_naming_the_problem_and_the_fix(model, tmp_path, command, options, message):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(CORPUS.read_text().splitlines(keepends=True)[:50]))
+    options = [str(data) + option[len("WEIGHTED") :] if option.startswith("WEIGHTED") else option for option in options]
+    args = [command, "--model", model, "--out", str(tmp_path / "s"), "--workers", "1"]
+    args += [] if "--data" in options else ["--data", str(data)]
+    result = CliRunner().invoke(main, args + (["--device", "cpu"] if command == "harvest" else []) + options)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "s").exists()

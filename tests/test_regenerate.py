@@ -226,3 +226,123 @@ def test_an_unwritable_out_is_refused_before_generating(tiny_target, prompts_fil
     cfg = RegenerateConfig(tiny_target("qwen3_5"), prompts_file, tmp_path / "file" / "out.jsonl", device="cpu")
     with pytest.raises(DflashError, match="cannot be written"):
         regenerate(cfg, progress=False)
+
+
+MULTI_TURN = {
+    "messages": [
+        {"role": "user", "content": "What does os.sep hold?"},
+        {"role": "assistant", "content": "WRITTEN BY THE DATA, not the target"},
+        {"role": "user", "content": "And os.pathsep?"},
+    ]
+}
+
+
+def loss_text(tokenizer, document) -> str:
+    return tokenizer.decode(document.input_ids[document.loss_mask.astype(bool)], skip_special_tokens=False)
+
+
+def test_multi_turn_keeps_the_datas_turns_as_context_without_loss_by_default(tiny_target, tmp_path):
+    """--turns last (the default): the earlier assistant turn stays the data's, unmarked, and harvest puts no loss on
+    it; the target's answer is marked and on the loss; both commands say how many turns are context."""
+    from cli.main import main
+
+    target_path = tiny_target("qwen3_5")
+    prompts, out = write_jsonl(tmp_path / "multi.jsonl", [MULTI_TURN]), tmp_path / "out.jsonl"
+    args = ["regenerate", "--model", str(target_path), "--data", str(prompts), "--out", str(out), "--device", "cpu"]
+    result = CliRunner().invoke(main, args + ["--max-new-tokens", "6"])
+    assert result.exit_code == 0, result.output
+    assert "1 earlier assistant turns of 1 conversations are the data's, not the target's" in result.output
+    [line] = read_lines(out)
+    assert line["messages"][:3] == MULTI_TURN["messages"]  # the data's turn, unmarked
+    assert line["messages"][3]["target"] is True and line["messages"][3]["role"] == "assistant"
+
+    documents, stats = load_documents(DataConfig(out), str(target_path))
+    _, tokenizer = load_target(target_path, "cpu", "float32")
+    text = loss_text(tokenizer, documents[0])
+    assert "WRITTEN BY THE DATA" not in text and text.startswith(line["messages"][3]["content"])
+    assert stats.context_turns == 1
+
+    # Regenerated again (say with another target), the earlier run's mark is not this run's.
+    again = write_jsonl(tmp_path / "again.jsonl", [{"messages": [*line["messages"], MULTI_TURN["messages"][2]]}])
+    [record] = load_prompts(again)
+    assert all("target" not in message for message in record["messages"])
+
+
+def test_turns_all_has_the_target_write_every_assistant_turn_in_order(tiny_target, tmp_path):
+    target_path = tiny_target("qwen3_5")
+    prompts, out = write_jsonl(tmp_path / "multi.jsonl", [MULTI_TURN, PROMPTS[2]]), tmp_path / "out.jsonl"
+    cfg = RegenerateConfig(target_path, prompts, out, max_new_tokens=6, turns="all", device="cpu")
+    stats = regenerate(cfg, progress=False)
+    assert (stats.written, stats.context_turns) == (2, 0)
+    messages = read_lines(out)[0]["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+    assert messages[1]["target"] is messages[3]["target"] is True and "DATA" not in messages[1]["content"]
+
+    # Each turn is what generate says for the history the target itself wrote before it.
+    model, tokenizer = load_target(target_path, "cpu", "float32")
+    eos_ids = eos_token_ids(model, tokenizer)
+    for turn in (1, 3):
+        history = [{"role": m["role"], "content": m["content"]} for m in messages[:turn]]
+        ids = torch.tensor([encode_prompt(tokenizer, {"messages": history})])
+        new = model.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1] :].tolist()
+        new = new[: next((i for i, t in enumerate(new) if t in eos_ids), len(new))]
+        assert messages[turn]["content"] == tokenizer.decode(new, skip_special_tokens=False)
+
+    documents, data_stats = load_documents(DataConfig(out), str(target_path))
+    assert data_stats.context_turns == 0
+    assert loss_text(tokenizer, documents[0]).startswith(messages[1]["content"])
+    # Resuming with the other --turns would mix two kinds of answers: refused, naming it.
+    with pytest.raises(DflashError, match="turns: the output has 'all', this run 'last'"):
+        regenerate(dataclasses.replace(cfg, turns="last"), progress=False)
+
+
+def test_an_output_without_the_record_of_target_turns_is_not_resumed(tmp_path):
+    from dflash.answers import check_output, settings_path
+
+    out = write_jsonl(
+        tmp_path / "old.jsonl",
+        [{**MULTI_TURN, "messages": [*MULTI_TURN["messages"], {"role": "assistant", "content": "x"}]}],
+    )
+    old = {"model": "m", "max_new_tokens": 4, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}
+    settings_path(out).write_text(json.dumps(old))
+    with pytest.raises(DflashError, match="older dflash, which did not mark the turns the target wrote"):
+        check_output(out, {**old, "turns": "last"})
+    with pytest.raises(DflashError, match="written by an older dflash"):
+        completed_count(out, load_prompts(write_jsonl(tmp_path / "p.jsonl", [MULTI_TURN])))
+
+
+def test_answers_cut_at_max_new_tokens_are_marked_counted_and_keep_no_end_token_on_the_loss(tiny_target, tmp_path):
+    from cli.main import main
+
+    target_path = tiny_target("qwen3_5")
+    prompts, out = write_jsonl(tmp_path / "p.jsonl", [PROMPTS[0], PROMPTS[2], PROMPTS[4]]), tmp_path / "out.jsonl"
+    args = ["regenerate", "--model", str(target_path), "--data", str(prompts), "--out", str(out), "--device", "cpu"]
+    result = CliRunner().invoke(main, args + ["--max-new-tokens", "3"])
+    assert result.exit_code == 0, result.output
+    lines = read_lines(out)
+    model, tokenizer = load_target(target_path, "cpu", "float32")
+    eos_ids = eos_token_ids(model, tokenizer)
+    cut = 0
+    for record, line in zip(load_prompts(prompts), lines):
+        ids = torch.tensor([encode_prompt(tokenizer, record)])
+        new = model.generate(ids, max_new_tokens=3, do_sample=False)[0, ids.shape[1] :].tolist()
+        unfinished = not set(new) & eos_ids
+        mark = line["messages"][-1].get("unfinished") if "messages" in line else line.get("unfinished")
+        assert mark is (True if unfinished else None)
+        cut += unfinished
+    assert cut >= 2  # random weights rarely end a turn within 3 tokens
+    assert f"{cut} answers were cut at --max-new-tokens 3 before the target ended them" in result.output
+
+    documents, stats = load_documents(DataConfig(out), str(target_path))
+    assert stats.unfinished == cut
+    for document, line in zip(documents, lines):
+        text = loss_text(tokenizer, document)
+        if "messages" in line:
+            assert text.endswith("<|im_end|>") is not line["messages"][-1].get("unfinished", False)
+
+
+def test_prompts_with_openai_list_content_are_their_text():
+    listed = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
+    assert prompt_records([listed]) == [{"messages": [{"role": "user", "content": "a\nb"}]}]
+    with pytest.raises(DflashError, match="prompt 1: message 0 has a content part of type 'input_audio'"):
+        prompt_records([{"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}])

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from test_regenerate import MAX_NEW_TOKENS, PROMPTS, read_lines, write_jsonl
+from test_regenerate import MAX_NEW_TOKENS, MULTI_TURN, PROMPTS, read_lines, write_jsonl
 
 import dflash.remote
 from dflash.answers import load_prompts, prompt_records, settings_path
@@ -184,9 +184,23 @@ def test_greedy_answers_are_the_local_ones(served, prompts_file, through_server,
     for record, line in zip(load_prompts(prompts_file), read_lines(through_server)):
         ids = torch.tensor([encode_prompt(tokenizer, record)])
         new = model.generate(ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)[0, ids.shape[1] :].tolist()
-        new = new[: next((i for i, t in enumerate(new) if t in eos_ids), len(new))]
-        assert not set(tokenizer.all_special_ids) & set(new)
-        assert answer(line) == tokenizer.decode(new)
+        stop = next((i for i, t in enumerate(new) if t in eos_ids), len(new))
+        assert not set(tokenizer.all_special_ids) & set(new[:stop])
+        assert answer(line) == tokenizer.decode(new[:stop])
+        # finish_reason "length": cut at max_tokens, marked so (on the turn, or on the completion record).
+        mark = line["messages"][-1].get("unfinished") if "messages" in line else line.get("unfinished")
+        assert mark is (True if stop == len(new) else None)
+
+
+def test_turns_all_through_the_server_are_the_local_ones(served, tmp_path):
+    """Every assistant turn of a multi-turn prompt is written in order, as the local path writes it."""
+    url, target = served
+    prompts_file = write_jsonl(tmp_path / "multi.jsonl", [PROMPTS[0], MULTI_TURN])
+    remote, local = tmp_path / "remote.jsonl", tmp_path / "local.jsonl"
+    regenerate(server_config(url, prompts_file, remote, turns="all"), progress=False)
+    regenerate(RegenerateConfig(target, prompts_file, local, max_new_tokens=MAX_NEW_TOKENS, turns="all"), False)
+    assert remote.read_text() == local.read_text()
+    assert sum(m.get("target", False) for m in read_lines(remote)[1]["messages"]) == 2
 
 
 def test_sampling_settings_go_with_every_request(served, prompts_file, through_server, tmp_path):

@@ -500,3 +500,41 @@ def test_eval_cli_resumes_its_report(tiny_target, tmp_path):
     out.write_text("[1, 2]")
     not_a_report = CliRunner().invoke(main, args + ["--resume"])
     assert not_a_report.exit_code == 2 and "not a dflash eval report" in not_a_report.output
+
+
+def test_a_sampled_eval_samples_its_baseline_and_leaves_greedy_prompt_lookup_out(tiny_target, monkeypatch):
+    """At --temperature 0.7 the plain baseline every speedup is measured against samples at 0.7 and says so, and
+    transformers' greedy prompt lookup is not in the table; at 0 both are as before."""
+    import dflash.evaluate
+    from dflash.decoding import plain_decode
+
+    temperatures = []
+
+    def recording(target, prompt, budget, eos_ids, temperature=0.0, generator=None):
+        temperatures.append(temperature)
+        return plain_decode(target, prompt, budget, eos_ids, temperature, generator)
+
+    monkeypatch.setattr(dflash.evaluate, "plain_decode", recording)
+    target_path = tiny_target("qwen3")  # dense: transformers' prompt lookup runs on it
+    cfg = EvalConfig(target_path, PROMPTS, untrained=True, max_new_tokens=8, device="cpu", block_size=BLOCK)
+    greedy = evaluate(cfg)
+    assert "prompt-lookup-generate" in greedy.methods and set(temperatures) == {0.0}
+    assert greedy.baseline == "plain greedy" and "plain greedy" in greedy.table()
+    temperatures.clear()
+    sampled = evaluate(dataclasses.replace(cfg, temperature=0.7))
+    assert set(sampled.methods) == {"untrained-dflash", "prompt-lookup"} and set(temperatures) == {0.7}
+    assert sampled.baseline == "plain sampling T=0.7"
+    assert "plain sampling T=0.7" in sampled.table() and "plain greedy" not in sampled.table()
+    assert as_json(sampled)["baseline"] == "plain sampling T=0.7"
+
+
+def test_plain_decoding_samples_at_a_temperature(loaded):
+    from dflash.decoding import plain_decode
+
+    target, eos_ids, prompts, _ = loaded("qwen3")
+    greedy = plain_decode(target, prompts[0], 20, eos_ids).tokens
+    draws = [
+        plain_decode(target, prompts[0], 20, eos_ids, 1.0, torch.Generator().manual_seed(s)).tokens for s in (0, 0, 1)
+    ]
+    assert draws[0] == draws[1] and draws[0] != draws[2] and greedy not in draws
+    assert greedy == plain_greedy(target, prompts[0], 20, eos_ids).tokens
