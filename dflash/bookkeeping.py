@@ -26,37 +26,47 @@ def part_name(rank: int) -> str:
     return f"rank{rank:05d}"
 
 
-def write_json_atomic(path: Path, obj: dict) -> None:
-    """Write through a temporary file, fsync it and rename, so readers, killed writers and a power loss never
-    leave half a file."""
+def _fsynced_temp(path: Path, obj: dict) -> Path:
+    """`obj` as JSON in a new temporary file beside `path`, fsynced: what the writers below put in place."""
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{uuid.uuid4().hex}")
     try:
         with open(tmp, "w") as f:
             f.write(json.dumps(obj, indent=2) + "\n")
             f.flush()
             os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk or a kill leaves no partial temporary behind
+        raise
+    return tmp
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    """Write through a temporary file, fsync it and rename, so readers, killed writers and a power loss never
+    leave half a file."""
+    tmp = None
+    try:
+        tmp = _fsynced_temp(path, obj)
         os.replace(tmp, path)
     finally:
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
 
 
 def write_json_exclusive(path: Path, obj: dict) -> bool:
     """Create `path` with `obj` unless it exists, atomically (written and fsynced under a temporary name, then
     hard-linked into place, which fails when the name is taken): of several ranks creating it, exactly one wins.
     Returns whether this call created it."""
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{uuid.uuid4().hex}")
+    tmp = None
     try:
-        with open(tmp, "w") as f:
-            f.write(json.dumps(obj, indent=2) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        tmp = _fsynced_temp(path, obj)
         try:
             os.link(tmp, path)
         except FileExistsError:
             return False
         return True
     finally:
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
 
 
 def read_json(path: Path) -> dict | None:
