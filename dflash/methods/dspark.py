@@ -141,18 +141,28 @@ def _teacher_chunk(teacher: tuple, rows: slice, head: Tensor, math_dtype) -> Ten
     return tuple(values[rows] for values in teacher)
 
 
-def _distance(p: Tensor, target, math_dtype) -> tuple[Tensor, Tensor]:
-    """(L1 [c] between p [c, V] and the teacher, the sign s [c, V] of p - t that its gradient needs)."""
+def _distance(p: Tensor, target, math_dtype) -> Tensor:
+    """L1 [c] between p [c, V] and the teacher (topk: over its K tokens and the rest as one outcome)."""
     if isinstance(target, Tensor):
-        diff = p - target
-        return diff.abs().sum(-1), diff.sign()
+        return (p - target).abs().sum(-1)
+    top_diff, rest_diff, _ = _topk_differences(p, target, math_dtype)
+    return top_diff.abs().sum(-1) + rest_diff.abs()
+
+
+def _distance_sign(p: Tensor, target, math_dtype) -> Tensor:
+    """The sign s [c, V] of p - t at every token, which the gradient of `_distance` needs (backward only)."""
+    if isinstance(target, Tensor):
+        return (p - target).sign()
+    top_diff, rest_diff, ids = _topk_differences(p, target, math_dtype)
+    return rest_diff.sign()[:, None].expand_as(p).scatter(1, ids, top_diff.sign())
+
+
+def _topk_differences(p: Tensor, target: tuple, math_dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """p - t on the teacher's K tokens [c, K], on the rest lumped [c], and the K ids (int64)."""
     ids, probs, tail = target
     ids = ids.long()
     top = p.gather(1, ids)
-    top_diff = top - probs.to(math_dtype)
-    rest_diff = (1 - top.sum(-1)) - tail.to(math_dtype)
-    sign = rest_diff.sign()[:, None].expand_as(p).scatter(1, ids, top_diff.sign())
-    return top_diff.abs().sum(-1) + rest_diff.abs(), sign
+    return top - probs.to(math_dtype), (1 - top.sum(-1)) - tail.to(math_dtype), ids
 
 
 class _MarkovHeadLoss(torch.autograd.Function):
@@ -172,7 +182,7 @@ class _MarkovHeadLoss(torch.autograd.Function):
             ces.append(lse - z.gather(1, labels[rows, None])[:, 0])
             corrects.append(z.argmax(dim=-1) == labels[rows])
             p = (z - lse[:, None]).exp()
-            distances.append(_distance(p, _teacher_chunk(teacher, rows, head, math_dtype), math_dtype)[0])
+            distances.append(_distance(p, _teacher_chunk(teacher, rows, head, math_dtype), math_dtype))
         ctx.save_for_backward(hidden, previous, head, w2, labels, *teacher)
         ctx.chunk_size, ctx.mm_dtype = chunk_size, mm_dtype
         correct = torch.cat(corrects)
@@ -192,7 +202,7 @@ class _MarkovHeadLoss(torch.autograd.Function):
             e = previous[rows].to(mm_dtype)
             z = (hidden[rows].to(mm_dtype) @ head.T + e @ w2_mm.T).to(math_dtype)
             p = torch.softmax(z, dim=-1)
-            _, sign = _distance(p, _teacher_chunk(teacher, rows, head, math_dtype), math_dtype)
+            sign = _distance_sign(p, _teacher_chunk(teacher, rows, head, math_dtype), math_dtype)
             # dCE/dz = p - onehot; dL1/dz = p * (s - <p, s>) with s = sign(p - t)
             grad_z = grad_ce[rows, None].to(math_dtype) * (p - (vocab == labels[rows, None]).to(math_dtype))
             grad_z = grad_z + grad_distance[rows, None].to(math_dtype) * p * (sign - (p * sign).sum(-1, keepdim=True))
