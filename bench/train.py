@@ -56,6 +56,7 @@ import datetime
 import gc
 import json
 import logging
+import re
 import shutil
 import sys
 import time
@@ -68,6 +69,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repository's dflash
 
+from bench.step_profile import profile_step, profile_table
 from bench.variants import METHOD_VARIANTS, parse_variants, split_variant
 from dflash import features, graph, loss, store
 from dflash.config import TrainConfig
@@ -87,6 +89,22 @@ DRAFTERS = {
     "b": dict(hidden=2560, heads=16, kv_heads=4, head_dim=256, ffn=9216, target_layers=32, **ROW),
 }
 TINY_ROW = dict(doc_len=64, docs_per_row=4, anchors_per_doc=8, vocab=512)
+
+
+def parse_row_shapes(text: str) -> list[dict]:
+    """`4x3072:512,1x32768:2048` -> [{docs_per_row, doc_len, anchors_per_doc}, ...] (ValueError otherwise)."""
+    shapes = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        match = re.fullmatch(r"(\d+)x(\d+):(\d+)", part)
+        if not match or min(int(g) for g in match.groups()) < 1:
+            raise ValueError(f"{part!r} is not DOCSxLENGTH:ANCHORS_PER_DOC with positive numbers, e.g. 1x32768:2048")
+        docs, length, anchors = (int(g) for g in match.groups())
+        shapes.append(dict(docs_per_row=docs, doc_len=length, anchors_per_doc=anchors))
+    if not shapes:
+        raise ValueError("give at least one row shape")
+    return shapes
+
+
 TINY = {
     "a": dict(hidden=128, heads=4, kv_heads=2, head_dim=32, ffn=256, target_layers=8, **TINY_ROW),
     "b": dict(hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128, target_layers=8, **TINY_ROW),
@@ -439,7 +457,8 @@ def rank_view(summary: dict, trainer: Trainer, baseline: dict | None, path: str 
 def bench_one(name: str, s: dict, args, env: Env, baseline: dict | None, method: str = "dflash") -> dict:
     device = env.device
     options, teacher = split_variant(method)
-    root = Path(args.work) / (f"tiny-{name}" if args.tiny else name)
+    shape = f"{s['docs_per_row']}x{s['doc_len']}"
+    root = Path(args.work) / (f"tiny-{name}-{shape}" if args.tiny else f"{name}-{shape}")
     if teacher:  # a store of its own, with the teacher arrays
         root = root.with_name(f"{root.name}-{teacher.replace(':', '')}")
     build_s = shared_data(root, s, args.rows, env, args.encoding, teacher)
@@ -471,7 +490,8 @@ def bench_one(name: str, s: dict, args, env: Env, baseline: dict | None, method:
             result = trainer.fit(0, log)
     finally:
         log.close()
-    summary = summarise(name if method == "dflash" else f"{name} {method}", s, trainer, result["records"], args.steps)
+    label = f"{name} {shape}:{s['anchors_per_doc']}" + ("" if method == "dflash" else f" {method}")
+    summary = summarise(label, s, trainer, result["records"], args.steps)
     summary["method"] = method
     summary.update(data_build_s=build_s, warmup_capture_s=prep["total_s"], warmup_parts_s=prep)
     try:
@@ -480,6 +500,8 @@ def bench_one(name: str, s: dict, args, env: Env, baseline: dict | None, method:
         summary["ungraphed"] = {"error": "out of memory"}
     if summary["mfu"] is not None and "step_ms" in summary["ungraphed"]:
         summary["ungraphed"]["mfu"] = summary["mfu"] * summary["step_ms"] / summary["ungraphed"]["step_ms"]
+    if args.profile and "step_ms" in summary["ungraphed"]:  # the ungraphed step is warm: profile it
+        summary["profile"] = profile_step(trainer.train_step.step, args.profile, s["vocab"], device)
     summary.update(rank_view(summary, trainer, baseline, args.compare_to))
     summary["records"] = result["records"]
     return summary
@@ -586,6 +608,8 @@ def report(info: dict, results: list[dict], args, world: int):
     print(
         f"\n## {script} {'--tiny ' if args.tiny else ''}--drafter {args.drafter} --encoding {args.encoding} "
         f"--methods {','.join(args.methods)} --steps {args.steps}"
+        + (f" --row-shapes {args.row_shapes}" if args.row_shapes else "")
+        + (f" --profile {args.profile}" if args.profile else "")
     )
     print(", ".join(f"{k} {v}" for k, v in info.items()))
     for r in results:
@@ -600,6 +624,9 @@ def report(info: dict, results: list[dict], args, world: int):
     print("|" + "---|" * HEADER.count(" |"))
     for r in results:
         print(table_row(r))
+    for r in results:
+        if "profile" in r:
+            print(profile_table(r["drafter"], r["profile"]))
     for r in results:
         if "error" not in r and world > 1:
             rank_table(r)
@@ -631,6 +658,14 @@ def main():
         default="dflash",
         help=f"drafter methods to time, comma-separated, each on every drafter: {', '.join(METHOD_VARIANTS)}",
     )
+    parser.add_argument(
+        "--row-shapes",
+        help="row shapes to time, comma-separated DOCSxLENGTH:ANCHORS_PER_DOC (documents per row, tokens per document, "
+        "anchors per document), e.g. 4x3072:512,1x32768:2048  [default: 4x3072:512, tiny 4x64:8]",
+    )
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="N", help="also profile N ungraphed steps: time per part of the step"
+    )
     parser.add_argument("--work", default="/tmp/dflash-bench-train", help="where the fake target, store and runs go")
     parser.add_argument("--json", help="also write the results (with every step's record) here")
     parser.add_argument("--compare-to", metavar="ONE.json", help="the --json of a one-GPU run: report the scaling")
@@ -639,8 +674,12 @@ def main():
         args.methods = parse_variants(args.methods)
     except ValueError as exc:
         parser.error(f"--methods {exc}")
-    if min(args.steps or 1, args.ungraphed_steps or 1, args.rows) < 1:
-        parser.error("--steps, --ungraphed-steps and --rows must be at least 1")
+    try:
+        row_shapes = parse_row_shapes(args.row_shapes) if args.row_shapes else [None]
+    except ValueError as exc:
+        parser.error(f"--row-shapes: {exc}")
+    if min(args.steps or 1, args.ungraphed_steps or 1, args.rows) < 1 or args.profile < 0:
+        parser.error("--steps, --ungraphed-steps and --rows must be at least 1, --profile at least 0")
     args.steps = args.steps or (20 if args.tiny else 60)
     args.ungraphed_steps = args.ungraphed_steps or (3 if args.tiny else 10)
     try:
@@ -663,13 +702,14 @@ def main():
     shapes = TINY if args.tiny else DRAFTERS
     results = []
     drafters = ["a", "b"] if args.drafter == "both" else [args.drafter]
-    for name, method in ((name, method) for name in drafters for method in args.methods):
+    runs = ((name, row, method) for row in row_shapes for name in drafters for method in args.methods)
+    for name, row, method in runs:
         try:
-            results.append(bench_one(name, shapes[name], args, env, baseline, method))
+            results.append(bench_one(name, {**shapes[name], **(row or {})}, args, env, baseline, method))
         except (DflashError, torch.OutOfMemoryError) as exc:  # report it and go on with the other drafter
             logging.exception("drafter %s (%s) failed on rank %d", name, method, env.rank)
             error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-            results.append({"drafter": f"{name} {method}", "error": error})
+            results.append({"drafter": f"{name} {row or 'default row'} {method}", "error": error})
         free_device(env.device)  # here, after the except block has dropped the failed trainer's frames
         # After each drafter, so that a run stopped at a time limit keeps the drafters that finished.
         if env.main:

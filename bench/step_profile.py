@@ -1,0 +1,119 @@
+"""Where a train step's time goes: torch.profiler over the compiled step without its CUDA graph (a replayed graph
+is one opaque launch to the profiler), each GPU kernel put into one part by its name, and the matmuls split by
+shape into the frozen LM head's (a dimension equal to the vocabulary) and the drafter's, with their achieved
+TFLOP/s (2 x M x K x N per call, from the recorded input shapes) against the machine's matmul ceiling.
+
+Parts, first matching rule wins (kernel names as inductor, cuBLAS and PyTorch give them):
+    attention      flex_attention's Triton templates (`triton_tem_*`; no other template is compiled here); on the
+                   CPU the dense-mask SDPA operators
+    matmul         cuBLAS / CUTLASS kernels (gemm, nvjet, xmma, cutlass, sm90_)
+    top-k / sort   torch.topk and sort kernels (DFlash 2's candidates, anchors drawn by topk)
+    optimizer      AdamW's fused and foreach kernels
+    fused          the rest of inductor's Triton kernels: norms, activations, the loss's softmax, rope, ...
+    copy / fill    memcpy and memset
+    other          anything else
+On the CPU (no kernels) the same rules are applied to the ATen operators' own time."""
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+PARTS = (
+    ("attention", ("triton_tem", "flex_attention", "scaled_dot_product")),
+    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "aten::mm", "aten::addmm", "aten::bmm")),
+    ("top-k / sort", ("topk", "sort", "radix")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("fused", ("triton_",)),
+    ("copy / fill", ("memcpy", "memset", "copy_", "fill_")),
+)
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
+PEAK_TFLOPS = 792.0  # bf16 8192^3 matmul on the H200 (shared/DEVICE.md)
+
+
+def part_of(name: str) -> str:
+    lowered = name.lower()
+    for part, needles in PARTS:
+        if any(n in lowered for n in needles):
+            return part
+    return "other"
+
+
+def _matmul_flops(op: str, shapes: list) -> float:
+    """FLOPs of one call from its input shapes: mm [M,K]x[K,N]; addmm (bias, [M,K], [K,N]); bmm [B,M,K]x[B,K,N]."""
+    a, b = (shapes[1], shapes[2]) if op == "aten::addmm" else (shapes[0], shapes[1])
+    if len(a) < 2 or len(b) < 2:
+        return 0.0
+    batch = a[0] if op == "aten::bmm" else 1
+    return 2.0 * batch * a[-2] * a[-1] * b[-1]
+
+
+def _matmul_split(prof, vocab: int, steps: int, cuda: bool) -> dict:
+    """{"LM head" | "drafter": {"ms": per step, "tflops": achieved}} from the matmul operators' shapes."""
+    out = {}
+    for evt in prof.key_averages(group_by_input_shape=True):
+        if evt.key not in MATMUL_OPS or not evt.input_shapes:
+            continue
+        dims = [d for shape in evt.input_shapes for d in shape]
+        side = out.setdefault("LM head" if vocab in dims else "drafter", {"us": 0.0, "flops": 0.0})
+        side["us"] += evt.device_time_total if cuda else evt.cpu_time_total
+        side["flops"] += _matmul_flops(evt.key, evt.input_shapes) * evt.count
+    return {
+        name: {"ms": s["us"] / 1000 / steps, "tflops": s["flops"] / max(s["us"], 1e-9) / 1e6} for name, s in out.items()
+    }
+
+
+def _annotation(evt) -> bool:
+    """A range on the GPU timeline that spans kernels (`## Call CompiledFxGraph ... ##`, `Optimizer.step#...`):
+    counting it beside its kernels would count their time twice."""
+    return bool(getattr(evt, "is_user_annotation", False)) or "#" in evt.key
+
+
+def profile_step(step_fn, steps: int, vocab: int, device: torch.device) -> dict:
+    """Profile `steps` calls of `step_fn` (already warm): per part and per kernel, ms per step."""
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities, record_shapes=True) as prof:
+        for _ in range(steps):
+            step_fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+    kernels = {}
+    for evt in prof.key_averages():
+        if cuda and (evt.device_type != DeviceType.CUDA or _annotation(evt)):
+            continue
+        if not cuda and not evt.key.startswith("aten::"):
+            continue
+        us = evt.self_device_time_total if cuda else evt.self_cpu_time_total
+        if us > 0:
+            kernels[evt.key] = kernels.get(evt.key, 0.0) + us / 1000 / steps
+    parts = {}
+    for name, ms in kernels.items():
+        parts[part_of(name)] = parts.get(part_of(name), 0.0) + ms
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
+    return {
+        "steps": steps,
+        "total_ms": sum(kernels.values()),
+        "parts": dict(sorted(parts.items(), key=lambda kv: -kv[1])),
+        "matmuls": _matmul_split(prof, vocab, steps, cuda),
+        "top_kernels": [{"name": n[:120], "ms": ms, "part": part_of(n)} for n, ms in top],
+    }
+
+
+def profile_table(label: str, p: dict) -> str:
+    """The markdown table of one profile: parts by time, the matmul split, the largest kernels."""
+    total = max(p["total_ms"], 1e-9)
+    lines = [
+        f"\nProfile of {label} ({p['steps']} ungraphed steps; kernel time per step {p['total_ms']:.1f} ms):",
+        "",
+        "| part | ms per step | share |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {part} | {ms:.1f} | {100 * ms / total:.1f} % |" for part, ms in p["parts"].items()]
+    for side, m in p["matmuls"].items():
+        lines.append(
+            f"| of matmul: {side} | {m['ms']:.1f} | {m['tflops']:.0f} TFLOP/s "
+            f"({100 * m['tflops'] / PEAK_TFLOPS:.0f} % of {PEAK_TFLOPS:.0f}) |"
+        )
+    lines += ["", "| kernel | part | ms per step |", "|---|---|---|"]
+    lines += [f"| `{k['name']}` | {k['part']} | {k['ms']:.2f} |" for k in p["top_kernels"]]
+    return "\n".join(lines)
