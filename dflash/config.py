@@ -65,6 +65,11 @@ class HarvestConfig:
     rank: int | None = option(None, "This process's rank.", default_doc="$RANK or 0")
     world_size: int | None = option(None, "Number of harvest processes.", default_doc="$WORLD_SIZE or 1")
     device: str | None = option(None, "Torch device.", default_doc="cuda:$LOCAL_RANK when CUDA is available, else cpu")
+    tensor_parallel: int = option(
+        1,
+        "Under torchrun, split the target over groups of this many processes (transformers' tensor-parallel plan); "
+        "each group harvests one part of the store, as one process does without it.",
+    )
     dtype: str = option(
         "bfloat16", "Target compute dtype (the store always holds bf16).", choices=["bfloat16", "float16", "float32"]
     )

@@ -7,11 +7,12 @@ import logging
 import shutil
 import signal
 import threading
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from dflash import selfcheck, store, verify
+from dflash import parallel, selfcheck, store, verify
 from dflash.config import HarvestConfig
 from dflash.data import load_documents
 from dflash.device import DTYPES
@@ -39,7 +40,7 @@ def run_harvest(cfg: HarvestConfig) -> Path:
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
-        return _harvest(resolve(cfg))
+        return _harvest_in_layout(resolve(cfg))
     except (KeyboardInterrupt, Interrupted) as exc:
         why = exc.args[0] if isinstance(exc, Interrupted) else "SIGINT"
         raise DflashError(
@@ -58,7 +59,36 @@ def run_harvest(cfg: HarvestConfig) -> Path:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _harvest(cfg: HarvestConfig) -> Path:
+def _harvest_in_layout(cfg: HarvestConfig) -> Path:
+    """The harvest of one process, or this process's share of its tensor-parallel group's (dflash.parallel)."""
+    device = torch.device(cfg.device)
+    parallel.check_weights_fit(cfg.model, cfg.tensor_parallel, device)
+    if cfg.tensor_parallel == 1:
+        return _harvest(cfg, partial(_load_target, cfg, None))
+    parallel.check_tp_plan(cfg.model)
+    layout = parallel.group_layout(cfg.tensor_parallel)
+    logger.info(layout.describe())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL binds the group's communicator to the current device
+    group = parallel.Group(layout, device)
+    try:
+        if not layout.leader:
+            group.follow(lambda *args: TappedTarget(*args, group=group))
+            return Path(cfg.out)
+        return _harvest(cfg, partial(_load_target, cfg, group))
+    finally:
+        group.close()
+
+
+def _load_target(cfg: HarvestConfig, group, layer_ids: list[int], teacher: str | None) -> TappedTarget:
+    """The target of this process, split over its group when it has one (the followers load as announced)."""
+    args = (cfg.model, layer_ids, cfg.device, DTYPES[cfg.dtype], cfg.allow_slow_kernels, teacher)
+    if group is not None:
+        group.announce("load", *args)
+    return TappedTarget(*args, group=group)
+
+
+def _harvest(cfg: HarvestConfig, load_target) -> Path:
     out = Path(cfg.out)
     fingerprint = store.as_recorded(out, harvest_fingerprint(cfg))
     state = store.check_folder(out, fingerprint)
@@ -78,10 +108,10 @@ def _harvest(cfg: HarvestConfig) -> Path:
         def lock() -> None:
             stack.enter_context(store.part_lock(out, cfg.rank))
 
-        return _harvest_part(cfg, out, fingerprint, state, lock)
+        return _harvest_part(cfg, out, fingerprint, state, lock, load_target)
 
 
-def _harvest_part(cfg: HarvestConfig, out: Path, fingerprint: dict, state: str, lock) -> Path:
+def _harvest_part(cfg: HarvestConfig, out: Path, fingerprint: dict, state: str, lock, load_target) -> Path:
     progress = store.part_progress(out, cfg.world_size)[cfg.rank] if state != "new" else None
     done = progress is not None and progress["rows_committed"] == progress["rows"]
     damage = None
@@ -97,13 +127,13 @@ def _harvest_part(cfg: HarvestConfig, out: Path, fingerprint: dict, state: str, 
         if not damage.rows and not damage.documents and not whole:
             logger.info("part %s of %s: every chunk present and its checksum correct; nothing to repair", cfg.rank, out)
             if state != "complete":
-                _finish(out, cfg)
+                _finish(out, cfg, load_target)
             return out
         for problem in whole.values():
             logger.info("repairing: %s", problem)
         logger.info("part %d: re-harvesting %d damaged rows %s", cfg.rank, len(damage.rows), damage.rows[:20])
     elif done:
-        _finish(out, cfg)
+        _finish(out, cfg, load_target)
         return out
 
     documents, stats = load_documents(data_config(cfg), cfg.model)
@@ -121,17 +151,10 @@ def _harvest_part(cfg: HarvestConfig, out: Path, fingerprint: dict, state: str, 
     if state == "resume" and not cfg.repair:
         progress = store.part_progress(out, cfg.world_size)[cfg.rank]  # the run that held the lock may have gone on
         if progress is not None and progress["rows_committed"] == progress["rows"]:
-            _finish(out, cfg)
+            _finish(out, cfg, load_target)
             return out
     teacher = teacher_encoding(cfg)
-    target = TappedTarget(
-        cfg.model,
-        fingerprint["layers"],
-        cfg.device,
-        DTYPES[cfg.dtype],
-        cfg.allow_slow_kernels,
-        teacher.kind if teacher else None,
-    )
+    target = load_target(fingerprint["layers"], teacher.kind if teacher else None)
     header = harvest_header(cfg, fingerprint, target, stats, teacher)
     if state == "resume" and store.read_manifest(out / store.HARVEST_FILE).target != header.target:
         raise DflashError(
@@ -165,14 +188,14 @@ def _harvest_part(cfg: HarvestConfig, out: Path, fingerprint: dict, state: str, 
         f"; resuming after row {part.rows_committed}" if part.rows_committed else "",
     )
     if damage is not None:
-        return _repair(cfg, out, plan, target, part, header, projection, damage, state)
+        return _repair(cfg, out, plan, target, part, header, projection, damage, state, load_target)
     stalls = run_rows(cfg, plan, target, part, header, projection)
     logger.info("rank %d: %s", cfg.rank, stalls.describe())
-    _finish(out, cfg, target)
+    _finish(out, cfg, load_target, target)
     return out
 
 
-def _repair(cfg, out: Path, plan: PartPlan, target, part, header, projection, damage, state: str) -> Path:
+def _repair(cfg, out: Path, plan: PartPlan, target, part, header, projection, damage, state: str, load_target) -> Path:
     """Rewrite the damaged rows of a finished part. The rows are re-harvested in the row groups an uninterrupted
     harvest formed (multiples of the group size from row 0), so the forward batches, and the bytes, are the same."""
     if damage.documents:
@@ -189,20 +212,18 @@ def _repair(cfg, out: Path, plan: PartPlan, target, part, header, projection, da
         )
     logger.info("part %d repaired: %d rows rewritten, every chunk of the part checks", cfg.rank, len(damage.rows))
     if state != "complete":
-        _finish(out, cfg, target)
+        _finish(out, cfg, load_target, target)
     return out
 
 
-def _finish(out: Path, cfg: HarvestConfig, target: TappedTarget | None = None) -> None:
+def _finish(out: Path, cfg: HarvestConfig, load_target, target: TappedTarget | None = None) -> None:
     if store.finalize(out, store.read_manifest(out / store.HARVEST_FILE)):
         logger.info("store complete: %s", out)
         if cfg.self_check > 0:
             if target is None:
                 m = store.read_manifest(out / store.MANIFEST_FILE)
                 kind = m.teacher.kind if m.teacher else None
-                target = TappedTarget(
-                    cfg.model, list(m.layer_ids), cfg.device, DTYPES[cfg.dtype], cfg.allow_slow_kernels, kind
-                )
+                target = load_target(list(m.layer_ids), kind)
             check = selfcheck.reforward_check(out, target, cfg.self_check)
             store.record_self_check(out, check)
             selfcheck.log_check(check, out)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash import features, manifest, sources, store
+from dflash import features, manifest, parallel, sources, store
 from dflash.config import HarvestConfig
 from dflash.data import DataConfig
 from dflash.device import DTYPES, local_device
@@ -24,14 +24,28 @@ BLOCK_SIZE = 16  # a row must hold at least one DFlash block
 
 
 def resolve(cfg: HarvestConfig) -> HarvestConfig:
-    """Fill the defaults that depend on the environment and check the options that need no file."""
-    rank = cfg.rank if cfg.rank is not None else int(os.environ.get("RANK", 0))
-    world_size = cfg.world_size if cfg.world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
+    """Fill the defaults that depend on the environment and check the options that need no file. The rank and
+    world size are the store part's and the number of parts: with --tensor-parallel, the group's and the number
+    of groups."""
+    rank, world_size = _data_rank(cfg)
     device = str(local_device(cfg.device))
     cfg = check_options(HarvestConfig(**{**asdict(cfg), "rank": rank, "world_size": world_size, "device": device}))
     if not 0 <= cfg.rank < cfg.world_size:
         raise DflashError(f"rank {cfg.rank} must be in 0..{cfg.world_size - 1} for world size {cfg.world_size}")
     return cfg
+
+
+def _data_rank(cfg: HarvestConfig) -> tuple[int, int]:
+    if cfg.tensor_parallel == 1:
+        rank = cfg.rank if cfg.rank is not None else int(os.environ.get("RANK", 0))
+        return rank, cfg.world_size if cfg.world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
+    if cfg.rank is not None or cfg.world_size is not None:
+        raise DflashError(
+            "--rank and --world-size name a process's part without --tensor-parallel; with it, run under torchrun "
+            "and leave them out: each group of --tensor-parallel processes writes the part of its index"
+        )
+    layout = parallel.group_layout(cfg.tensor_parallel)
+    return layout.group, layout.groups
 
 
 def check_options(cfg: HarvestConfig) -> HarvestConfig:
@@ -46,6 +60,10 @@ def check_options(cfg: HarvestConfig) -> HarvestConfig:
         raise DflashError(
             f"--max-length {cfg.max_length} must be between 1 and the token budget {cfg.token_budget} (a document "
             "is packed whole into a row); lower --max-length or raise --token-budget"
+        )
+    if cfg.tensor_parallel < 1:
+        raise DflashError(
+            f"--tensor-parallel must be at least 1 (1: the target whole on each process), got {cfg.tensor_parallel}"
         )
     if cfg.forward_tokens < 1:
         raise DflashError(f"forward tokens must be positive, got {cfg.forward_tokens}")
