@@ -12,7 +12,7 @@ the step on a CPU (gloo) channel, so that announcing never waits for the GPU; a 
 the group's device backend. A follower runs each step as announced and leaves when the leader says stop.
 """
 
-import logging
+import contextlib
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -23,8 +23,6 @@ import torch.distributed as dist
 
 from dflash.errors import DflashError
 from dflash.target_files import checkpoint_file, load_config, weight_files
-
-logger = logging.getLogger("dflash")
 
 # Loading a large checkpoint, or a leader's calibration and free-space checks, can keep followers waiting long.
 GROUP_TIMEOUT = timedelta(hours=2)
@@ -110,7 +108,7 @@ class Group:
             device_id=device if backend == "nccl" else None,
         )
         self.control = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT) if backend != "gloo" else None
-        self.device = device
+        self.device, self.broken = device, False
 
     def announce(self, *step) -> None:
         """The leader tells the followers the next step (a tuple of picklable values)."""
@@ -137,8 +135,23 @@ class Group:
                 dist.broadcast(ids, src=0)
                 target.forward(ids)
 
+    @contextlib.contextmanager
+    def guarded(self):
+        """A collective step that fails because a process of the group is gone (killed, out of memory) raises a
+        DflashError saying so; the group is then broken, and no step is announced any more."""
+        try:
+            yield
+        except RuntimeError as exc:
+            if not (isinstance(exc, dist.DistError) or "gloo" in str(exc)):
+                raise
+            self.broken = True
+            raise DflashError(
+                f"a process of tensor-parallel group {self.layout.group} stopped ({str(exc).splitlines()[0]}); the "
+                "rows committed so far are kept: rerun the same launch to resume after them"
+            ) from exc
+
     def close(self) -> None:
         """The leader releases its followers (also after an error: they would wait forever); everyone leaves."""
-        if self.layout.leader:
+        if self.layout.leader and not self.broken:
             self.announce("stop")
         dist.destroy_process_group()

@@ -72,10 +72,11 @@ def _harvest_in_layout(cfg: HarvestConfig) -> Path:
         torch.cuda.set_device(device)  # NCCL binds the group's communicator to the current device
     group = parallel.Group(layout, device)
     try:
-        if not layout.leader:
-            group.follow(lambda *args: TappedTarget(*args, group=group))
-            return Path(cfg.out)
-        return _harvest(cfg, partial(_load_target, cfg, group))
+        with group.guarded():
+            if not layout.leader:
+                group.follow(lambda *args: TappedTarget(*args, group=group))
+                return Path(cfg.out)
+            return _harvest(cfg, partial(_load_target, cfg, group))
     finally:
         group.close()
 
