@@ -114,7 +114,7 @@ class TappedTarget:
         model = _load_truncated(path, text_config, keep, dtype, final_norm=teacher is not None, tensor_parallel=split)
         self._attach(model, info, layer_ids, torch.device(device), dtype, allow_slow_kernels, split)
         self.teacher, self.group = teacher, group
-        if teacher == "topk":
+        if teacher == "topk" and (group is None or group.layout.leader):  # the leader alone encodes the teacher
             self.lm_head = load_head(path).to(self.device, dtype)
 
     @classmethod
