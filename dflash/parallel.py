@@ -9,7 +9,9 @@ the data as single-process ranks do (data rank = the group's index, data world =
 In a group only rank 0, the leader, runs the command's logic, reads the data and writes; the other ranks, the
 followers, mirror its collective steps. Before loading the target and before each forward the leader announces
 the step on a CPU (gloo) channel, so that announcing never waits for the GPU; a forward's token ids follow on
-the group's device backend. A follower runs each step as announced and leaves when the leader says stop.
+the group's device backend. A follower runs each step as announced and leaves when the leader says stop (the
+harvest). A command whose every process can run the same steps on the split target's replicated outputs (eval)
+splits one target over the whole launch instead: `whole_launch_group`.
 """
 
 import contextlib
@@ -150,8 +152,27 @@ class Group:
                 "rows committed so far are kept: rerun the same launch to resume after them"
             ) from exc
 
-    def close(self) -> None:
-        """The leader releases its followers (also after an error: they would wait forever); everyone leaves."""
+    def release(self) -> None:
+        """The leader ends its followers' loop (also after an error: they would wait forever)."""
         if self.layout.leader and not self.broken:
             self.announce("stop")
+
+    def close(self) -> None:
         dist.destroy_process_group()
+
+
+def whole_launch_group(tensor_parallel: int, device: torch.device) -> Group | None:
+    """For a command every process runs alike on one split target (eval): the launch must be one group of
+    `tensor_parallel` processes; None without a split. Each process runs the same steps on the same replicated
+    outputs, so no step needs announcing."""
+    if tensor_parallel == 1:
+        return None
+    layout = group_layout(tensor_parallel)
+    if layout.groups != 1:
+        raise DflashError(
+            f"--tensor-parallel {tensor_parallel} with {layout.groups * tensor_parallel} processes: this command "
+            f"splits one target over all of them; launch torchrun --nproc-per-node {tensor_parallel}"
+        )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL binds the group's communicator to the current device
+    return Group(layout, device)

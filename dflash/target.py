@@ -238,18 +238,29 @@ def _load_truncated(
     return model.eval().requires_grad_(False)
 
 
-def load_target(path: str | Path, device: str | torch.device | None = "cpu", dtype: str | torch.dtype = "float32"):
-    """The full target (with LM head) for generation, frozen, and its tokenizer."""
+def load_target(
+    path: str | Path,
+    device: str | torch.device | None = "cpu",
+    dtype: str | torch.dtype = "float32",
+    tensor_parallel: int = 1,
+):
+    """The full target (with LM head) for generation, frozen, and its tokenizer; split by transformers'
+    tensor-parallel plan over the `tensor_parallel` processes of the torch.distributed world when above 1."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.distributed import DistributedConfig
 
     if not (Path(path) / "config.json").is_file():
         raise DflashError(f"{path} is not a model folder (no config.json); pass the target's local folder")
     device = local_device(device)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device))
+    split = {"distributed_config": DistributedConfig(tp_size=tensor_parallel)} if tensor_parallel > 1 else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device), **split)
     kernels = select_kernels(model, device, allow_slow=True, generation=True)
     model = model.to(device).eval()
     model.requires_grad_(False)
-    logger.info("target %s on %s; kernels: %s", path, device, describe_kernels(kernels))
+    where = f"{device}, split over {tensor_parallel} processes by transformers' tensor-parallel plan"
+    logger.info(
+        "target %s on %s; kernels: %s", path, where if tensor_parallel > 1 else device, describe_kernels(kernels)
+    )
     # The convolutions' reference code is a small op: the delta rules are the ones that cost.
     slow = [
         role

@@ -213,3 +213,26 @@ def test_weights_over_the_groups_gpu_memory_are_refused_naming_the_way_out(tiny_
     with pytest.raises(DflashError, match=r"do not fit in the free memory of 2 GPU\(s\).*--tensor-parallel 4 or more"):
         check_weights_fit(str(model), 2, torch.device("cuda", 0))
     check_weights_fit(str(model), 4, torch.device("cuda", 0))
+
+
+# ------------------------------------------------------------------------------------------------------ eval
+
+
+def test_eval_split_over_two_processes_gives_the_single_process_rounds(tiny_target, tmp_path):
+    """Every process runs the same evaluation on the split target's replicated outputs; the first one reports.
+    float32: the split differs by ~1e-6, far below any logit gap the greedy choices could flip on."""
+    from dflash.tiny import PROMPTS
+
+    args = [*("-m", "cli", "eval", "--model", str(tiny_target("llama")), "--data", str(PROMPTS), "--untrained")]
+    args += [*("--num-prompts", "3", "--max-new-tokens", "24", "--prompt-lookup", "4", "--device", "cpu")]
+    args += ["--dtype", "float32"]
+    run_processes(1, [*args, "--json", str(tmp_path / "one.json")])
+    outputs = run_processes(2, [*args, "--json", str(tmp_path / "split.json"), "--tensor-parallel", "2"])
+    assert "report written to" in outputs[0] and "report written to" not in outputs[1]
+
+    def rounds(path: Path) -> list[dict]:
+        prompts = json.loads(path.read_text())["prompts"]
+        return [{name: {**run, "seconds": None} for name, run in p["runs"].items()} for p in prompts]
+
+    one, split = rounds(tmp_path / "one.json"), rounds(tmp_path / "split.json")
+    assert split == one and any(run["accepted"] for prompt in one for run in prompt.values())

@@ -78,6 +78,7 @@ def _harvest_in_layout(cfg: HarvestConfig) -> Path:
                 return Path(cfg.out)
             return _harvest(cfg, partial(_load_target, cfg, group))
     finally:
+        group.release()
         group.close()
 
 
