@@ -28,7 +28,7 @@ from dflash.device import local_device
 from dflash.drafter import DFlashDrafter, DrafterConfig
 from dflash.errors import DflashError, describe_differences
 from dflash.export import load_drafter, read_drafter_config
-from dflash.parallel import check_tp_plan, check_weights_fit, whole_launch_group
+from dflash.parallel import open_group
 from dflash.proposers import DecodingOptions, PromptLookupProposer, Proposer
 from dflash.regenerate import encode_prompt, eos_token_ids
 from dflash.target import default_layer_ids, load_target
@@ -313,11 +313,7 @@ def evaluate(
             check_drafter_fits(read_drafter_config(drafter), text_config, None, str(drafter), str(cfg.model))
     records = load_prompts(cfg.data) if isinstance(cfg.data, (str, Path)) else prompt_records(cfg.data)
     records = records[: cfg.num_prompts]
-    device = local_device(cfg.device)
-    if cfg.tensor_parallel > 1:
-        check_tp_plan(cfg.model)
-    check_weights_fit(cfg.model, cfg.tensor_parallel, device)
-    group = whole_launch_group(cfg.tensor_parallel, device)
+    group = open_group(cfg.model, cfg.tensor_parallel, local_device(cfg.device), whole_launch=True)
     try:
         return _evaluate(cfg, named, records, resume, on_prompt, progress)
     finally:

@@ -11,10 +11,11 @@ followers, mirror its collective steps. Before loading the target and before eac
 the step on a CPU (gloo) channel, so that announcing never waits for the GPU; a forward's token ids follow on
 the group's device backend. A follower runs each step as announced and leaves when the leader says stop (the
 harvest). A command whose every process can run the same steps on the split target's replicated outputs (eval)
-splits one target over the whole launch instead: `whole_launch_group`.
+splits one target over the whole launch instead (`open_group(..., whole_launch=True)`).
 """
 
 import contextlib
+import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,6 +26,8 @@ import torch.distributed as dist
 
 from dflash.errors import DflashError
 from dflash.target_files import checkpoint_file, load_config, weight_files
+
+logger = logging.getLogger("dflash")
 
 # Loading a large checkpoint, or a leader's calibration and free-space checks, can keep followers waiting long.
 GROUP_TIMEOUT = timedelta(hours=2)
@@ -45,11 +48,11 @@ class Layout:
 
     def describe(self) -> str:
         first = self.group * self.size
-        role = "writes its part" if self.leader else "mirrors the leader's forwards, writes nothing"
+        role = "its leader (it writes)" if self.leader else "a follower (it writes nothing)"
         return (
             f"parallel layout: {self.groups * self.size} processes = {self.groups} tensor-parallel group(s) of "
             f"{self.size}; this process is rank {self.group_rank} of group {self.group} (global ranks {first}.."
-            f"{first + self.size - 1}) and {role}"
+            f"{first + self.size - 1}), {role}"
         )
 
 
@@ -100,6 +103,8 @@ class Group:
     def __init__(self, layout: Layout, device: torch.device):
         self.layout = layout
         backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL binds the group's communicator to the current device
         store = dist.PrefixStore(f"dflash-tp-group-{layout.group}/", next(dist.rendezvous("env://"))[0])
         dist.init_process_group(
             backend,
@@ -161,18 +166,19 @@ class Group:
         dist.destroy_process_group()
 
 
-def whole_launch_group(tensor_parallel: int, device: torch.device) -> Group | None:
-    """For a command every process runs alike on one split target (eval): the launch must be one group of
-    `tensor_parallel` processes; None without a split. Each process runs the same steps on the same replicated
-    outputs, so no step needs announcing."""
+def open_group(model: str, tensor_parallel: int, device: torch.device, whole_launch: bool = False) -> Group | None:
+    """The refusals before `model` loads, then this process's group; None without a split. `whole_launch`: the
+    command splits one target over every process (eval), which all run the same steps on its replicated outputs,
+    so that no step needs announcing."""
+    check_weights_fit(model, tensor_parallel, device)
     if tensor_parallel == 1:
         return None
+    check_tp_plan(model)
     layout = group_layout(tensor_parallel)
-    if layout.groups != 1:
+    if whole_launch and layout.groups != 1:
         raise DflashError(
             f"--tensor-parallel {tensor_parallel} with {layout.groups * tensor_parallel} processes: this command "
             f"splits one target over all of them; launch torchrun --nproc-per-node {tensor_parallel}"
         )
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # NCCL binds the group's communicator to the current device
+    logger.info(layout.describe())
     return Group(layout, device)

@@ -122,7 +122,7 @@ def test_a_split_target_harvests_the_unsplit_store(arch, tiny_target, data_file,
     one = harvest_in_process(model, data_file, tmp_path / "one")
     outputs = run_processes(2, harvest_args(model, data_file, tmp_path / "split", tensor_parallel=2))
     assert "split over 2 processes by transformers' tensor-parallel plan" in outputs[0]
-    assert "rank 1 of group 0" in outputs[1] and "writes nothing" in outputs[1]
+    assert "rank 1 of group 0 (global ranks 0..1), a follower (it writes nothing)" in outputs[1]
     largest, worst = feature_differences(tmp_path / "split", one)
     print(f"{arch}: split vs unsplit, largest |difference| {largest:.3g}, worst relative {worst:.3g}")
     assert worst <= TOLERANCE
@@ -136,7 +136,7 @@ def test_two_groups_of_two_harvest_the_two_part_store(tiny_target, data_file, tm
     model = tiny_target("llama")
     two = harvest_in_process(model, data_file, tmp_path / "two", world_size=2)
     outputs = run_processes(4, harvest_args(model, data_file, tmp_path / "groups", tensor_parallel=2))
-    assert "rank 0 of group 1 (global ranks 2..3) and writes its part" in outputs[2]
+    assert "rank 0 of group 1 (global ranks 2..3), its leader (it writes)" in outputs[2]
     largest, worst = feature_differences(tmp_path / "groups", two)
     print(f"2 groups x 2: largest |difference| {largest:.3g}, worst relative {worst:.3g}")
     assert worst <= TOLERANCE and Store.open(tmp_path / "groups").manifest.world_size == 2

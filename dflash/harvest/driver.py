@@ -61,19 +61,12 @@ def run_harvest(cfg: HarvestConfig) -> Path:
 
 def _harvest_in_layout(cfg: HarvestConfig) -> Path:
     """The harvest of one process, or this process's share of its tensor-parallel group's (dflash.parallel)."""
-    device = torch.device(cfg.device)
-    parallel.check_weights_fit(cfg.model, cfg.tensor_parallel, device)
-    if cfg.tensor_parallel == 1:
+    group = parallel.open_group(cfg.model, cfg.tensor_parallel, torch.device(cfg.device))
+    if group is None:
         return _harvest(cfg, partial(_load_target, cfg, None))
-    parallel.check_tp_plan(cfg.model)
-    layout = parallel.group_layout(cfg.tensor_parallel)
-    logger.info(layout.describe())
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # NCCL binds the group's communicator to the current device
-    group = parallel.Group(layout, device)
     try:
         with group.guarded():
-            if not layout.leader:
+            if not group.layout.leader:
                 group.follow(lambda *args: TappedTarget(*args, group=group))
                 return Path(cfg.out)
             return _harvest(cfg, partial(_load_target, cfg, group))
