@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from bench.train import gather_ranks  # noqa: E402
 from dflash import features, harvest, packing, store  # noqa: E402
+from dflash.config import HarvestConfig  # noqa: E402
 from dflash.data import Document  # noqa: E402
 from dflash.manifest import Manifest, TargetSpec, TokenizerSpec  # noqa: E402
 from dflash.target import TappedTarget, default_layer_ids  # noqa: E402
@@ -122,7 +123,7 @@ def timed(fn, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def bare_forward(plan: packing.PartPlan, target: TappedTarget, cfg: harvest.HarvestConfig, groups: int) -> float:
+def bare_forward(plan: packing.PartPlan, target: TappedTarget, cfg: HarvestConfig, groups: int) -> float:
     """Seconds for the forward batches of `groups` row groups, features kept on the device and dropped."""
     rows_per_group = cfg.forward_tokens // cfg.token_budget
 
@@ -140,7 +141,7 @@ def bare_forward(plan: packing.PartPlan, target: TappedTarget, cfg: harvest.Harv
     return timed(run, target.device)
 
 
-def store_header(target: TappedTarget, cfg: harvest.HarvestConfig) -> Manifest:
+def store_header(target: TappedTarget, cfg: HarvestConfig) -> Manifest:
     """A harvest.json for the benchmark's store in the encoding of --precision / --subspace."""
     feature_dim = len(target.layer_ids) * target.info.hidden_size
     return store.new_manifest(
@@ -153,7 +154,7 @@ def store_header(target: TappedTarget, cfg: harvest.HarvestConfig) -> Manifest:
     )
 
 
-def open_part(plan: packing.PartPlan, header: Manifest, cfg: harvest.HarvestConfig, out: Path) -> store.PartWriter:
+def open_part(plan: packing.PartPlan, header: Manifest, cfg: HarvestConfig, out: Path) -> store.PartWriter:
     """This rank's part of a fresh store at `out`; rank 0 clears the folder before any rank creates its part."""
     if cfg.rank == 0:
         shutil.rmtree(out, ignore_errors=True)
@@ -171,12 +172,14 @@ def random_projection(header: Manifest, device: torch.device) -> torch.Tensor | 
     return torch.linalg.qr(basis)[0].T.contiguous()
 
 
-def calibration(plan: packing.PartPlan, target: TappedTarget, cfg: harvest.HarvestConfig, width: int) -> dict:
+def calibration(plan: packing.PartPlan, target: TappedTarget, cfg: HarvestConfig, width: int) -> dict:
     """The one-off cost of a subspace harvest's calibration: the features' second moment over
     --calibration-tokens tokens, then the eigendecomposition."""
     moment = []
     forward_s = timed(
-        lambda: moment.append(harvest._second_moment(plan.docs, target, cfg.calibration_tokens, cfg.forward_tokens)),
+        lambda: moment.append(
+            harvest.calibration.second_moment(plan.docs, target, cfg.calibration_tokens, cfg.forward_tokens)
+        ),
         target.device,
     )
     captured = []
@@ -196,7 +199,7 @@ def harvest_rows(
     where its forward thread waited."""
     stalls = []
     barrier()
-    run = lambda: stalls.append(harvest._run_rows(cfg, plan, target, part, header, projection))  # noqa: E731
+    run = lambda: stalls.append(harvest.pipeline.run_rows(cfg, plan, target, part, header, projection))  # noqa: E731
     seconds = timed(run, target.device)
     return seconds, stalls[0]
 
@@ -208,7 +211,7 @@ def peak_memory_gb(device: torch.device) -> float | None:
 def measure(args, env: Env) -> dict:
     """This rank's run: bare forward, then the harvest of its own rows into its own part of the store."""
     target = build_target(args.layers, env.device, args.tiny)
-    cfg = harvest.HarvestConfig(
+    cfg = HarvestConfig(
         model="bench",
         data="bench",
         out=args.out,

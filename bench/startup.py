@@ -177,7 +177,7 @@ def bookkeeping_bytes(path: Path) -> dict:
 
 def resume_pieces(docs: int, work: Path) -> dict:
     """Seconds of the harvest's resume path at `docs` documents, without the target: what grows with the data."""
-    from dflash import harvest, packing, sources, store
+    from dflash import manifest, packing, sources, store
     from dflash.data import Document
 
     lengths = np.random.default_rng(0).integers(16, 3000, docs)  # a 4096-token budget: a few documents per row
@@ -207,10 +207,10 @@ def resume_pieces(docs: int, work: Path) -> dict:
     seconds["counts"] = time.perf_counter() - t0
     out = work / "resume-store"
     head = store.new_manifest(
-        target=harvest.manifest.TargetSpec("bench", "qwen3", "bench", 1, 8, 16),
+        target=manifest.TargetSpec("bench", "qwen3", "bench", 1, 8, 16),
         layer_ids=[0],
         token_budget=4096,
-        tokenizer=harvest.manifest.TokenizerSpec("bench", 16, {}),
+        tokenizer=manifest.TokenizerSpec("bench", 16, {}),
         fingerprint={"model": "bench", "world_size": 1},
     )
     if not out.exists():

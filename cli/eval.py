@@ -69,12 +69,16 @@ def eval_command(**options):
             "(or remove it) to start a new one"
         )
     earlier = read_report(json_path) if cfg.resume and json_path.exists() else None
+    # Split over torchrun's processes, every one runs the same evaluation: the first one reports.
+    reports = cfg.tensor_parallel == 1 or int(os.environ.get("RANK", 0)) == 0
     report = evaluate(
         cfg,
         resume=earlier,
-        on_prompt=(lambda partial: write_json_atomic(json_path, asdict(partial))) if json_path else None,
-        progress=True,
+        on_prompt=(lambda partial: write_json_atomic(json_path, asdict(partial))) if json_path and reports else None,
+        progress=reports,
     )
+    if not reports:
+        return
     click.echo(report.prompt_table() + "\n")
     click.echo(report.table())
     if json_path:

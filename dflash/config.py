@@ -65,6 +65,11 @@ class HarvestConfig:
     rank: int | None = option(None, "This process's rank.", default_doc="$RANK or 0")
     world_size: int | None = option(None, "Number of harvest processes.", default_doc="$WORLD_SIZE or 1")
     device: str | None = option(None, "Torch device.", default_doc="cuda:$LOCAL_RANK when CUDA is available, else cpu")
+    tensor_parallel: int = option(
+        1,
+        "Under torchrun, split the target over groups of this many processes (transformers' tensor-parallel plan); "
+        "each group harvests one part of the store, as one process does without it.",
+    )
     dtype: str = option(
         "bfloat16", "Target compute dtype (the store always holds bf16).", choices=["bfloat16", "float16", "float32"]
     )
@@ -370,6 +375,11 @@ class EvalConfig:
     )
     seed: int = option(0, "Seed for sampling and for the --untrained drafter.")
     device: str = option("auto", DEVICE_HELP)
+    tensor_parallel: int = option(
+        1,
+        "Under torchrun --nproc-per-node T, split the target over the T processes (transformers' tensor-parallel "
+        "plan); each runs the same evaluation, the first writes the report.",
+    )
     dtype: str = option("auto", DTYPE_HELP)
     json_path: str | None = option(
         None,
@@ -389,7 +399,14 @@ class EvalConfig:
     def __post_init__(self):
         from dflash.errors import DflashError
 
-        at_least = {"block_size": 2, "num_prompts": 1, "max_new_tokens": 1, "temperature": 0, "prompt_lookup": 0}
+        at_least = {
+            "block_size": 2,
+            "num_prompts": 1,
+            "max_new_tokens": 1,
+            "temperature": 0,
+            "prompt_lookup": 0,
+            "tensor_parallel": 1,
+        }
         _check_generation(self, at_least)
         self.drafter = [self.drafter] if isinstance(self.drafter, (str, Path)) else list(self.drafter)
         if self.drafter and self.untrained:

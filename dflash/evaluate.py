@@ -24,9 +24,11 @@ from dflash import methods as drafter_methods
 from dflash.answers import load_prompts, prompt_records
 from dflash.config import EvalConfig
 from dflash.decoding import Generation, generate_prompt_lookup, plain_decode, speculative_generate
+from dflash.device import local_device
 from dflash.drafter import DFlashDrafter, DrafterConfig
 from dflash.errors import DflashError, describe_differences
 from dflash.export import load_drafter, read_drafter_config
+from dflash.parallel import open_group
 from dflash.proposers import DecodingOptions, PromptLookupProposer, Proposer
 from dflash.regenerate import encode_prompt, eos_token_ids
 from dflash.target import default_layer_ids, load_target
@@ -293,7 +295,6 @@ def evaluate(
     partial report of this evaluation as a JSON object: its prompts are not run again and count in the totals,
     so that a long eval can be spread over several runs.
     """
-    from tqdm import tqdm
 
     if drafters is None:
         drafters = ["untrained"] if cfg.untrained else cfg.drafter
@@ -312,8 +313,21 @@ def evaluate(
             check_drafter_fits(read_drafter_config(drafter), text_config, None, str(drafter), str(cfg.model))
     records = load_prompts(cfg.data) if isinstance(cfg.data, (str, Path)) else prompt_records(cfg.data)
     records = records[: cfg.num_prompts]
+    group = open_group(cfg.model, cfg.tensor_parallel, local_device(cfg.device), whole_launch=True)
     try:
-        target, tokenizer = load_target(cfg.model, cfg.device, cfg.dtype)
+        return _evaluate(cfg, named, records, resume, on_prompt, progress)
+    finally:
+        if group is not None:
+            group.close()
+
+
+def _evaluate(cfg: EvalConfig, named: dict, records: list, resume, on_prompt, progress: bool) -> EvalReport:
+    """`evaluate` once its inputs are checked (and the tensor-parallel group is set up)."""
+    from tqdm import tqdm
+
+    drafters = list(named.values())
+    try:
+        target, tokenizer = load_target(cfg.model, cfg.device, cfg.dtype, cfg.tensor_parallel)
     except (OSError, ValueError, RuntimeError, KeyError) as exc:  # e.g. weights of other shapes than config.json's
         last = (str(exc).strip().splitlines() or [type(exc).__name__])[-1].strip()
         raise DflashError(

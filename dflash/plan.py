@@ -31,6 +31,7 @@ from dflash.harvest import (
 from dflash.manifest import FeatureSpec, TeacherSpec, teacher_spec
 from dflash.metrics import step_flops
 from dflash.packing import PartPlan
+from dflash.parallel import checkpoint_bytes
 from dflash.store import nearest_existing
 from dflash.target_files import checkpoint_file, load_config, tensor_files
 
@@ -211,6 +212,11 @@ def plan_report(cfg: HarvestConfig, sample: int | None, epochs: int, draft_layer
     ]
     params = params_through(cfg.model, max(layers))
     harvest_tok_s = HARVEST_MFU * H200_PEAK / (2 * params)
+    weights, split = checkpoint_bytes(cfg.model), cfg.tensor_parallel
+    per_gpu = (
+        f"{_size(weights / split)} per GPU split over --tensor-parallel {split}" if split > 1 else "whole on each GPU"
+    )
+    hours = data.tokens / harvest_tok_s / 3600
     drafter = DrafterConfig.from_target_config(config, layers, 0, num_layers=draft_layers, block_size=block_size)
     anchors = max(1, round(cfg.token_budget * 512 / 3072))
     drafted = anchors * block_size
@@ -219,9 +225,12 @@ def plan_report(cfg: HarvestConfig, sample: int | None, epochs: int, draft_layer
         step_flops(drafter, cfg.token_budget, drafted, anchors * (block_size - 1), pairs) / cfg.token_budget
     )
     train_tok_s = TRAIN_MFU * H200_PEAK / flops_per_token
+    groups = f"; ~{hours / split:,.2f} hours on each group of {split} (the split's communication not counted)"
     lines += [
-        f"harvest    ~{data.tokens / harvest_tok_s / 3600:,.2f} H200-hours: {params / 1e9:.2f} B parameters run up "
-        f"to layer {max(layers)}, at the {HARVEST_MFU:.1%} dense MFU bench/harvest.py measured ({harvest_tok_s:,.0f} tok/s)",
+        f"target     {_size(weights)} of weights (the checkpoint's files): {per_gpu}",
+        f"harvest    ~{hours:,.2f} H200-hours: {params / 1e9:.2f} B parameters run up to layer {max(layers)}, at the "
+        f"{HARVEST_MFU:.1%} dense MFU bench/harvest.py measured ({harvest_tok_s:,.0f} tok/s)"
+        + (groups if split > 1 else ""),
         f"train      ~{epochs * data.rows * cfg.token_budget / train_tok_s / 3600:,.2f} H200-hours for {epochs} epochs "
         f"of a {draft_layers}-layer drafter: {flops_per_token / 1e9:.2f} GFLOP per context token (docs/training.md, "
         f"anchors 512 per 3072 tokens, attention over half a mean document), at the {TRAIN_MFU:.1%} MFU "

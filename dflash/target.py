@@ -17,6 +17,7 @@ import numbers
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,9 @@ from dflash.device import local_device, resolve_dtype
 from dflash.errors import DflashError
 from dflash.kernels import GPU_EXTRA, describe_kernels, select_kernels
 from dflash.target_files import config_hash, load_config, load_head
+
+if TYPE_CHECKING:
+    from dflash.parallel import Group
 
 logger = logging.getLogger("dflash")
 
@@ -91,6 +95,7 @@ class TappedTarget:
         dtype,
         allow_slow_kernels: bool = False,
         teacher: str | None = None,
+        group: "Group | None" = None,
     ):
         config = load_config(path)
         text_config = config.get_text_config()
@@ -105,10 +110,11 @@ class TappedTarget:
             vocab_size=text_config.vocab_size,
         )
         keep = num_layers if teacher else max(layer_ids) + 1
-        model = _load_truncated(path, text_config, keep, dtype, final_norm=teacher is not None)
-        self._attach(model, info, layer_ids, torch.device(device), dtype, allow_slow_kernels)
-        self.teacher = teacher
-        if teacher == "topk":
+        split = group.layout.size if group else 1
+        model = _load_truncated(path, text_config, keep, dtype, final_norm=teacher is not None, tensor_parallel=split)
+        self._attach(model, info, layer_ids, torch.device(device), dtype, allow_slow_kernels, split)
+        self.teacher, self.group = teacher, group
+        if teacher == "topk" and (group is None or group.layout.leader):  # the leader alone encodes the teacher
             self.lm_head = load_head(path).to(self.device, dtype)
 
     @classmethod
@@ -140,12 +146,17 @@ class TappedTarget:
         )
         return target
 
-    def _attach(self, model, info: TargetInfo, layer_ids: list[int], device, dtype, allow_slow_kernels: bool):
+    def _attach(
+        self, model, info: TargetInfo, layer_ids: list[int], device, dtype, allow_slow_kernels: bool, split: int = 1
+    ):
         self.info, self.layer_ids, self.device, self.dtype = info, layer_ids, device, dtype
         self.kernels = select_kernels(model, self.device, allow_slow_kernels)  # refuse before a long copy to GPU
         self.model = model.to(self.device)
         self._features = None
-        self.teacher, self.lm_head = None, None
+        self.teacher, self.lm_head, self.group = None, None, None
+        where = (
+            f"{self.device}, split over {split} processes by transformers' tensor-parallel plan" if split > 1 else ""
+        )
         layers = self.model.layers
         for slot, layer_id in enumerate(self.layer_ids):
             layers[layer_id].register_forward_hook(partial(self._capture, slot))
@@ -156,7 +167,7 @@ class TappedTarget:
             self.layer_ids,
             info.num_layers,
             len(layers),
-            self.device,
+            where or self.device,
             describe_kernels(self.kernels),
         )
 
@@ -171,6 +182,8 @@ class TappedTarget:
         batch, length = input_ids.shape
         width = len(self.layer_ids) * self.info.hidden_size
         self._features = torch.empty(batch, length, width, dtype=self.dtype, device=self.device)
+        if self.group is not None and self.group.layout.leader:
+            self.group.share_ids(input_ids)  # the followers run their shards of this forward with it
         try:
             # No attention mask: causality alone keeps each real token from seeing the padding after it.
             output = self.model(input_ids=input_ids.to(self.device), use_cache=False)
@@ -187,11 +200,17 @@ class TappedTarget:
 # ---- loading ------------------------------------------------------------------------------------------------
 
 
-def _load_truncated(path: str, text_config, keep: int, dtype, final_norm: bool = False) -> torch.nn.Module:
+def _load_truncated(
+    path: str, text_config, keep: int, dtype, final_norm: bool = False, tensor_parallel: int = 1
+) -> torch.nn.Module:
     """The base model (no LM head) with only its first `keep` layers loaded, its final norm removed unless asked
-    for (the teacher's hidden state is the final norm's output)."""
+    for (the teacher's hidden state is the final norm's output); split by transformers' tensor-parallel plan
+    over the `tensor_parallel` processes of the torch.distributed world (dflash.parallel.Group) when above 1."""
     from transformers import AutoModel
+    from transformers.distributed import DistributedConfig
     from transformers.utils import logging as hf_logging
+
+    split = {"distributed_config": DistributedConfig(tp_size=tensor_parallel)} if tensor_parallel > 1 else {}
 
     text_config.num_hidden_layers = keep
     if getattr(text_config, "layer_types", None) is not None:
@@ -200,7 +219,7 @@ def _load_truncated(path: str, text_config, keep: int, dtype, final_norm: bool =
     hf_logging.set_verbosity_error()  # silence the report listing every weight of the layers left out
     try:
         model, loading = AutoModel.from_pretrained(
-            path, config=text_config, dtype=dtype, attn_implementation="sdpa", output_loading_info=True
+            path, config=text_config, dtype=dtype, attn_implementation="sdpa", output_loading_info=True, **split
         )
     except (OSError, ValueError) as exc:
         raise DflashError(f"cannot load the target from {path}: {exc}") from exc
@@ -219,18 +238,29 @@ def _load_truncated(path: str, text_config, keep: int, dtype, final_norm: bool =
     return model.eval().requires_grad_(False)
 
 
-def load_target(path: str | Path, device: str | torch.device | None = "cpu", dtype: str | torch.dtype = "float32"):
-    """The full target (with LM head) for generation, frozen, and its tokenizer."""
+def load_target(
+    path: str | Path,
+    device: str | torch.device | None = "cpu",
+    dtype: str | torch.dtype = "float32",
+    tensor_parallel: int = 1,
+):
+    """The full target (with LM head) for generation, frozen, and its tokenizer; split by transformers'
+    tensor-parallel plan over the `tensor_parallel` processes of the torch.distributed world when above 1."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.distributed import DistributedConfig
 
     if not (Path(path) / "config.json").is_file():
         raise DflashError(f"{path} is not a model folder (no config.json); pass the target's local folder")
     device = local_device(device)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device))
+    split = {"distributed_config": DistributedConfig(tp_size=tensor_parallel)} if tensor_parallel > 1 else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device), **split)
     kernels = select_kernels(model, device, allow_slow=True, generation=True)
     model = model.to(device).eval()
     model.requires_grad_(False)
-    logger.info("target %s on %s; kernels: %s", path, device, describe_kernels(kernels))
+    where = f"{device}, split over {tensor_parallel} processes by transformers' tensor-parallel plan"
+    logger.info(
+        "target %s on %s; kernels: %s", path, where if tensor_parallel > 1 else device, describe_kernels(kernels)
+    )
     # The convolutions' reference code is a small op: the delta rules are the ones that cost.
     slow = [
         role

@@ -19,7 +19,7 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-ARCHITECTURES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3", "llama")
+ARCHITECTURES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3", "qwen3_moe", "llama")
 
 
 def corpus_texts(path: Path = CORPUS) -> list[str]:
@@ -93,6 +93,9 @@ def tiny_config(arch: str, vocab_size: int, num_layers: int = 8, hidden_size: in
         return transformers.Qwen3NextConfig(**common, **hybrid, **moe)
     if arch == "qwen3":
         return transformers.Qwen3Config(**common)
+    if arch == "qwen3_moe":  # no shared expert in Qwen3-MoE
+        routed = {key: value for key, value in moe.items() if key != "shared_expert_intermediate_size"}
+        return transformers.Qwen3MoeConfig(**common, **routed)
     if arch == "llama":
         return transformers.LlamaConfig(**common)
     raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")

@@ -288,12 +288,12 @@ def test_a_harvest_that_cannot_fit_is_refused_before_the_target_loads(tiny_targe
     import shutil as shutil_module
     from collections import namedtuple
 
-    from dflash import harvest as harvest_module
     from dflash.errors import DflashError
+    from dflash.harvest import driver
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil_module, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
-    monkeypatch.setattr(harvest_module, "TappedTarget", lambda *a, **k: pytest.fail("the target must not load"))
+    monkeypatch.setattr(driver, "TappedTarget", lambda *a, **k: pytest.fail("the target must not load"))
     with pytest.raises(DflashError, match=r"cannot fit: the rows left need .* GB before compression.*--precision fp8"):
         run_harvest(
             HarvestConfig(

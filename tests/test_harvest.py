@@ -9,6 +9,7 @@ absolute near zero) of the reference, and almost all of them (>= 99 %) bit-ident
 
 import dataclasses
 import errno
+import importlib
 import json
 import os
 import re
@@ -279,9 +280,9 @@ def test_two_ranks_make_one_store_equal_to_one_rank(harvested, tiny_target, data
 @pytest.mark.parametrize(
     "theirs, ours, hook",
     [
-        ({}, {"data": "half"}, "load_documents"),
-        ({}, {"precision": "fp8"}, "load_documents"),
-        ({"subspace": "1/8"}, {"subspace": "1/4"}, "_second_moment"),
+        ({}, {"data": "half"}, "driver.load_documents"),
+        ({}, {"precision": "fp8"}, "driver.load_documents"),
+        ({"subspace": "1/8"}, {"subspace": "1/4"}, "calibration.second_moment"),
     ],
     ids=["data", "precision", "subspace"],
 )
@@ -291,9 +292,10 @@ def test_ranks_started_together_with_other_settings_are_refused(
     """Rank 1 looks at the empty folder, then rank 0 (other settings) writes harvest.json, its projection and its
     whole part while rank 1 reads its data (or calibrates): rank 1 must refuse before its first row, and the
     store must not complete as a mix of two harvests."""
-    from dflash import harvest
     from dflash.errors import DflashError
 
+    module_name, name = hook.split(".")
+    module = importlib.import_module(f"dflash.harvest.{module_name}")
     half = tmp_path / "half.jsonl"
     half.write_text("\n".join(data_file.read_text().splitlines()[:50]) + "\n")
     out, model = tmp_path / "store", str(tiny_target("qwen3"))
@@ -302,7 +304,7 @@ def test_ranks_started_together_with_other_settings_are_refused(
         data = str(half) if options.pop("data", None) == "half" else str(data_file)
         return HarvestConfig(model=model, data=data, out=str(out), rank=rank, world_size=2, **{**OPTIONS, **options})
 
-    real, ran = getattr(harvest, hook), []
+    real, ran = getattr(module, name), []
 
     def other_rank_runs_meanwhile(*args, **kwargs):
         if not ran:
@@ -310,11 +312,11 @@ def test_ranks_started_together_with_other_settings_are_refused(
             run_harvest(config(0, **theirs))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(harvest, hook, other_rank_runs_meanwhile)
+    monkeypatch.setattr(module, name, other_rank_runs_meanwhile)
     with pytest.raises(DflashError, match=r"rank 1 (runs|calibrated) with other settings") as refused:
         run_harvest(config(1, **ours))
     assert ran and "every rank of a harvest must run the same command" in str(refused.value)
-    if hook == "load_documents":
+    if name == "load_documents":
         assert ("data_sha256" if "data" in ours else "precision: the store has 'bf16', rank 1 has 'fp8'") in str(
             refused.value
         )
@@ -433,7 +435,7 @@ def test_a_slow_writer_shows_up_as_forward_thread_waiting(tiny_target, data_file
     """The stall accounting the harvest logs (and bench/harvest.py reports) measures where time went: with
     writes slowed to SLOW seconds a group, the forward thread must wait for free host buffers once the
     HOST_BUFFERS in circulation are used up, and for the last write after its last forward."""
-    from dflash import harvest
+    from dflash.harvest import driver, pipeline
 
     SLOW = 0.3
     write_rows = store.PartWriter.write_rows
@@ -444,8 +446,8 @@ def test_a_slow_writer_shows_up_as_forward_thread_waiting(tiny_target, data_file
 
     monkeypatch.setattr(store.PartWriter, "write_rows", slow_write_rows)
     stalls = []
-    run_rows = harvest._run_rows
-    monkeypatch.setattr(harvest, "_run_rows", lambda *args: stalls.append(run_rows(*args)) or stalls[-1])
+    run_rows = driver.run_rows
+    monkeypatch.setattr(driver, "run_rows", lambda *args: stalls.append(run_rows(*args)) or stalls[-1])
     out, options = tmp_path / "store", {**OPTIONS, "forward_tokens": 8 * BUDGET}  # 8 rows a group: fewer groups
     run_harvest(HarvestConfig(model=str(tiny_target("qwen3")), data=str(data_file), out=str(out), **options))
     rows = Store.open(out).num_rows
@@ -453,7 +455,7 @@ def test_a_slow_writer_shows_up_as_forward_thread_waiting(tiny_target, data_file
     (s,) = stalls
     assert s.groups == groups
     # Group g > HOST_BUFFERS waits for the write of group g - HOST_BUFFERS; half the write time covers the forward.
-    assert s.buffer_wait_s >= 0.5 * SLOW * (groups - harvest.HOST_BUFFERS - 1) > 0
+    assert s.buffer_wait_s >= 0.5 * SLOW * (groups - pipeline.HOST_BUFFERS - 1) > 0
     assert SLOW <= s.drain_s
     assert s.gpu_wait_s < SLOW  # on the CPU the forward and the host copy are synchronous: nothing to wait for
 
@@ -490,15 +492,15 @@ def test_inspect_reforward_passes_a_good_store_and_names_a_shifted_layer(harvest
 
 
 def test_a_failed_check_is_recorded_and_stops_the_harvest(tiny_target, data_file, tmp_path, monkeypatch):
-    from dflash import harvest
+    from dflash.harvest import pipeline
 
-    fill_rows = harvest._fill_rows
+    fill_rows = pipeline.fill_rows
 
     def padded_wrong(rows, *args):  # a capture bug: every stored feature is off by 5 %
         fill_rows(rows, *args)
         rows.mul_(1.05)
 
-    monkeypatch.setattr(harvest, "_fill_rows", padded_wrong)
+    monkeypatch.setattr(pipeline, "fill_rows", padded_wrong)
     out = tmp_path / "store"
     result = run_cli(cli_args(tiny_target("qwen3"), data_file, out, self_check=2))
     assert result.exit_code == 2 and "self-check against the target FAILED" in result.output, result.output
@@ -541,12 +543,12 @@ def test_a_harvest_stopped_before_harvest_json_leaves_only_a_lock_and_resumes(ti
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 def test_an_unwritable_out_is_refused_before_the_model_loads(tiny_target, data_file, tmp_path, monkeypatch):
-    from dflash import harvest
+    from dflash.harvest import driver
 
     parent = tmp_path / "readonly"
     parent.mkdir()
     parent.chmod(0o555)
-    monkeypatch.setattr(harvest, "TappedTarget", None)  # loading the target would fail differently
+    monkeypatch.setattr(driver, "TappedTarget", None)  # loading the target would fail differently
     try:
         result = run_cli(cli_args(tiny_target("qwen3"), data_file, parent / "store"))
     finally:
@@ -555,7 +557,7 @@ def test_an_unwritable_out_is_refused_before_the_model_loads(tiny_target, data_f
 
 
 def test_an_unwritable_out_is_refused_before_the_model_loads_as_root_too(tiny_target, data_file, tmp_path, monkeypatch):
-    from dflash import harvest
+    from dflash.harvest import driver
 
     opened = Path.open
 
@@ -565,7 +567,7 @@ def test_an_unwritable_out_is_refused_before_the_model_loads_as_root_too(tiny_ta
         return opened(self, mode, *args, **kwargs)
 
     model = tiny_target("qwen3")  # built before Path.open fails
-    monkeypatch.setattr(harvest, "TappedTarget", None)
+    monkeypatch.setattr(driver, "TappedTarget", None)
     monkeypatch.setattr(Path, "open", read_only)
     result = run_cli(cli_args(model, data_file, tmp_path / "store"))
     assert result.exit_code == 2 and "is on a read-only file system" in result.output, result.output

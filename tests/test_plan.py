@@ -73,10 +73,24 @@ def test_plan_prints_every_mode_and_whether_it_fits(model, tmp_path):
         assert mode in result.output
     assert "the chosen mode (fp8, subspace 1/4)" in result.output and ": fits" in result.output
     assert "H200-hours" in result.output and not (tmp_path / "s").exists()
+    assert "of weights (the checkpoint's files): whole on each GPU" in result.output
     bad = CliRunner().invoke(
         main, ["plan", "--model", model, "--data", str(CORPUS), "--out", str(tmp_path / "s"), "--sample", "1"]
     )
     assert bad.exit_code == 2 and "--sample 1" in bad.output
+
+
+def test_plan_prints_the_weights_per_gpu_of_a_split_target(model, tmp_path):
+    from dflash.parallel import checkpoint_bytes
+    from dflash.plan import _size
+
+    args = ["plan", "--model", model, "--data", str(CORPUS), "--out", str(tmp_path / "s"), "--workers", "1"]
+    result = CliRunner().invoke(main, [*args, "--token-budget", str(BUDGET), "--tensor-parallel", "4"])
+    assert result.exit_code == 0, result.output
+    line = next(line for line in result.output.splitlines() if line.startswith("target "))
+    per_gpu = checkpoint_bytes(model) / 4
+    assert "split over --tensor-parallel 4" in line and f"{_size(per_gpu)} per GPU" in line, line
+    assert "on each group of 4" in result.output
 
 
 @pytest.mark.parametrize(

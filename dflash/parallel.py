@@ -1,0 +1,184 @@
+"""Tensor-parallel groups: under torchrun, `--tensor-parallel T` splits the N processes into N/T groups of T
+consecutive ranks, each holding one copy of the target split by transformers' own tensor-parallel plan.
+
+Each group is its own torch.distributed world (one PrefixStore per group on torchrun's store): transformers
+builds its mesh over the whole default world (a `device_mesh` passed with a tp plan is replaced by one over
+every process), so a group is split over by making it the world. Groups never talk to each other: they share
+the data as single-process ranks do (data rank = the group's index, data world = the number of groups).
+
+In a group only rank 0, the leader, runs the command's logic, reads the data and writes; the other ranks, the
+followers, mirror its collective steps. Before loading the target and before each forward the leader announces
+the step on a CPU (gloo) channel, so that announcing never waits for the GPU; a forward's token ids follow on
+the group's device backend. A follower runs each step as announced and leaves when the leader says stop (the
+harvest). A command whose every process can run the same steps on the split target's replicated outputs (eval)
+splits one target over the whole launch instead (`open_group(..., whole_launch=True)`).
+"""
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dflash.errors import DflashError
+from dflash.target_files import checkpoint_file, load_config, weight_files
+
+logger = logging.getLogger("dflash")
+
+# Loading a large checkpoint, or a leader's calibration and free-space checks, can keep followers waiting long.
+GROUP_TIMEOUT = timedelta(hours=2)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this process sits among the torchrun processes."""
+
+    size: int  # processes per group (--tensor-parallel)
+    group: int  # the group's index: the data rank, the store part it writes
+    groups: int  # the data world
+    group_rank: int  # 0: the leader
+
+    @property
+    def leader(self) -> bool:
+        return self.group_rank == 0
+
+    def describe(self) -> str:
+        first = self.group * self.size
+        role = "its leader (it writes)" if self.leader else "a follower (it writes nothing)"
+        return (
+            f"parallel layout: {self.groups * self.size} processes = {self.groups} tensor-parallel group(s) of "
+            f"{self.size}; this process is rank {self.group_rank} of group {self.group} (global ranks {first}.."
+            f"{first + self.size - 1}), {role}"
+        )
+
+
+def group_layout(tensor_parallel: int) -> Layout:
+    """This process's layout from torchrun's RANK and WORLD_SIZE."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if tensor_parallel < 1 or world % tensor_parallel:
+        raise DflashError(
+            f"--tensor-parallel {tensor_parallel} does not divide the {world} processes: launch a multiple of it "
+            f"(torchrun --nproc-per-node {max(1, tensor_parallel)} or more), or pick a divisor of {world}"
+        )
+    return Layout(tensor_parallel, rank // tensor_parallel, world // tensor_parallel, rank % tensor_parallel)
+
+
+def check_tp_plan(model: str) -> None:
+    """Refuse, before loading, a target that transformers has no tensor-parallel plan for."""
+    text = load_config(model).get_text_config()
+    if not getattr(text, "base_model_tp_plan", None):
+        raise DflashError(
+            f"transformers has no tensor-parallel plan for the model type {text.model_type!r} of {model}: it cannot "
+            "be split over GPUs; run it whole (no --tensor-parallel) on a device that holds it"
+        )
+
+
+def checkpoint_bytes(model: str) -> int:
+    """Bytes of the checkpoint's weight files: what the target takes in memory, at the checkpoint's dtype."""
+    return sum(Path(checkpoint_file(model, name)).stat().st_size for name in weight_files(model))
+
+
+def check_weights_fit(model: str, tensor_parallel: int, device: torch.device) -> None:
+    """Refuse, before loading, a target whose weights exceed the free memory of its group's GPUs."""
+    if device.type != "cuda":
+        return  # host memory is the operating system's to manage
+    weights = checkpoint_bytes(model)
+    free = torch.cuda.mem_get_info(device)[0]
+    if weights > tensor_parallel * free:
+        needed = -(-weights // free)
+        raise DflashError(
+            f"the target's weights ({weights / 1e9:.1f} GB) do not fit in the free memory of "
+            f"{tensor_parallel} GPU(s) ({tensor_parallel} x {free / 1e9:.1f} GB): split it over more GPUs with "
+            f"--tensor-parallel {needed} or more (torchrun --nproc-per-node a multiple of it)"
+        )
+
+
+class Group:
+    """This process's tensor-parallel group, set up as its torch.distributed world."""
+
+    def __init__(self, layout: Layout, device: torch.device):
+        self.layout = layout
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL binds the group's communicator to the current device
+        store = dist.PrefixStore(f"dflash-tp-group-{layout.group}/", next(dist.rendezvous("env://"))[0])
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=layout.group_rank,
+            world_size=layout.size,
+            timeout=GROUP_TIMEOUT,
+            device_id=device if backend == "nccl" else None,
+        )
+        self.control = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT) if backend != "gloo" else None
+        self.device, self.broken = device, False
+
+    def announce(self, *step) -> None:
+        """The leader tells the followers the next step (a tuple of picklable values)."""
+        dist.broadcast_object_list([step], src=0, group=self.control)
+
+    def next_step(self) -> tuple:
+        received = [None]
+        dist.broadcast_object_list(received, src=0, group=self.control)
+        return received[0]
+
+    def share_ids(self, input_ids: torch.Tensor) -> None:
+        """The leader's side of a forward: its shape on the CPU channel, then the ids on the device backend."""
+        self.announce("forward", tuple(input_ids.shape), str(input_ids.dtype).removeprefix("torch."))
+        dist.broadcast(input_ids.to(self.device), src=0)
+
+    def follow(self, load_target) -> None:
+        """A follower's loop: load the target and run forwards as announced, until the leader stops."""
+        target = None
+        while (step := self.next_step())[0] != "stop":
+            if step[0] == "load":
+                target = load_target(*step[1:])
+            else:
+                ids = torch.empty(step[1], dtype=getattr(torch, step[2]), device=self.device)
+                dist.broadcast(ids, src=0)
+                target.forward(ids)
+
+    @contextlib.contextmanager
+    def guarded(self):
+        """A collective step that fails because a process of the group is gone (killed, out of memory) raises a
+        DflashError saying so; the group is then broken, and no step is announced any more."""
+        try:
+            yield
+        except RuntimeError as exc:
+            if not (isinstance(exc, dist.DistError) or "gloo" in str(exc)):
+                raise
+            self.broken = True
+            raise DflashError(
+                f"a process of tensor-parallel group {self.layout.group} stopped ({str(exc).splitlines()[0]}); the "
+                "rows committed so far are kept: rerun the same launch to resume after them"
+            ) from exc
+
+    def release(self) -> None:
+        """The leader ends its followers' loop (also after an error: they would wait forever)."""
+        if self.layout.leader and not self.broken:
+            self.announce("stop")
+
+    def close(self) -> None:
+        dist.destroy_process_group()
+
+
+def open_group(model: str, tensor_parallel: int, device: torch.device, whole_launch: bool = False) -> Group | None:
+    """The refusals before `model` loads, then this process's group; None without a split. `whole_launch`: the
+    command splits one target over every process (eval), which all run the same steps on its replicated outputs,
+    so that no step needs announcing."""
+    check_weights_fit(model, tensor_parallel, device)
+    if tensor_parallel == 1:
+        return None
+    check_tp_plan(model)
+    layout = group_layout(tensor_parallel)
+    if whole_launch and layout.groups != 1:
+        raise DflashError(
+            f"--tensor-parallel {tensor_parallel} with {layout.groups * tensor_parallel} processes: this command "
+            f"splits one target over all of them; launch torchrun --nproc-per-node {tensor_parallel}"
+        )
+    logger.info(layout.describe())
+    return Group(layout, device)

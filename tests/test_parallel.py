@@ -1,0 +1,238 @@
+"""The tensor-parallel harvest on the CPU: processes (gloo) in groups of --tensor-parallel, each group one copy of
+the target split by transformers' plan, make the store the unsplit harvest makes: the same documents in the same
+rows, the same tokens, features within the bf16 compute tolerance (docs/harvest-parallel.md has the numbers);
+refusals before the target loads."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dflash import store
+from dflash.config import HarvestConfig
+from dflash.errors import DflashError
+from dflash.harvest import run_harvest
+from dflash.parallel import check_weights_fit
+from dflash.selfcheck import COMPUTE_NOISE
+from dflash.store import Store
+from dflash.tiny import CORPUS, save_random_target
+
+ROOT = Path(__file__).resolve().parent.parent
+# bf16 compute, as on a GPU: the split's all-reduces sum partial products in another order than one matmul does.
+OPTIONS = dict(
+    token_budget=256, forward_tokens=512, overflow="split", dtype="bfloat16", workers=1, device="cpu", self_check=2
+)
+TOLERANCE = COMPUTE_NOISE[torch.bfloat16]  # the self-check's, relative per document and layer slice
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    path.write_text("\n".join(CORPUS.read_text().splitlines()[:60]) + "\n")
+    return path
+
+
+def harvest_args(model, data, out, **overrides) -> list[str]:
+    args = ["-m", "cli", "harvest", "--model", str(model), "--data", str(data), "--out", str(out)]
+    for key, value in {**OPTIONS, **overrides}.items():
+        flag = key.replace("_", "-")
+        args += [f"--{flag}" if value else f"--no-{flag}"] if isinstance(value, bool) else [f"--{flag}", str(value)]
+    return args
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_processes(procs: int, args: list[str]) -> list[subprocess.Popen]:
+    """`python ARGS` as the `procs` ranks of one torchrun-like launch on this machine (output captured)."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "OMP_NUM_THREADS": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": str(procs),
+    }
+    return [
+        subprocess.Popen(
+            [sys.executable, *args],
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(procs)
+    ]
+
+
+def run_processes(procs: int, args: list[str]) -> list[str]:
+    """Run the launch to its end; every process must succeed. Returns their outputs."""
+    started = start_processes(procs, args)
+    outputs = [p.communicate(timeout=600)[0] for p in started]
+    for rank, (process, output) in enumerate(zip(started, outputs)):
+        assert process.returncode == 0, f"rank {rank}:\n{output[-4000:]}"
+    return outputs
+
+
+def harvest_in_process(model, data, out, world_size: int = 1) -> Path:
+    """The unsplit reference: every part harvested in this process, one after the other."""
+    for rank in range(world_size):
+        run_harvest(
+            HarvestConfig(model=str(model), data=str(data), out=str(out), rank=rank, world_size=world_size, **OPTIONS)
+        )
+    return out
+
+
+def feature_differences(path: Path, reference: Path) -> tuple[float, float]:
+    """(largest absolute, largest relative per document and layer slice) difference of the stored features; the
+    documents table (which document in which row, at which offset) and every token array must be equal."""
+    got, expected = Store.open(path), Store.open(reference)
+    np.testing.assert_array_equal(got.documents(), expected.documents())
+    width = expected.manifest.target.hidden_size
+    largest, worst = 0.0, 0.0
+    for row in range(expected.num_rows):
+        mine, theirs = got.read_row(row), expected.read_row(row)
+        for name in store.TOKEN_ARRAYS:
+            np.testing.assert_array_equal(mine[name], theirs[name], err_msg=f"{name} of row {row}")
+        a, b = (torch.from_numpy(r["hidden"].view(np.int16)).view(torch.bfloat16).float() for r in (mine, theirs))
+        largest = max(largest, (a - b).abs().max().item())
+        doc_ids = theirs["doc_ids"]
+        for doc in set(doc_ids.tolist()) - {-1}:
+            at = torch.from_numpy(doc_ids == doc)
+            for columns in range(0, b.shape[-1], width):
+                x, y = a[at, columns : columns + width], b[at, columns : columns + width]
+                worst = max(worst, ((x - y).norm() / y.norm().clamp_min(1e-30)).item())
+    return largest, worst
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "qwen3_5"])
+def test_a_split_target_harvests_the_unsplit_store(arch, tiny_target, data_file, tmp_path):
+    model = tiny_target(arch)
+    one = harvest_in_process(model, data_file, tmp_path / "one")
+    outputs = run_processes(2, harvest_args(model, data_file, tmp_path / "split", tensor_parallel=2))
+    assert "split over 2 processes by transformers' tensor-parallel plan" in outputs[0]
+    assert "rank 1 of group 0 (global ranks 0..1), a follower (it writes nothing)" in outputs[1]
+    largest, worst = feature_differences(tmp_path / "split", one)
+    print(f"{arch}: split vs unsplit, largest |difference| {largest:.3g}, worst relative {worst:.3g}")
+    assert worst <= TOLERANCE
+    split = Store.open(tmp_path / "split")
+    assert split.manifest.world_size == 1 and split.self_check.passed
+    assert "tensor_parallel" not in split.manifest.options  # a launch detail: the store is as an unsplit one
+
+
+def test_two_groups_of_two_harvest_the_two_part_store(tiny_target, data_file, tmp_path):
+    """4 processes = 2 groups x 2: the groups share the data as 2 unsplit ranks do; each writes its part."""
+    model = tiny_target("llama")
+    two = harvest_in_process(model, data_file, tmp_path / "two", world_size=2)
+    outputs = run_processes(4, harvest_args(model, data_file, tmp_path / "groups", tensor_parallel=2))
+    assert "rank 0 of group 1 (global ranks 2..3), its leader (it writes)" in outputs[2]
+    largest, worst = feature_differences(tmp_path / "groups", two)
+    print(f"2 groups x 2: largest |difference| {largest:.3g}, worst relative {worst:.3g}")
+    assert worst <= TOLERANCE and Store.open(tmp_path / "groups").manifest.world_size == 2
+
+
+def test_a_compact_store_of_two_groups_has_one_projection(tiny_target, data_file, tmp_path):
+    """--subspace with --precision fp8: the groups' leaders calibrate alike and the store keeps one P."""
+    model, compact = tiny_target("llama"), dict(subspace="1/8", precision="fp8", calibration_tokens=2048)
+    run_processes(4, harvest_args(model, data_file, tmp_path / "groups", tensor_parallel=2, **compact))
+    opened = Store.open(tmp_path / "groups")
+    assert opened.manifest.features.subspace is not None and opened.self_check.passed
+    assert store.read_projection(tmp_path / "groups") is not None
+
+
+def test_a_killed_follower_leaves_a_store_that_resumes(tiny_target, tmp_path):
+    """kill -9 of the follower mid-harvest: the leader fails at its next forward, the committed rows stay, and the
+    same launch resumes after them into the store the unsplit harvest makes."""
+    data = tmp_path / "long.jsonl"
+    data.write_text("\n".join(CORPUS.read_text().splitlines()[:200] * 4) + "\n")
+    model, out = tiny_target("llama"), tmp_path / "split"
+    args = harvest_args(model, data, out, tensor_parallel=2, dedup=False, self_check=0)
+    leader, follower = start_processes(2, args)
+    progress = out / "parts" / store.part_name(0) / store.PROGRESS_FILE
+    deadline = time.monotonic() + 300
+    while not (progress.exists() and json.loads(progress.read_text())["rows_committed"] > 0):
+        assert leader.poll() is None and time.monotonic() < deadline, leader.communicate()[0][-3000:]
+        time.sleep(0.05)
+    follower.kill()
+    follower.communicate()
+    output = leader.communicate(timeout=120)[0]
+    assert leader.returncode == 2 and "a process of tensor-parallel group 0 stopped" in output, output[-3000:]
+    committed = json.loads(progress.read_text())
+    assert 0 < committed["rows_committed"] < committed["rows"], committed
+    resumed = run_processes(2, args)
+    assert f"resuming after row {committed['rows_committed']}" in resumed[0]
+    one = tmp_path / "one"
+    run_harvest(
+        HarvestConfig(model=str(model), data=str(data), out=str(one), **{**OPTIONS, "dedup": False, "self_check": 0})
+    )
+    assert feature_differences(out, one)[1] <= TOLERANCE
+
+
+# ------------------------------------------------------------------------------------------------- refusals
+
+
+def test_a_world_that_groups_do_not_divide_is_refused(tiny_target, data_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    model = tiny_target("llama")
+    config = HarvestConfig(model=str(model), data=str(data_file), out=str(tmp_path / "s"), tensor_parallel=2, **OPTIONS)
+    with pytest.raises(DflashError, match=r"--tensor-parallel 2 does not divide the 3 processes"):
+        run_harvest(config)
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_model_without_a_tp_plan_is_refused_naming_its_type(data_file, tmp_path, monkeypatch):
+    from transformers import StableLmConfig
+
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4)
+    model = save_random_target(tmp_path / "stablelm", lambda vocab: StableLmConfig(vocab_size=vocab, **shape))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    config = HarvestConfig(model=str(model), data=str(data_file), out=str(tmp_path / "s"), tensor_parallel=2, **OPTIONS)
+    with pytest.raises(DflashError, match=r"no tensor-parallel plan for the model type 'stablelm'"):
+        run_harvest(config)
+
+
+def test_weights_over_the_groups_gpu_memory_are_refused_naming_the_way_out(tiny_target, monkeypatch):
+    from dflash import parallel
+
+    model = tiny_target("llama")
+    weights = parallel.checkpoint_bytes(str(model))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (int(weights * 0.3), 10 * weights))
+    with pytest.raises(DflashError, match=r"do not fit in the free memory of 2 GPU\(s\).*--tensor-parallel 4 or more"):
+        check_weights_fit(str(model), 2, torch.device("cuda", 0))
+    check_weights_fit(str(model), 4, torch.device("cuda", 0))
+
+
+# ------------------------------------------------------------------------------------------------------ eval
+
+
+def test_eval_split_over_two_processes_gives_the_single_process_rounds(tiny_target, tmp_path):
+    """Every process runs the same evaluation on the split target's replicated outputs; the first one reports.
+    float32: the split differs by ~1e-6, far below any logit gap the greedy choices could flip on."""
+    from dflash.tiny import PROMPTS
+
+    args = [*("-m", "cli", "eval", "--model", str(tiny_target("llama")), "--data", str(PROMPTS), "--untrained")]
+    args += [*("--num-prompts", "3", "--max-new-tokens", "24", "--prompt-lookup", "4", "--device", "cpu")]
+    args += ["--dtype", "float32"]
+    run_processes(1, [*args, "--json", str(tmp_path / "one.json")])
+    outputs = run_processes(2, [*args, "--json", str(tmp_path / "split.json"), "--tensor-parallel", "2"])
+    assert "report written to" in outputs[0] and "report written to" not in outputs[1]
+
+    def rounds(path: Path) -> list[dict]:
+        prompts = json.loads(path.read_text())["prompts"]
+        return [{name: {**run, "seconds": None} for name, run in p["runs"].items()} for p in prompts]
+
+    one, split = rounds(tmp_path / "one.json"), rounds(tmp_path / "split.json")
+    assert split == one and any(run["accepted"] for prompt in one for run in prompt.values())
