@@ -37,7 +37,7 @@ from dflash.drafter import rope_theta_of
 from dflash.errors import DflashError
 from dflash.packing import PAD_MULTIPLE, PartPlan, forward_batches, round_up
 from dflash.target import TappedTarget, check_layer_ids, default_layer_ids
-from dflash.target_files import MASK_TOKEN, load_config, weights_sha256
+from dflash.target_files import MASK_TOKEN, config_hash, load_config, weights_sha256
 
 logger = logging.getLogger("dflash")
 
@@ -180,7 +180,7 @@ def _fingerprint(cfg: HarvestConfig) -> dict:
     model = str(Path(cfg.model).resolve()) if Path(cfg.model).exists() else cfg.model
     encoding = feature_encoding(cfg, len(layers), len(layers) * text.hidden_size)
     teacher = teacher_encoding(cfg)
-    return {
+    fingerprint = {
         "precision": encoding.precision,
         "stored_width": encoding.width,
         "scale_groups": encoding.scale_groups,
@@ -202,6 +202,9 @@ def _fingerprint(cfg: HarvestConfig) -> dict:
         "format_version": store.FORMAT_VERSION,
         **({"teacher": teacher.name} if teacher else {}),  # absent without one: those stores are as before
     }
+    if cfg.projection_from is not None:
+        verify.check_projection_source(Path(cfg.projection_from), fingerprint, config_hash(cfg.model))
+    return fingerprint
 
 
 def _borrowed_projection(cfg: HarvestConfig, encoding: manifest.FeatureSpec, feature_dim: int):
