@@ -297,6 +297,10 @@ def _harvest(cfg: HarvestConfig) -> Path:
     fingerprint = store.as_recorded(out, _fingerprint(cfg))
     state = store.check_folder(out, fingerprint)
     if state == "complete" and not cfg.repair:
+        if cfg.self_check > 0 and store.read_manifest(out / store.MANIFEST_FILE).self_check is None:
+            logger.info("%s is complete, but no check against the target was recorded (stopped during it?)", out)
+            _self_check(out, cfg)
+            return out
         logger.info(
             "%s is already a complete store; nothing to do (if `dflash inspect --verify` finds damaged chunks, rerun "
             "this command with --repair)",
@@ -626,19 +630,22 @@ def _finish(out: Path, cfg: HarvestConfig, target: TappedTarget | None = None) -
     if store.finalize(out, store.read_manifest(out / store.HARVEST_FILE)):
         logger.info("store complete: %s", out)
         if cfg.self_check > 0:
-            if target is None:
-                m = store.read_manifest(out / store.MANIFEST_FILE)
-                kind = m.teacher.kind if m.teacher else None
-                target = TappedTarget(
-                    cfg.model, list(m.layer_ids), cfg.device, DTYPES[cfg.dtype], cfg.allow_slow_kernels, kind
-                )
-            check = selfcheck.reforward_check(out, target, cfg.self_check)
-            store.record_self_check(out, check)
-            selfcheck.log_check(check, out)
+            _self_check(out, cfg, target)
     else:
         parts = store.part_progress(out, cfg.world_size)
         pending = [r for r, p in enumerate(parts) if p is None or p["rows_committed"] < p["rows"]]
         logger.info("part %d done; the store completes when ranks %s finish", cfg.rank, pending)
+
+
+def _self_check(out: Path, cfg: HarvestConfig, target: TappedTarget | None = None) -> None:
+    """Re-run `cfg.self_check` documents of the complete store through the target and record the result."""
+    if target is None:
+        m = store.read_manifest(out / store.MANIFEST_FILE)
+        kind = m.teacher.kind if m.teacher else None
+        target = TappedTarget(cfg.model, list(m.layer_ids), cfg.device, DTYPES[cfg.dtype], cfg.allow_slow_kernels, kind)
+    check = selfcheck.reforward_check(out, target, cfg.self_check)
+    store.record_self_check(out, check)
+    selfcheck.log_check(check, out)
 
 
 # ---------------------------------------------------------------------------------------------- the pipeline

@@ -16,6 +16,8 @@ The exact format, and how to read it with plain zarr, is in docs/shard-format.md
 import bisect
 import dataclasses
 import errno
+import hashlib
+import json
 import logging
 import math
 import os
@@ -198,6 +200,7 @@ def check_folder(out: Path, fingerprint: dict) -> str:
             raise DflashError(
                 f"--out {out} holds other content ({shown}) and is not a dflash store; choose a new or empty folder"
             )
+        _check_unclaimed_projection(out, fingerprint)
         return "new"
     if not isinstance(raw, dict):
         raise DflashError(f"{out / HARVEST_FILE} is damaged (not a JSON object); restore it, or start in a new folder")
@@ -233,6 +236,25 @@ def check_folder(out: Path, fingerprint: dict) -> str:
         complete = False
         logger.warning("%s; rewriting it from %s and the parts' progress", exc, HARVEST_FILE)
     return "complete" if complete else "resume"
+
+
+def _check_unclaimed_projection(out: Path, fingerprint: dict) -> None:
+    """A projection without harvest.json is the calibration of a harvest stopped before its first row: refuse it
+    unless it was made for this harvest's settings (a harvest of no subspace would leave it lying in the store)."""
+    try:
+        made_for = json.loads((out / PROJECTION / "zarr.json").read_text())["attributes"].get("fingerprint_sha256")
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        made_for = None  # damaged: a resume of the same settings recomputes it (harvest._projection_damaged)
+    ours = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()
+    if made_for not in (ours, None) or (made_for is None and not fingerprint.get("subspace")):
+        raise DflashError(
+            f"{out} holds the projection of a harvest with other settings that stopped before writing {HARVEST_FILE}"
+            f" (no row uses it; this harvest {'has another --subspace' if fingerprint.get('subspace') else 'stores no subspace'}); "
+            f"delete {out / PROJECTION} and rerun, or choose a new --out (ranks of one harvest must all run the same "
+            "command)"
+        )
 
 
 def _only_locks(folder: Path) -> bool:
@@ -532,6 +554,9 @@ def finalize(out: Path, header: Manifest, check_chunks: bool = True) -> bool:
     parts = [PartEntry(part_name(rank), p["rows"], **p["counts"]) for rank, p in enumerate(progress)]
     manifest = dataclasses.replace(header, identity=identity_of(header)).with_parts(parts)
     write_json_atomic(out / MANIFEST_FILE, manifest.to_json())
+    for leftover in out.glob(f"{TMP_PREFIX}*"):  # store-level arrays' temporaries of killed writers: every rank
+        if leftover.is_dir():  # wrote its own before its first row, and all rows are done
+            shutil.rmtree(leftover, ignore_errors=True)
     return True
 
 
