@@ -1,8 +1,9 @@
 """`dflash regenerate --server URL`: the target's answers from an OpenAI-compatible serving engine (vLLM, SGLang,
 `transformers serve`) instead of a local transformers generate.
 
-Prompts, output and resuming are dflash.answers', shared with the local path (dflash.regenerate): chat prompts go to `/v1/chat/completions` (the server applies
-the target's chat template), text prompts to `/v1/completions`. `--concurrency` requests are in flight; an answer
+Prompts, output and resuming are dflash.answers', shared with the local path (dflash.regenerate): chat prompts go
+to `/v1/chat/completions` (the server applies the target's chat template), text prompts to `/v1/completions`.
+`--concurrency` requests are in flight; an answer
 that arrives before an earlier prompt's waits in memory, and only the in-order prefix is appended (whole lines, one
 fsynced write), so output line i always answers prompt i and a rerun resumes after the last whole line. The model
 name the server serves the target under, and the sampling settings, are recorded in `OUT.settings.json`.
