@@ -15,7 +15,7 @@ import zarr
 from dflash import store
 from dflash.errors import DflashError
 from dflash.manifest import FeatureSpec, Manifest, TeacherSpec
-from dflash.store import Store, _array_config, arrays_of, part_name
+from dflash.store import Store, array_config, arrays_of, part_name
 
 
 def check_projection_source(source: Path, fingerprint: dict, config_hash: str) -> None:
@@ -67,7 +67,7 @@ def part_damage(
     try:
         group = zarr.open_group(folder, mode="r")
         names = arrays_of(features, teacher)
-        arrays = {name: group[name].with_config(_array_config(read=True)) for name in names}
+        arrays = {name: group[name].with_config(array_config(read=True)) for name in names}
     except Exception as exc:
         raise DflashError(
             f"the arrays of part {part_name(rank)} of {out} cannot be opened ({exc}); their metadata is damaged "
