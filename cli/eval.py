@@ -4,6 +4,7 @@ Thin click commands over dflash.regenerate and dflash.evaluate; their options co
 EvalConfig. torch and transformers are imported inside the commands so that `dflash --help` stays fast.
 """
 
+import contextlib
 import json
 import logging
 import os
@@ -52,7 +53,6 @@ def eval_command(**options):
     """Speculative decoding with the drafter: acceptance length tau, histogram, tokens/s and speedup."""
     from dflash.errors import DflashError
     from dflash.evaluate import evaluate
-    from dflash.store import write_json_atomic
 
     cfg = given(EvalConfig, options)
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the target's kernels
@@ -63,27 +63,57 @@ def eval_command(**options):
         raise DflashError(f"--json {json_path}: the folder {json_path.parent} does not exist; create it first")
     if json_path and not os.access(json_path.parent, os.W_OK | os.X_OK):
         raise DflashError(f"--json {json_path}: the folder {json_path.parent} is not writable; give another path")
-    if json_path and not cfg.resume and json_path.exists():
-        raise DflashError(
-            f"{json_path} exists: pass --resume to go on from that report, or give another --json "
-            "(or remove it) to start a new one"
-        )
-    earlier = read_report(json_path) if cfg.resume and json_path.exists() else None
     # Split over torchrun's processes, every one runs the same evaluation: the first one reports.
     reports = cfg.tensor_parallel == 1 or int(os.environ.get("RANK", 0)) == 0
-    report = evaluate(
-        cfg,
-        resume=earlier,
-        on_prompt=(lambda partial: write_json_atomic(json_path, asdict(partial))) if json_path and reports else None,
-        progress=reports,
+    writes = json_path is not None and reports
+    with report_lock(json_path) if writes else contextlib.nullcontext():
+        if json_path and not cfg.resume and json_path.exists():
+            raise DflashError(
+                f"{json_path} exists: pass --resume to go on from that report, or give another --json "
+                "(or remove it) to start a new one"
+            )
+        earlier = read_report(json_path) if cfg.resume and json_path.exists() else None
+        report = evaluate(
+            cfg,
+            resume=earlier,
+            on_prompt=(lambda partial: write_report(json_path, partial)) if writes else None,
+            progress=reports,
+        )
+        if not reports:
+            return
+        click.echo(report.prompt_table() + "\n")
+        click.echo(report.table())
+        if json_path:
+            write_report(json_path, report)
+            click.echo(f"report written to {json_path}")
+
+
+def report_lock(json_path: Path):
+    """Held while an eval writes its report: a second eval into the same report is refused, not interleaved."""
+    from dflash.locks import FileLock
+
+    return FileLock(
+        json_path.with_name(f".{json_path.name}.lock"),
+        lambda holder: (
+            f"the report {json_path} is being written right now by another eval ({holder}); let it finish (then "
+            "--resume adds to it), or give this eval another --json"
+        ),
+        remove=True,
     )
-    if not reports:
-        return
-    click.echo(report.prompt_table() + "\n")
-    click.echo(report.table())
-    if json_path:
+
+
+def write_report(json_path: Path, report) -> None:
+    """The report, replacing the previous one atomically: a failed write (a full disk) leaves the last one whole."""
+    from dflash.errors import DISK_ERRORS, DflashError, disk_error
+    from dflash.store import write_json_atomic
+
+    try:
         write_json_atomic(json_path, asdict(report))
-        click.echo(f"report written to {json_path}")
+    except OSError as exc:
+        fix = "rerun with --resume: the report holds the prompts finished before this one"
+        if exc.errno in DISK_ERRORS:
+            raise disk_error(exc, f"writing the report {json_path} failed", json_path.parent, fix) from None
+        raise DflashError(f"writing the report {json_path} failed ({exc.strerror}); fix that and {fix}") from None
 
 
 def read_report(path: Path) -> dict:

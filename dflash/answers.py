@@ -26,7 +26,7 @@ from pathlib import Path
 from dflash import sources
 from dflash.config import RegenerateConfig
 from dflash.data import jsonl_lines
-from dflash.errors import DflashError, describe_differences
+from dflash.errors import DISK_ERRORS, DflashError, describe_differences, disk_error
 from dflash.records import check_record
 
 TARGET = "target"  # on an assistant message: the target wrote it (dflash harvest puts the loss on those only)
@@ -273,16 +273,31 @@ def check_output(out: Path, settings: dict) -> None:
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
+        if exc.errno in DISK_ERRORS:
+            raise disk_error(exc, f"writing {path} failed", path.parent, "rerun the same command") from None
         raise DflashError(f"cannot write {path} ({exc.strerror}); choose a writable --out and rerun") from None
 
 
+RESUMES = "rerun the same command: it resumes after the last whole answer"
+
+
 def append_lines(out: Path, records: list[dict]) -> None:
-    """Append whole lines in one write, then flush to disk, so a kill leaves at most a partial last line."""
-    payload = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
-    with open(out, "a", encoding="utf-8") as handle:
-        handle.write(payload)
-        handle.flush()
-        os.fsync(handle.fileno())
+    """Append whole lines in one write, then flush to disk, so a kill leaves at most a partial last line; a failed
+    write (a full disk) is cut back off, leaving the output as it was."""
+    payload = memoryview("".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records).encode())
+    fd = os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    size = os.fstat(fd).st_size
+    try:
+        while payload:
+            payload = payload[os.write(fd, payload) :]
+        os.fsync(fd)
+    except OSError as exc:
+        os.ftruncate(fd, size)
+        if exc.errno not in DISK_ERRORS:
+            raise DflashError(f"writing {out} failed ({exc.strerror}); {RESUMES} once the cause is fixed") from None
+        raise disk_error(exc, f"writing {out} failed", out.parent, RESUMES) from None
+    finally:
+        os.close(fd)
 
 
 @dataclass

@@ -11,7 +11,6 @@ semantics are in docs/training.md.
 """
 
 import dataclasses
-import errno
 import hashlib
 import json
 import logging
@@ -25,7 +24,7 @@ import torch.distributed as dist
 
 from dflash import methods
 from dflash.config import TrainConfig
-from dflash.errors import DflashError, describe_differences
+from dflash.errors import DISK_ERRORS, DflashError, describe_differences, disk_error  # noqa: F401  (train's)
 from dflash.export import check_export_target, export_drafter
 from dflash.locks import LOCK_FILE, FileLock
 
@@ -33,8 +32,6 @@ logger = logging.getLogger("dflash")
 
 PREFIX = "step_"
 METRICS_FILE = "metrics.jsonl"  # (dflash.metrics writes it; named here to tell an earlier run's folder)
-# Errors of a full disk or a file-size limit: reported in one line, the previous checkpoint left intact.
-DISK_ERRORS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
 
 # Options that may differ between a run and its resumption: they change how the run executes or reports, not
 # the sequence of weights it computes (max_damaged_rows: a run stopped by a damaged row resumes with it raised).
@@ -113,18 +110,6 @@ def fsync_folder(path: Path):
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def disk_error(exc: OSError, what: str, where: Path) -> DflashError:
-    """One line for a full disk or a file-size limit, naming the disk (the folder and its free space)."""
-    try:
-        free = f"{shutil.disk_usage(where).free / 2**30:.1f} GiB free"
-    except OSError:
-        free = "free space unknown"
-    return DflashError(
-        f"{what}: {os.strerror(exc.errno)} on the disk of {where} ({free}); free space there (or raise the file "
-        "size limit) and rerun with --resume"
-    )
 
 
 def run_lock(run) -> FileLock:

@@ -1,3 +1,9 @@
+import errno
+import os
+import shutil
+from pathlib import Path
+
+
 class DflashError(Exception):
     """A problem with the user's input or environment.
 
@@ -9,3 +15,20 @@ def describe_differences(old: dict, new: dict, old_label: str, new_label: str) -
     """`key: <old_label> X, <new_label> Y; ...` for every key whose value differs, sorted; '' when none does."""
     keys = sorted(key for key in set(old) | set(new) if old.get(key) != new.get(key))
     return "; ".join(f"{key}: {old_label} {old.get(key)!r}, {new_label} {new.get(key)!r}" for key in keys)
+
+
+# Errors of a full disk or a file-size limit: reported in one line, with nothing half-written left behind.
+DISK_ERRORS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+
+
+def disk_error(exc: OSError, what: str, where: Path, fix: str = "rerun with --resume") -> DflashError:
+    """One line for a full disk or a file-size limit, naming the disk (the folder and its free space) and `fix`,
+    how the command goes on once there is room."""
+    try:
+        free = f"{shutil.disk_usage(where).free / 2**30:.1f} GiB free"
+    except OSError:
+        free = "free space unknown"
+    return DflashError(
+        f"{what}: {os.strerror(exc.errno)} on the disk of {where} ({free}); free space there (or raise the file "
+        f"size limit) and {fix}"
+    )

@@ -4,9 +4,10 @@ Both run on the device that holds the features: the harvest encodes each row gro
 to the host, and the trainer decodes inside its captured step, so only the compact bytes cross PCIe.
 
 FP8: each token's stored vector is cut into `groups` equal slices; a slice of amax a gets the scale 2**e with
-e = ceil(log2(a / 448)), so its largest value lands in (224, 448], the top binade of float8 e4m3fn. Decoding
-multiplies by 2**e, which is exact, so the only error is e4m3's rounding: at most 2**-4 of a value (3 mantissa
-bits, round to nearest even) for scaled values of at least 2**-6, and 2**-10 * 2**e below that (subnormals).
+e = ceil(log2(a / 448)), so its largest value lands in (224, 448]: the top binade of float8 e4m3fn, or the top
+of the one below (224, 240). Decoding multiplies by 2**e, which is exact, so the only error is e4m3's rounding: at
+most 2**-4 of a value (3 mantissa bits, round to nearest even) for scaled values of at least 2**-6, and
+2**-10 * 2**e below that (subnormals): about 2**-14 of the slice's largest value.
 
 Subspace: P [k, n*H] holds the top-k eigenvectors of the uncentered second moment E[h h^T] of the target's own
 features; the store holds P h, the trainer lifts it back to P^T P h for a full-width fc, and the export folds

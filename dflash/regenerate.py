@@ -85,11 +85,21 @@ def eos_token_ids(model, tokenizer) -> set[int]:
 
 def regenerate(cfg: RegenerateConfig, progress: bool = True) -> RegenerateStats:
     """Answer every prompt of `cfg.data` with the target at `cfg.model` (or through `cfg.server`), appending to
-    `cfg.out` (resumable)."""
-    if cfg.server is not None:
-        from dflash.remote import regenerate_remote
+    `cfg.out` (resumable). Ctrl-C stops it at once, keeping the whole answers written."""
+    try:
+        if cfg.server is not None:
+            from dflash.remote import regenerate_remote
 
-        return regenerate_remote(cfg, progress)
+            return regenerate_remote(cfg, progress)
+        return _regenerate_local(cfg, progress)
+    except KeyboardInterrupt:
+        raise DflashError(
+            f"regenerate interrupted; the answers already in {cfg.out} are kept (whole lines): rerun the same "
+            "command to resume after them"
+        ) from None
+
+
+def _regenerate_local(cfg: RegenerateConfig, progress: bool) -> RegenerateStats:
     import torch
     from tqdm import tqdm
 

@@ -1,8 +1,9 @@
 """`dflash regenerate --server URL`: the target's answers from an OpenAI-compatible serving engine (vLLM, SGLang,
 `transformers serve`) instead of a local transformers generate.
 
-Prompts, output and resuming are dflash.regenerate's: chat prompts go to `/v1/chat/completions` (the server applies
-the target's chat template), text prompts to `/v1/completions`. `--concurrency` requests are in flight; an answer
+Prompts, output and resuming are dflash.answers', shared with the local path (dflash.regenerate): chat prompts go
+to `/v1/chat/completions` (the server applies the target's chat template), text prompts to `/v1/completions`.
+`--concurrency` requests are in flight; an answer
 that arrives before an earlier prompt's waits in memory, and only the in-order prefix is appended (whole lines, one
 fsynced write), so output line i always answers prompt i and a rerun resumes after the last whole line. The model
 name the server serves the target under, and the sampling settings, are recorded in `OUT.settings.json`.
@@ -15,10 +16,12 @@ dropped, where the local path keeps it; otherwise greedy answers are the local o
 import http.client
 import json
 import logging
+import queue
+import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
 
 from dflash.answers import (
@@ -58,18 +61,30 @@ class Refused(Exception):
         self.detail = detail
 
 
+class Stopped(Exception):
+    """The run was stopped (Ctrl-C): no more tries."""
+
+
 class Client:
-    """JSON over HTTP to one server, retrying what may pass with exponential backoff."""
+    """JSON over HTTP to one server, retrying what may pass with exponential backoff until `stop()`."""
 
     def __init__(self, url: str, timeout: float, retries: int):
         base = url.rstrip("/")
         self.base = base.removesuffix("/v1")  # `http://host:8000/v1`, as OpenAI clients take it, works too
         self.timeout = timeout
         self.retries = retries
+        self.stopped = threading.Event()
+
+    def stop(self) -> None:
+        """No request is sent, and no backoff waited out, from now on (calls in flight raise Stopped)."""
+        self.stopped.set()
 
     def call(self, path: str, body: dict | None = None) -> dict:
-        """GET `path`, or POST `body` to it; raises Refused on a 4xx, DflashError once the retries are spent."""
+        """GET `path`, or POST `body` to it; raises Refused on a 4xx, DflashError once the retries are spent,
+        Stopped once `stop()` was called."""
         for attempt in range(self.retries + 1):
+            if self.stopped.is_set():
+                raise Stopped
             try:
                 return self._once(path, body)
             except Retryable as exc:
@@ -77,7 +92,8 @@ class Client:
                 if attempt < self.retries:
                     delay = min(BACKOFF_START * 2**attempt, BACKOFF_MAX)
                     log.warning("%s%s: %s; retrying in %.1f s", self.base, path, exc, delay)
-                    time.sleep(delay)
+                    if self.stopped.wait(delay):
+                        raise Stopped from None
         raise DflashError(
             f"no answer from {self.base}{path} after {self.retries + 1} tries (last: {last}); check that the server "
             "is up at that address, or give it more time with --retries and --request-timeout"
@@ -228,8 +244,11 @@ def regenerate_remote(cfg: RegenerateConfig, progress: bool = True) -> Regenerat
     )
     bar = tqdm(total=len(records), initial=done, unit="answer", desc="regenerate", disable=not progress)
     started = time.monotonic()
-    tokens = answer_in_order(ask, done, len(records), out, cfg.concurrency, bar)
-    bar.close()
+    try:
+        tokens = answer_in_order(ask, done, len(records), out, cfg.concurrency, bar)
+    finally:
+        client.stop()  # a Ctrl-C: the requests still in flight try no more
+        bar.close()
     seconds = max(time.monotonic() - started, 1e-6)
     rate = f", {tokens / seconds:.0f} tokens/s" if tokens else ""
     log.info(
@@ -252,7 +271,7 @@ def answer_in_order(ask, start: int, end: int, out: Path, concurrency: int, bar)
     tokens = 0
     failure = None
     started = time.monotonic()
-    pool = ThreadPoolExecutor(concurrency, thread_name_prefix="dflash-request")
+    pool = DaemonPool(concurrency)
     try:
         while next_out < end:
             # Never more than the pool runs at once, and a bounded buffer behind a slow prompt.
@@ -281,7 +300,43 @@ def answer_in_order(ask, start: int, end: int, out: Path, concurrency: int, bar)
             if lines:
                 append_lines(out, lines)
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        pool.shutdown()
     if failure:
         raise failure
     return tokens
+
+
+class DaemonPool:
+    """`submit(fn, arg) -> Future`, run by `workers` daemon threads: unlike ThreadPoolExecutor's, whose threads
+    the interpreter joins at exit, a thread waiting on a hung server never keeps a stopped run (Ctrl-C) alive."""
+
+    def __init__(self, workers: int):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.workers = workers
+        for _ in range(workers):
+            threading.Thread(target=self._work, daemon=True, name="dflash-request").start()
+
+    def submit(self, fn, arg) -> Future:
+        future: Future = Future()
+        self.jobs.put((future, fn, arg))
+        return future
+
+    def shutdown(self) -> None:
+        """Cancel the jobs not started; each worker ends after its current one."""
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            job[0].cancel()
+        for _ in range(self.workers):
+            self.jobs.put(None)
+
+    def _work(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            future, fn, arg = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(arg))
+                except BaseException as exc:  # handed to the caller through the future
+                    future.set_exception(exc)

@@ -15,7 +15,31 @@ import zarr
 from dflash import store
 from dflash.errors import DflashError
 from dflash.manifest import FeatureSpec, Manifest, TeacherSpec
-from dflash.store import Store, _array_config, arrays_of, part_name
+from dflash.store import Store, array_config, arrays_of, part_name
+
+
+def check_projection_source(source: Path, fingerprint: dict, config_hash: str) -> None:
+    """Refuse `--projection-from` a store harvested from another target (its config.json, its weights when that
+    store recorded them) or at other layers: its P fits this harvest's shapes but was calibrated on other features,
+    and its captured share would be shown as this store's."""
+    other = store.read_manifest(source / store.HARVEST_FILE)
+    differences = []
+    if other.target.config_hash != config_hash:
+        differences.append(f"its target {other.fingerprint.get('model', other.target.name)} has another config.json")
+    recorded = other.fingerprint.get("weights_sha256")
+    if recorded is not None and recorded != fingerprint["weights_sha256"]:
+        differences.append(
+            f"its target's weights differ (weights_sha256 {recorded[:12]}, this target's "
+            f"{fingerprint['weights_sha256'][:12]})"
+        )
+    if list(other.layer_ids) != list(fingerprint["layers"]):
+        differences.append(f"it taps layers {list(other.layer_ids)}, this harvest {list(fingerprint['layers'])}")
+    if differences:
+        raise DflashError(
+            f"--projection-from {source} was harvested from other features than this harvest's ({'; '.join(differences)}); "
+            f"its projection fits only stores of the same target and --layers: give a subspace store of "
+            f"{fingerprint['model']} at these layers, or leave out --projection-from to calibrate one"
+        )
 
 
 @dataclass
@@ -43,7 +67,7 @@ def part_damage(
     try:
         group = zarr.open_group(folder, mode="r")
         names = arrays_of(features, teacher)
-        arrays = {name: group[name].with_config(_array_config(read=True)) for name in names}
+        arrays = {name: group[name].with_config(array_config(read=True)) for name in names}
     except Exception as exc:
         raise DflashError(
             f"the arrays of part {part_name(rank)} of {out} cannot be opened ({exc}); their metadata is damaged "

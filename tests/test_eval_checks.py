@@ -1,7 +1,9 @@
 """`dflash eval` refuses, in one line naming what differs, a drafter made for another target and a --model folder
 that is not a complete target checkpoint, before anything is loaded at random or fails deep inside transformers."""
 
+import errno
 import json
+import os
 import shutil
 
 import pytest
@@ -111,3 +113,60 @@ def test_eval_target_whose_weights_do_not_fit_its_config_is_one_line(tiny_target
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     assert result.output.strip().splitlines()[-1].startswith("error: cannot load the target"), result.output
+
+
+def _eval_args(tiny_target, tmp_path, report):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in [*PROMPTS, {"text": "import os\n"}]))
+    args = ["eval", "--model", str(tiny_target("qwen3")), "--untrained", "--block-size", "4", "--data", str(data)]
+    return args + ["--max-new-tokens", "4", "--device", "cpu", "--prompt-lookup", "0", "--json", str(report)]
+
+
+def test_a_second_eval_into_the_same_report_is_refused_while_the_first_runs(tiny_target, tmp_path, monkeypatch):
+    import dflash.evaluate
+
+    report = tmp_path / "report.json"
+    args = _eval_args(tiny_target, tmp_path, report)
+    real_evaluate, seconds = dflash.evaluate.evaluate, []
+
+    def evaluate_while_another_starts(*a, **kw):
+        if not seconds:  # the first eval: two more start while it runs (and, unrefused, run plainly)
+            seconds.append(None)
+            seconds[:] = [CliRunner().invoke(main, args), CliRunner().invoke(main, args + ["--resume"])]
+        return real_evaluate(*a, **kw)
+
+    monkeypatch.setattr(dflash.evaluate, "evaluate", evaluate_while_another_starts)
+    first = CliRunner().invoke(main, args)
+    assert first.exit_code == 0, first.output
+    for second in seconds:
+        assert second.exit_code == 2, second.output
+        assert f"the report {report} is being written right now by another eval (process" in second.output
+    assert [p["index"] for p in json.loads(report.read_text())["prompts"]] == [0, 1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl", "report.json"]  # nor the lock left
+
+
+def test_a_full_disk_under_the_report_is_one_line_and_the_last_report_stays_whole(tiny_target, tmp_path, monkeypatch):
+    report = tmp_path / "report.json"
+    args = _eval_args(tiny_target, tmp_path, report)
+    real_fsync, reports = os.fsync, []
+
+    def fsync(fd):  # the disk fills up while the second report is written
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith(".dflash-tmp-report.json"):
+            reports.append(fd)
+            if len(reports) >= 2:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    message = "error: " + result.output.split("error: ", 1)[1].strip()
+    assert "\n" not in message
+    assert message.startswith(f"error: writing the report {report} failed: No space left on device")
+    assert message.endswith("rerun with --resume: the report holds the prompts finished before this one")
+    assert [p["index"] for p in json.loads(report.read_text())["prompts"]] == [0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl", "report.json"]  # no temporary, no lock
+    monkeypatch.undo()
+    resumed = CliRunner().invoke(main, args + ["--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    assert [p["index"] for p in json.loads(report.read_text())["prompts"]] == [0, 1]

@@ -26,7 +26,7 @@ import torch
 from click.testing import CliRunner
 
 from cli.main import main
-from dflash import store
+from dflash import store, store_writer
 from dflash.config import HarvestConfig
 from dflash.data import DataConfig, load_documents, load_tokenizer
 from dflash.harvest import run_harvest
@@ -336,7 +336,7 @@ def test_disk_full_fails_cleanly_and_the_rerun_resumes(harvested, tiny_target, d
             raise OSError(errno.ENOSPC, "No space left on device")
         return open(path, *args, **kwargs)
 
-    monkeypatch.setattr(store, "open", fills_at_row_3, raising=False)
+    monkeypatch.setattr(store_writer, "open", fills_at_row_3, raising=False)
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2, result.output
     assert "is full" in result.output and "free space and rerun the same command" in result.output

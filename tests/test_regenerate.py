@@ -1,7 +1,9 @@
 """`dflash regenerate`: harvestable output, equal to transformers' generate, resumable without duplicates."""
 
 import dataclasses
+import errno
 import json
+import os
 
 import pytest
 import torch
@@ -346,3 +348,43 @@ def test_prompts_with_openai_list_content_are_their_text():
     assert prompt_records([listed]) == [{"messages": [{"role": "user", "content": "a\nb"}]}]
     with pytest.raises(DflashError, match="prompt 1: message 0 has a content part of type 'input_audio'"):
         prompt_records([{"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}])
+
+
+def fail_writes_to(monkeypatch, path, after: int, error: int = errno.ENOSPC):
+    """os.write of `path` writes `after` more bytes, then fails with `error` (the disk fills up mid-line)."""
+    real_write, left = os.write, [after]
+
+    def write(fd, data):
+        if os.readlink(f"/proc/self/fd/{fd}") != str(path):
+            return real_write(fd, data)
+        if left[0] <= 0:
+            raise OSError(error, os.strerror(error))
+        written = real_write(fd, bytes(data[: left[0]]))
+        left[0] -= written
+        return written
+
+    monkeypatch.setattr(os, "write", write)
+
+
+def test_a_full_disk_stops_regenerate_in_one_line_with_the_output_whole(
+    tiny_target, prompts_file, tmp_path, monkeypatch
+):
+    from cli.main import main
+
+    model = str(tiny_target("qwen3_5"))
+    reference = tmp_path / "reference.jsonl"
+    regenerate(RegenerateConfig(model, prompts_file, reference, max_new_tokens=MAX_NEW_TOKENS, device="cpu"), False)
+    first_two = sum(len(line) + 1 for line in reference.read_bytes().split(b"\n")[:2])
+    out = tmp_path / "out.jsonl"
+    args = ["regenerate", "--model", model, "--data", str(prompts_file), "--out", str(out), "--device", "cpu"]
+    args += ["--max-new-tokens", str(MAX_NEW_TOKENS), "--batch-size", "2"]
+    fail_writes_to(monkeypatch, out, after=first_two + 5)  # the second batch's first line is half written
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and result.exception is not None and isinstance(result.exception, SystemExit)
+    message = "error: " + result.output.split("error: ", 1)[1].strip()  # after the progress bar
+    assert "\n" not in message and message.startswith(f"error: writing {out} failed: No space left on device")
+    assert "rerun the same command" in message
+    assert out.read_bytes() == reference.read_bytes()[:first_two]  # the two whole answers, no half line
+    monkeypatch.undo()
+    assert CliRunner().invoke(main, args).exit_code == 0
+    assert out.read_bytes() == reference.read_bytes()  # the rerun resumed after them

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -357,3 +358,95 @@ def test_an_unreachable_server_is_a_clear_error(prompts_file, tmp_path):
 def test_bad_server_options_are_refused(options, message):
     with pytest.raises(DflashError, match=message):
         RegenerateConfig(data="p.jsonl", out="o.jsonl", **options)
+
+
+class FakeServer:
+    """An OpenAI-like server of one model that answers its first `answered` requests and then `stalls`: "hang"
+    (never answers, until `release()`) or "503" (overloaded, until `release()`)."""
+
+    def __init__(self, answered: int, stalls: str):
+        server, self.posts, self.released = self, [], threading.Event()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+
+            def do_POST(self):
+                path, body = self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.posts.append(path)
+                if len(server.posts) > answered and not server.released.is_set():
+                    if stalls == "503":
+                        return self.send({"error": {"message": "overloaded"}}, 503)
+                    server.released.wait()
+                choice = {"text": "an answer"} if path == "/v1/completions" else {"message": {"content": "an answer"}}
+                self.send({"choices": [{**choice, "finish_reason": "stop"}], "model": body["model"]})
+
+            def send(self, payload, status=200):
+                data = json.dumps(payload).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except ConnectionError:  # a request of the interrupted client, answered once released
+                    pass
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def release(self):
+        self.released.set()
+
+    def close(self):
+        self.release()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("stalls", ["hang", "503"])
+def test_ctrl_c_against_a_stalled_server_stops_at_once_and_the_rerun_resumes(stalls, prompts_file, tmp_path):
+    server = FakeServer(answered=2, stalls=stalls)
+    out = tmp_path / "responses.jsonl"
+    args = ["--server", server.url, "--data", str(prompts_file), "--out", str(out), "--concurrency", "2"]
+    args += ["--max-new-tokens", str(MAX_NEW_TOKENS)]
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    try:
+        client = subprocess.Popen(
+            [sys.executable, "-m", "cli", "regenerate", *args],
+            cwd=root,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.monotonic() + 60
+        while not (out.exists() and out.read_text().count("\n") == 2 and len(server.posts) >= 4):
+            assert time.monotonic() < deadline and client.poll() is None, client.communicate()
+            time.sleep(0.05)
+        time.sleep(0.5)  # the stalled requests are in flight (or backing off)
+        client.send_signal(signal.SIGINT)
+        interrupted = time.monotonic()
+        try:
+            _, stderr = client.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            client.kill()
+            pytest.fail(f"regenerate went on for 15 s after Ctrl-C:\n{client.communicate()[1][-2000:]}")
+        assert time.monotonic() - interrupted < 5
+        assert client.returncode == 2 and "Traceback" not in stderr and "Aborted!" not in stderr, stderr
+        assert stderr.strip().splitlines()[-1] == (
+            f"error: regenerate interrupted; the answers already in {out} are kept (whole lines): rerun the same "
+            "command to resume after them"
+        )
+        assert len(read_lines(out)) == 2  # whole lines only
+        server.release()
+        stats = regenerate(server_config(server.url, prompts_file, out, concurrency=2), progress=False)
+        assert (stats.already_done, stats.written) == (2, 3) and len(read_lines(out)) == 5
+    finally:
+        server.close()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import zarr
 
-from dflash import store, verify
+from dflash import store, store_reader, store_writer, verify
 from dflash.errors import DflashError
 from dflash.manifest import FeatureSpec, TargetSpec, TokenizerSpec
 from dflash.packing import first_fit_decreasing
@@ -54,7 +54,7 @@ def header(world_size: int = 2, **fingerprint):
 def write_store(out, rows=(3, 2), chunk_bytes=None, monkeypatch=None, zero_padding=True):
     """A complete two-part store; returns each part's (hidden, tokens)."""
     if chunk_bytes is not None:
-        monkeypatch.setattr(store, "CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(store_reader, "CHUNK_BYTES", chunk_bytes)
     store.create_store(out, header(len(rows)))
     contents = []
     for rank, n in enumerate(rows):
@@ -130,7 +130,7 @@ def test_direct_reader_equals_plain_zarr_with_an_edge_chunk(tmp_path, monkeypatc
 def test_a_hidden_array_with_another_codec_is_refused(tmp_path, monkeypatch):
     out = tmp_path / "s"
     monkeypatch.setattr(
-        store, "hidden_compressors", lambda features: store.token_compressors()
+        store_writer, "hidden_compressors", lambda features: store.token_compressors()
     )  # zstd instead of blosc
     write_store(out)
     monkeypatch.undo()  # read by this version
@@ -389,7 +389,7 @@ def test_chunk_writer_writes_the_bytes_zarr_would(tmp_path, monkeypatch, precisi
     rows, T, F = 2, 50, 24
     features = FeatureSpec(precision, F, 3 if precision == "fp8" else 0, None)
     # 50 tokens x 24 features: chunks of 17, 17 and a ragged 16
-    monkeypatch.setattr(store, "CHUNK_BYTES", 1000 // (2 // features.bytes_per_value))
+    monkeypatch.setattr(store_reader, "CHUNK_BYTES", 1000 // (2 // features.bytes_per_value))
     counts = {"documents": 0, "tokens": 0, "loss_tokens": 0, "padding_tokens": 0}
     dtype = store.HIDDEN_DTYPES[precision]
     hidden = np.random.default_rng(0).integers(0, np.iinfo(dtype).max, (rows, T, F), dtype=dtype)

@@ -14,8 +14,9 @@ from dflash.tiny import CORPUS
 ROOT = Path(__file__).resolve().parent.parent
 
 
-# The store layer: store.py and the two modules split out of it (its bookkeeping files, its chunk verification).
-STORE_MODULES = ["bookkeeping.py", "store.py", "verify.py"]
+# The store layer, whose names callers find in store.py: its bookkeeping files, its layout and read side, its write
+# side, its chunk verification.
+STORE_MODULES = ["bookkeeping.py", "store_reader.py", "store_writer.py", "verify.py"]
 
 
 def test_only_the_store_modules_import_zarr():
@@ -51,3 +52,37 @@ def test_training_loads_no_transformers_modeling_code(tiny_target, tmp_path):
     modules = json.loads(done.stdout.strip().splitlines()[-1])
     assert not [m for m in modules if "modeling" in m or m.startswith("transformers.models.")], modules
     assert (tmp_path / "run" / "drafter" / "model.safetensors").exists()
+
+
+def dflash_imports(path: Path) -> set[str]:
+    """The dflash modules a file imports anywhere (inside functions too): `from dflash import x` names dflash.x."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+    return {name for name in found if name.startswith("dflash.")}
+
+
+def test_no_import_circle_among_the_modules():
+    """A module that imports another (even inside a function, to stay fast) is never imported back by it, directly
+    or through others: shared logic has one home that both use (e.g. dflash.answers for regenerate and remote)."""
+    modules = {
+        ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): path
+        for path in (ROOT / "dflash").rglob("*.py")
+    }
+    edges = {name: dflash_imports(path) & modules.keys() - {name} for name, path in modules.items()}
+    assert "dflash.answers" in edges["dflash.remote"] and "dflash.remote" in edges["dflash.regenerate"]
+
+    def reaches(start: str, goal: str, seen: set) -> list[str] | None:
+        for nxt in sorted(edges[start] - seen):
+            if nxt == goal:
+                return [nxt]
+            seen.add(nxt)
+            if (path := reaches(nxt, goal, seen)) is not None:
+                return [nxt, *path]
+        return None
+
+    circles = [[name, *path] for name in edges if (path := reaches(name, name, set())) is not None]
+    assert not circles, f"import circles: {circles[:3]}"

@@ -88,6 +88,10 @@ def _harvest(cfg: HarvestConfig, load_target) -> Path:
     fingerprint = store.as_recorded(out, harvest_fingerprint(cfg))
     state = store.check_folder(out, fingerprint)
     if state == "complete" and not cfg.repair:
+        if cfg.self_check > 0 and store.read_manifest(out / store.MANIFEST_FILE).self_check is None:
+            logger.info("%s is complete, but no check against the target was recorded (stopped during it?)", out)
+            _self_check(out, cfg, load_target)
+            return out
         logger.info(
             "%s is already a complete store; nothing to do (if `dflash inspect --verify` finds damaged chunks, rerun "
             "this command with --repair)",
@@ -211,17 +215,21 @@ def _repair(cfg, out: Path, plan: PartPlan, target, part, header, projection, da
     return out
 
 
+def _self_check(out: Path, cfg: HarvestConfig, load_target, target: TappedTarget | None = None) -> None:
+    """Re-run `cfg.self_check` documents of the complete store through the target and record the result."""
+    if target is None:
+        m = store.read_manifest(out / store.MANIFEST_FILE)
+        target = load_target(list(m.layer_ids), m.teacher.kind if m.teacher else None)
+    check = selfcheck.reforward_check(out, target, cfg.self_check)
+    store.record_self_check(out, check)
+    selfcheck.log_check(check, out)
+
+
 def _finish(out: Path, cfg: HarvestConfig, load_target, target: TappedTarget | None = None) -> None:
     if store.finalize(out, store.read_manifest(out / store.HARVEST_FILE)):
         logger.info("store complete: %s", out)
         if cfg.self_check > 0:
-            if target is None:
-                m = store.read_manifest(out / store.MANIFEST_FILE)
-                kind = m.teacher.kind if m.teacher else None
-                target = load_target(list(m.layer_ids), kind)
-            check = selfcheck.reforward_check(out, target, cfg.self_check)
-            store.record_self_check(out, check)
-            selfcheck.log_check(check, out)
+            _self_check(out, cfg, load_target, target)
     else:
         parts = store.part_progress(out, cfg.world_size)
         pending = [r for r, p in enumerate(parts) if p is None or p["rows_committed"] < p["rows"]]

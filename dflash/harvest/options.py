@@ -10,13 +10,13 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash import features, manifest, parallel, sources, store
+from dflash import features, manifest, parallel, sources, store, verify
 from dflash.config import HarvestConfig
 from dflash.data import DataConfig
 from dflash.device import DTYPES, local_device
 from dflash.errors import DflashError
 from dflash.target import check_layer_ids, default_layer_ids
-from dflash.target_files import load_config, weights_sha256
+from dflash.target_files import config_hash, load_config, weights_sha256
 
 logger = logging.getLogger("dflash")
 
@@ -173,7 +173,7 @@ def harvest_fingerprint(cfg: HarvestConfig) -> dict:
     model = str(Path(cfg.model).resolve()) if Path(cfg.model).exists() else cfg.model
     encoding = feature_encoding(cfg, len(layers), len(layers) * text.hidden_size)
     teacher = teacher_encoding(cfg)
-    return {
+    fingerprint = {
         "precision": encoding.precision,
         "stored_width": encoding.width,
         "scale_groups": encoding.scale_groups,
@@ -195,6 +195,9 @@ def harvest_fingerprint(cfg: HarvestConfig) -> dict:
         "format_version": store.FORMAT_VERSION,
         **({"teacher": teacher.name} if teacher else {}),  # absent without one: those stores are as before
     }
+    if cfg.projection_from is not None:
+        verify.check_projection_source(Path(cfg.projection_from), fingerprint, config_hash(cfg.model))
+    return fingerprint
 
 
 def borrowed_projection(cfg: HarvestConfig, encoding: manifest.FeatureSpec, feature_dim: int):
