@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dflash import blocks, features, graph, loss, methods, reader
+from dflash import blocks, features, graph, loss, memory, methods, reader
 from dflash.checkpoint import (
     DISK_ERRORS,
     Checkpointer,
@@ -76,7 +76,10 @@ def check_val_store(train: Store, val: Store, train_path: str, path: str) -> Non
     if Path(path).resolve() == Path(train_path).resolve():
         raise DflashError(f"--val-shards {path} is the training store itself; give a store of held-out documents")
     a, b = train.manifest, val.manifest
-    differ = [name for name in ("layer_ids", "token_budget", "tokenizer") if getattr(a, name) != getattr(b, name)]
+    differ = [name for name in ("layer_ids", "token_budget") if getattr(a, name) != getattr(b, name)]
+    # The tokenizer by content (its name is the path it was read from: the same target elsewhere is the same)
+    if (a.tokenizer.vocab_size, a.tokenizer.special_ids) != (b.tokenizer.vocab_size, b.tokenizer.special_ids):
+        differ.append("tokenizer (vocabulary size or special token ids)")
     if a.target.config_hash != b.target.config_hash:
         differ.append("target (config hash)")
     if a.fingerprint.get("dtype") != b.fingerprint.get("dtype"):
@@ -194,6 +197,29 @@ def check_teacher(method: methods.Method, store: Store, path: str) -> dict:
     return store.teacher_layout
 
 
+def check_step_memory(
+    cfg: TrainConfig, dcfg: DrafterConfig, method, fields: dict, anchors: int, lifted_width: int, device
+) -> int:
+    """The estimated peak bytes of a step (dflash.memory), refused before anything is built when the device has
+    less (unless --ignore-memory-estimate)."""
+    T = fields["input_ids"][0][0]
+    shape = memory.StepShape(
+        rows=cfg.rows_per_step,
+        micro_batches=cfg.grad_accum,
+        token_budget=T,
+        anchors=anchors,
+        loss_chunk=cfg.loss_chunk or loss.default_chunk_size(dcfg.vocab_size),
+        stored_bytes_per_row=memory.row_bytes(fields),
+        parameters=memory.parameter_count(method.model_cls, dcfg),
+        lifted_width=lifted_width,
+        cuda=device.type == "cuda",
+    )
+    available = None if cfg.ignore_memory_estimate else memory.available_memory(device)
+    if available is not None and device.type == "cpu":  # the ranks of one host share its memory
+        available //= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return memory.check_memory(dcfg, shape, available, device)
+
+
 def check_shapes(cfg: TrainConfig, token_budget: int, anchors: int, feature_dim: int, dcfg: DrafterConfig):
     B = dcfg.span  # the tokens a block covers, from its anchor to its last draft
     if dcfg.drafts_per_block < 1 or token_budget < B:
@@ -231,6 +257,8 @@ class Env:
 def init_distributed(device: str | None) -> Env:
     """One process per device under torchrun (RANK / WORLD_SIZE / LOCAL_RANK); NCCL on CUDA, gloo on the CPU."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if rank != 0 and logger.getEffectiveLevel() < logging.WARNING:
+        logger.setLevel(logging.WARNING)  # their info lines would repeat rank 0's; warnings and errors are their own
     dev = local_device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -301,7 +329,6 @@ class Trainer:
         check_self_check(cfg, self.store)
         manifest = self.store.manifest
         self.target_path = _target_path(cfg, self.store)
-        embed, head = load_frozen(self.target_path, manifest)
         self.dcfg = drafter_config(cfg, self.store, self.target_path)
         self.encoding = manifest.features
         # P [k, n*H] of a subspace store, kept with every checkpoint. The step lifts the stored P h back to P^T P h,
@@ -318,6 +345,12 @@ class Trainer:
         self.method = methods.get(cfg.method)
         teacher_fields = check_teacher(self.method, self.store, cfg.store)
         self.teacher_names = list(teacher_fields)
+        fields = reader.row_fields({**self.store.row_layout, **teacher_fields})
+        lifted = self.encoding.width if self.projection is not None else 0
+        self.memory_estimate = check_step_memory(
+            cfg, self.dcfg, self.method, fields, self.num_anchors, lifted, self.device
+        )
+        embed, head = load_frozen(self.target_path, manifest)
         self.objective_options = methods.ObjectiveOptions(
             position_weights=cfg.position_weights,
             loss_chunk=cfg.loss_chunk,
@@ -338,7 +371,6 @@ class Trainer:
         self.lr_t = torch.full((), cfg.lr, dtype=torch.float32, device=self.device)
         self.optimizer = self._optimizer()
 
-        fields = reader.row_fields({**self.store.row_layout, **teacher_fields})
         self.shape = reader.BatchShape(cfg.grad_accum, cfg.rows_per_step, fields)
         self.static = graph.StaticBuffers(reader.allocate_batch(self.shape, self.device))
         self.feed = reader.DeviceFeed(self.static)
@@ -381,11 +413,14 @@ class Trainer:
 
         compile_on = self.cuda if cfg.compile is None else cfg.compile
         self.forward = graph.compile_fn(self.model, compile_on)
-        # On the CPU the drafter evaluates the mask densely (flex_attention has no CPU backward), so a compiled
-        # BlockMask buys nothing there, and inductor's C++ code for create_block_mask fails on some shapes.
-        self.mask_fn = graph.compile_fn(
-            blocks.block_attention_mask, compile_on and self.cuda, options=blocks.MASK_COMPILE_OPTIONS
-        )
+        # On the CPU the drafter takes the mask dense (flex_attention has no CPU backward): built directly as the
+        # bias every layer shares, not through a BlockMask's mask_mod (13 bytes a pair while it is evaluated).
+        if self.cuda:
+            self.mask_fn = graph.compile_fn(
+                blocks.block_attention_mask, compile_on, options=blocks.MASK_COMPILE_OPTIONS
+            )
+        else:
+            self.mask_fn = blocks.dense_attention_bias
         self.objective = graph.compile_fn(self.method.objective_fn, compile_on)
         hint = "--anchors, --rows-per-step (or the store's token budget) or --loss-chunk"
         self.train_step = graph.GraphedStep(self._train_step, device=self.device, cuda_graph=cfg.cuda_graph, hint=hint)
@@ -598,9 +633,14 @@ class Trainer:
 
     # ---- the loop
 
-    def fit(self, start_step: int, log: MetricsLog) -> dict:
-        """Train from `start_step` to the last step. SIGINT / SIGTERM and a damaged row (unless skipped) stop the
-        run between steps with a checkpoint, as a DflashError that says how to go on."""
+    def validation_due(self, step: int) -> bool:
+        """Whether a mid-run validation follows `step` (the final one is run_training's)."""
+        return bool(self.cfg.val_every) and step % self.cfg.val_every == 0 and 0 < step < self.total_steps
+
+    def fit(self, start_step: int, log: MetricsLog, validate_first: bool = False) -> dict:
+        """Train from `start_step` to the last step (`validate_first`: the validation after `start_step` first).
+        SIGINT / SIGTERM and a damaged row (unless skipped) stop the run between steps with a checkpoint, as a
+        DflashError that says how to go on."""
         cfg = self.cfg
         meter = Meter(self)
         if start_step >= self.total_steps:
@@ -629,26 +669,34 @@ class Trainer:
                     "to skip such rows, or after repairing the store)"
                 ) from None
 
+        def validation(done: int, log_step: bool):
+            """A mid-run validation. A damaged held-out row (raised on every rank, see validate) stops the run with
+            this step's train record written and its checkpoint; the resume validates that step first."""
+            try:
+                log.write(meter.set_aside(lambda: self.validate(done)))
+            except reader.DamagedRow as exc:
+                if log_step:
+                    log.write(meter.read(done))
+                raise DflashError(
+                    f"{exc}; stopped after step {done} with {checkpoint(done)}: rerun with --resume (with "
+                    "--max-damaged-rows N to skip such rows, or after repairing the store)"
+                ) from None
+
         try:
             with graph.no_recompiles(), StopSignals() as stop:
+                if validate_first:
+                    validation(start_step, log_step=False)
                 self.feed.stage(next_batch(start_step))
                 for step in range(start_step, self.total_steps):
                     self.feed.commit()
                     self.train_step()
                     done = step + 1
-                    if cfg.val_every and done % cfg.val_every == 0 and done < self.total_steps:
-                        # Before staging: validation uses the same staging buffers.
-                        try:
-                            log.write(meter.set_aside(lambda step=done: self.validate(step)))
-                        except reader.DamagedRow as exc:  # raised on every rank (see validate)
-                            raise DflashError(
-                                f"{exc}; stopped after step {done} with {checkpoint(done)}: rerun with --resume (with "
-                                "--max-damaged-rows N to skip such rows, or after repairing the store)"
-                            ) from None
+                    log_step = done % cfg.log_every == 0 or done == self.total_steps
+                    if self.validation_due(done):  # before staging: validation uses the same staging buffers
+                        validation(done, log_step)
                     if done < self.total_steps:
                         # Queued right behind the step: the copy overlaps its compute.
                         self.feed.stage(next_batch(done))
-                    log_step = done % cfg.log_every == 0 or done == self.total_steps
                     if log_step:
                         log.write(meter.read(done))
                     if done % cfg.ckpt_every == 0 or done == self.total_steps:
@@ -747,6 +795,33 @@ def export_final(trainer: "Trainer", out: Path) -> Path:
         raise disk_error(exc, "exporting the drafter failed", out) from None
 
 
+def finished_run(cfg: TrainConfig, env: Env, out: Path, checkpoint: Path | None) -> dict | None:
+    """The result of resuming a run that had finished (its last checkpoint and its final validation written), said
+    before any work: its drafter exported again (from the checkpoint) when --export; None for a run not finished."""
+    state = read_state(checkpoint) if checkpoint is not None else None
+    if state is None or state["step"] < state["total_steps"]:
+        return None
+    val = on_rank0(env.rank, env.world_size, lambda: final_validation(out, state["step"]))
+    if val is None:  # its final validation failed (a damaged held-out row): the trainer runs it again
+        return None
+    logger.info(
+        "%s finished all its %d steps (checkpoint %s): nothing left to train. It cannot be extended exactly (the "
+        "learning rate's schedule spans the total steps): to train longer, train into a new --out with more "
+        "--max-steps or --epochs",
+        out,
+        state["step"],
+        checkpoint.name,
+    )
+    result = {"records": [], "val": val, "damaged_rows": [], "finished": True}
+    if cfg.export:
+
+        def export() -> str:
+            return str(Checkpointer(out).export(out / "drafter", dtype=cfg.export_dtype, force=True))
+
+        result["export"] = on_rank0(env.rank, env.world_size, export)
+    return result
+
+
 def check_out(cfg: TrainConfig) -> Path:
     """The run folder must be a folder (made here), outside the stores, and writable: checked before any work."""
     out = Path(cfg.out)
@@ -781,8 +856,12 @@ def run_training(cfg: TrainConfig) -> dict:
         identity = Store.open(cfg.store).manifest.identity
         checkpoint = Checkpointer(out, env.rank, env.world_size).to_resume(cfg, identity)
         start = read_state(checkpoint)["step"] if checkpoint is not None else 0
-        if checkpoint is not None and env.main:
-            drop_records_after(out, start)
+        kept = []  # the records of the steps up to the checkpoint (rank 0)
+        if cfg.resume and env.main:  # (from step 0 when there is no checkpoint to continue)
+            kept = drop_records_after(out, start)
+        done = finished_run(cfg, env, out, checkpoint)
+        if done is not None:
+            return done
         trainer = Trainer(cfg, env)
         prep = trainer.prepare(checkpoint)
         log = MetricsLog(out, env.main, cfg.tensorboard)
@@ -799,18 +878,19 @@ def run_training(cfg: TrainConfig) -> dict:
             prep["val_warmup_s"],
             prep["capture_s"],
         )
+        # A run stopped by a damaged held-out row in the validation after its checkpoint's step has no record of it
+        validate_first = on_rank0(
+            env.rank,
+            env.world_size,
+            lambda: trainer.validation_due(start) and not any(r["kind"] == "val" and r["step"] == start for r in kept),
+        )
         try:
-            result = trainer.fit(start, log)
+            result = trainer.fit(start, log, validate_first)
             # The export comes before the final validation: a validation that fails must not cost the drafter.
             if cfg.export:  # rank 0 writes; its error reaches every rank (none waits in a collective for it)
                 result["export"] = on_rank0(env.rank, env.world_size, lambda: str(export_final(trainer, out)))
-            # A resumed run that had already finished has its final validation record: it is not written twice.
-            val = None
-            if start >= trainer.total_steps:
-                val = on_rank0(env.rank, env.world_size, lambda: final_validation(out, trainer.total_steps))
-            if val is None:
-                val = trainer.validate(trainer.total_steps)
-                log.write(val)
+            val = trainer.validate(trainer.total_steps)  # (a finished run resumed has none: see finished_run)
+            log.write(val)
         finally:
             log.close()
         result["val"] = val
