@@ -84,3 +84,13 @@ def test_a_step_past_the_free_gpu_memory_is_refused_naming_the_anchors_that_fit(
     assert sum(step_memory(dcfg, dataclasses.replace(shape, anchors=anchors + 1)).values()) > (need + fits) // 2
     assert check_memory(dcfg, shape, need, torch.device("cuda")) == need  # what fits passes
     assert check_memory(dcfg, shape, None, torch.device("cuda")) == need  # unknown (or ignored): passes
+
+
+def test_on_the_cpu_only_nine_tenths_of_the_available_memory_count():
+    """The OS kills a CPU step past the memory without a word, and the estimate runs up to 12 % low there."""
+    dcfg = drafter(*B)
+    shape = dataclasses.replace(gpu_shape(dcfg, 12288, anchors=128), cuda=False)
+    need = sum(step_memory(dcfg, shape).values())
+    assert check_memory(dcfg, shape, round(need / 0.9) + 1, torch.device("cpu")) == need
+    with pytest.raises(DflashError, match=r"MemAvailable; 90% of it counts\): --anchors \d+ fits \(128 now\)"):
+        check_memory(dcfg, shape, need, torch.device("cpu"))

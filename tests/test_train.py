@@ -1379,7 +1379,7 @@ def test_a_cpu_run_past_the_available_memory_is_refused_before_any_model_is_buil
     result = _train_cli(store, tmp_path / "run", "--anchors", "11")
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert result.exit_code == 2 and "Traceback" not in result.output and len(errors) == 1, result.output
-    assert "available to this process (MemAvailable)" in errors[0] and "(11 now)" in errors[0]
+    assert "available to this process (MemAvailable; 90% of it counts)" in errors[0] and "(11 now)" in errors[0]
     assert not (tmp_path / "run" / "metrics.jsonl").exists() and not (tmp_path / "run" / "checkpoints").exists()
     anchors = int(errors[0].split("--anchors ")[1].split()[0])
     assert 4 <= anchors < 11
