@@ -605,13 +605,15 @@ def run_training(cfg: TrainConfig) -> dict:
         prep = trainer.prepare(checkpoint)
         log = MetricsLog(out, env.main, cfg.tensorboard)
         logger.info(
-            "training %d-layer drafter (%.1f M parameters) on %d rank(s) from step %d to %d; warmup + capture "
-            "%.1f s (train step %.1f s, validation step %.1f s, capture and state restore %.1f s)",
+            "training %d-layer drafter (%.1f M parameters) on %d rank(s) from step %d to %d, a step's peak memory "
+            "estimated at %.1f GB; warmup + capture %.1f s (train step %.1f s, validation step %.1f s, capture and "
+            "state restore %.1f s)",
             trainer.dcfg.num_layers,
             sum(p.numel() for p in trainer.params) / 1e6,
             env.world_size,
             start,
             trainer.total_steps,
+            trainer.memory_estimate / 1e9,
             prep["total_s"],
             prep["train_warmup_s"],
             prep["val_warmup_s"],
