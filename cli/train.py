@@ -32,7 +32,7 @@ def train(**options):
     except KeyboardInterrupt:  # before the first step, or a second Ctrl-C: no checkpoint was saved for it
         click.echo(
             "error: interrupted without a new checkpoint; rerun the same command with --resume to continue from the "
-            "last checkpoint (without --resume if there is none)",
+            "last checkpoint (from step 0 if there is none)",
             err=True,
         )
         raise SystemExit(130) from None

@@ -225,3 +225,13 @@ def dense_block_mask(
         sees_context &= query_position[:, :, None] - context[None, None, :] < window
     sees_blocks = (block_of_query[:, None] == block_of_query[None, :]).expand(R, Q, Q)
     return torch.cat([sees_context, sees_blocks], dim=2)
+
+
+def dense_attention_bias(
+    anchors: Tensor, valid: Tensor, doc_ids: Tensor, block_size: int, window: int | None = None
+) -> Tensor:
+    """dense_block_mask as the additive fp32 bias [R, 1, Q, T + Q] that SDPA takes (0: visible, -inf: hidden).
+    SDPA turns a bool mask into exactly this in every call, and autograd keeps each layer's copy for the backward
+    (4 bytes a pair a layer); made once here, every layer shares it."""
+    visible = dense_block_mask(anchors, valid, doc_ids, block_size, window)[:, None]
+    return torch.full(visible.shape, float("-inf"), device=visible.device).masked_fill_(visible, 0.0)

@@ -54,6 +54,7 @@ RESUMABLE_CHANGES = {
     "reader_workers",
     "max_damaged_rows",
     "allow_failed_self_check",
+    "ignore_memory_estimate",
 }
 
 
@@ -125,14 +126,20 @@ def run_lock(run) -> FileLock:
 
 
 class _Hashing:
-    """A write-only file that hashes what passes through (torch.save writes into it): no second read to hash."""
+    """A write-only file that hashes what passes through (torch.save writes into it): no second read to hash. It
+    keeps the OSError of a failed write, which torch.save reports only as a RuntimeError of its own."""
 
     def __init__(self, f):
         self.f, self.sha = f, hashlib.sha256()
+        self.error: OSError | None = None
 
     def write(self, data):
         self.sha.update(data)
-        return self.f.write(data)
+        try:
+            return self.f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
 
     def flush(self):
         self.f.flush()
@@ -150,7 +157,12 @@ def _write(path: Path, obj) -> str:
         if isinstance(obj, bytes):
             out.write(obj)
         else:
-            torch.save(obj, out)
+            try:
+                torch.save(obj, out)
+            except RuntimeError:
+                if out.error is None:
+                    raise
+                raise out.error from None  # the disk's error, not torch's wrapper of it
         f.flush()
         os.fsync(f.fileno())
     return out.sha.hexdigest()
@@ -225,11 +237,24 @@ class Checkpointer:
         metrics = self.run / METRICS_FILE
         earlier = metrics.is_file() and metrics.stat().st_size > 0
         if not cfg.resume:
-            if paths or earlier:
-                held = "checkpoints" if paths else f"the metrics of an earlier run ({metrics.name})"
+            if paths:
                 raise DflashError(
-                    f"{self.run} already holds {held}; pass --resume to continue that run, or choose a new --out "
-                    "(or delete the folder) to start fresh"
+                    f"{self.run} already holds checkpoints; pass --resume to continue that run, or choose a new "
+                    "--out (or delete the folder) to start fresh"
+                )
+            if earlier:
+                raise DflashError(
+                    f"{self.run} holds the metrics of an earlier run ({metrics.name}) that stopped before its first "
+                    "checkpoint; pass --resume to start it again from step 0 (its records are replaced), or choose a "
+                    "new --out"
+                )
+            return None
+        if not paths:  # killed before its first checkpoint (or never started): nothing to continue
+            if earlier:
+                logger.warning(
+                    "--resume: %s has no checkpoint (the run stopped before its first one): starting again from "
+                    "step 0, replacing its records",
+                    self.run,
                 )
             return None
         skipped = []
@@ -240,9 +265,10 @@ class Checkpointer:
             logger.warning("--resume: skipping checkpoint %s: %s", path, reason)
             skipped.append(f"{path.name}: {reason}")
         else:
-            detail = f" that loads ({'; '.join(skipped)})" if skipped else ""
-            fresh = f"remove {metrics} and start" if earlier else "start"
-            raise DflashError(f"--resume: {self.run} has no complete checkpoint{detail}; {fresh} without --resume")
+            raise DflashError(
+                f"--resume: {self.run} has no checkpoint that loads ({'; '.join(skipped)}); remove its checkpoints "
+                "folder to start again from step 0, or train into a new --out"
+            )
         if skipped:
             logger.warning("--resume: continuing from %s instead", path.name)
         self.check_resumable(cfg, path, store_identity)
@@ -254,6 +280,13 @@ class Checkpointer:
         state = read_state(path)
         now = fingerprint(cfg, self.world_size)
         details = describe_differences(state["fingerprint"], now, "checkpoint", "now")
+        changed = {k for k in {*state["fingerprint"], *now} if state["fingerprint"].get(k) != now.get(k)}
+        if details and changed <= {"max_steps", "epochs"}:
+            raise DflashError(
+                f"cannot resume {path} with other total steps ({details}): a run cannot be extended or shortened "
+                "exactly (the learning rate's schedule spans the total steps); rerun with the original options, or "
+                "train into a new --out with the new length"
+            )
         if details:
             raise DflashError(
                 f"cannot resume {path}: the run was made with other options ({details}); "

@@ -216,6 +216,11 @@ class TrainConfig:
     allow_failed_self_check: bool = option(
         False, "Train on a store whose check against its target failed at harvest (refused otherwise)."
     )
+    ignore_memory_estimate: bool = option(
+        False,
+        "Train even when a step's estimated peak memory exceeds the memory free on the device (refused otherwise, "
+        "before any work; docs/training.md, 'Memory').",
+    )
 
     def __post_init__(self):
         """Option values that are wrong whatever the store: one message for all of them, naming the flags."""

@@ -148,6 +148,11 @@ class DrafterConfig:
         """Forward matmul FLOPs per block token of a method's modules beyond DFlash's (dflash.metrics.step_flops)."""
         return 0.0
 
+    def method_activation_copies(self) -> float:
+        """Activations a method's modules keep per drafter layer and block token beyond DFlash's, in copies of the
+        hidden width (dflash.memory.step_memory)."""
+        return 0.0
+
     def extra_layer_keys(self) -> list[str]:
         """A method's tensors in every layer, beyond DFlash's (names under layers.{i}.)."""
         return []
@@ -310,7 +315,7 @@ class Attention(nn.Module):
         gqa = self.kv_heads != self.heads
         if isinstance(mask, BlockMask):
             out = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
-        else:  # None: one block per row at inference, everything visible; or a dense bool mask (CPU training)
+        else:  # None: one block per row at inference, everything visible; or a dense mask (CPU training)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(R, Q, self.heads * self.head_dim))
 
@@ -368,7 +373,7 @@ class DFlashDrafter(nn.Module):
         features [R, T, n*H]: concatenated target layer outputs; q_positions [R, Q] / ctx_positions [R, T]: absolute
         positions (the target's); block_mask: the training BlockMask over KV = [context T ; block tokens Q]
         (see blocks.block_attention_mask); or None: every block token sees all context and all block tokens; or a
-        dense bool mask [R, 1, Q, T + Q] (True = visible), e.g. for padded batches. The residual stream keeps
+        dense mask [R, 1, Q, T + Q], bool (True = visible) or an additive bias (blocks.dense_attention_bias). The residual stream keeps
         block_embeds' dtype. Uncompiled, flex_attention is a slow reference: compile the drafter to train on GPU.
         """
         ctx = self.hidden_norm(self.fc(features))

@@ -6,6 +6,7 @@ that vector once (the only host sync of the loop), all-reduced over the ranks, a
 record. Field meanings and the MFU formula are in docs/training.md.
 """
 
+import contextlib
 import json
 import logging
 import os
@@ -263,11 +264,7 @@ class MetricsLog:
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()
         except OSError as exc:
-            from dflash.checkpoint import DISK_ERRORS, disk_error
-
-            if exc.errno not in DISK_ERRORS:
-                raise
-            raise disk_error(exc, f"writing {METRICS_FILE} failed", Path(self.jsonl.name).parent) from None
+            raise self._failed(exc) from None
         logger.info(format_record(record))
         if self.tb is not None:
             for key, value in record.items():
@@ -276,9 +273,25 @@ class MetricsLog:
             for k, value in enumerate(record["acc"], start=1):
                 self.tb.add_scalar(f"{record['kind']}/acc_k{k:02d}", value, record["step"])
 
+    def _failed(self, exc: OSError) -> Exception:
+        """The error of a failed write; the file is closed and dropped, so that `close` (in a finally) cannot
+        replace it with the same OSError from flushing what is still buffered. A torn last line is dropped on
+        resume."""
+        from dflash.checkpoint import DISK_ERRORS, disk_error
+
+        path, jsonl, self.jsonl = Path(self.jsonl.name), self.jsonl, None
+        with contextlib.suppress(OSError):
+            jsonl.close()
+        if exc.errno not in DISK_ERRORS:
+            return DflashError(f"writing {path} failed: {exc.strerror or exc}; fix that and rerun with --resume")
+        return disk_error(exc, f"writing {METRICS_FILE} failed", path.parent)
+
     def close(self):
         if self.jsonl is not None:
-            self.jsonl.close()
+            try:
+                self.jsonl.close()
+            except OSError as exc:
+                raise self._failed(exc) from None
         if self.tb is not None:
             self.tb.close()
 

@@ -8,7 +8,8 @@
 Everything a step does happens on the device inside `_train_step` (captured once, replayed every step). The
 host only copies the next rows into the static buffers and, on log steps, reads the metric sums: the hot loop
 has no host synchronisation and allocates nothing. Around the trainer: `dflash.config.TrainConfig` (the
-options), `dflash.reader` (the data plan and the row streaming), `dflash.metrics` (the sums, records and FLOP
+options), `dflash.train_setup` (the checks and decisions before any work: store, drafter config, memory, run
+folder, ranks), `dflash.reader` (the data plan and the row streaming), `dflash.metrics` (the sums, records and FLOP
 count), `dflash.checkpoint` (save, load, resume checks, export). Formulas (MFU, metrics) and resume semantics are
 documented in docs/training.md.
 """
@@ -17,11 +18,9 @@ import contextlib
 import dataclasses
 import logging
 import math
-import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,205 +40,28 @@ from dflash.checkpoint import (
     run_lock,
 )
 from dflash.config import TrainConfig
-from dflash.device import local_device
-from dflash.drafter import DrafterConfig
 from dflash.errors import DflashError
-from dflash.export import check_export_target, export_drafter
-from dflash.manifest import Manifest
-from dflash.metrics import (
-    Meter,
-    MetricsLog,
-    SumsLayout,
-    Tally,
-    drop_records_after,
-    read_records,
-    source_sums,
-    visible_pairs,
+from dflash.export import export_drafter
+from dflash.metrics import Meter, MetricsLog, Tally, drop_records_after, source_sums, visible_pairs
+from dflash.store import Store
+from dflash.train_setup import (
+    Env,
+    anchors_per_row,
+    check_out,
+    check_self_check,
+    check_shapes,
+    check_step_memory,
+    check_teacher,
+    check_val_store,
+    drafter_config,
+    finished_run,
+    init_distributed,
+    load_frozen,
+    tally_for,
+    target_path_for,
 )
-from dflash.store import Store, target_path
-from dflash.target_files import MASK_TOKEN, load_config, load_embedding_and_head
 
 logger = logging.getLogger("dflash")
-
-ANCHORS_PER_3072 = 512  # the paper: 512 anchors per 3072-token sequence; scaled with the token budget
-
-
-# ---------------------------------------------------------------------------------------------- the store's manifest
-# Everything the trainer reads from the store's manifest and the target's files is here.
-
-
-def check_val_store(train: Store, val: Store, train_path: str, path: str) -> None:
-    """A held-out store is read into the training rows' buffers and scored against the same target: it must share
-    the target (its config and the dtype it ran in), the tapped layers, the tokenizer, the row layout and the
-    feature encoding (a subspace store: the very same projection) of the training store. Weights are not
-    compared: a fine-tune with the same config passes."""
-    if Path(path).resolve() == Path(train_path).resolve():
-        raise DflashError(f"--val-shards {path} is the training store itself; give a store of held-out documents")
-    a, b = train.manifest, val.manifest
-    differ = [name for name in ("layer_ids", "token_budget", "tokenizer") if getattr(a, name) != getattr(b, name)]
-    if a.target.config_hash != b.target.config_hash:
-        differ.append("target (config hash)")
-    if a.fingerprint.get("dtype") != b.fingerprint.get("dtype"):
-        differ.append("the dtype the target ran in")
-    if (a.features.precision, a.features.width, a.features.scale_groups) != (
-        b.features.precision,
-        b.features.width,
-        b.features.scale_groups,
-    ):
-        differ.append("the feature encoding (--precision, --subspace, --scale-groups)")
-    elif train.projection is not None and not np.array_equal(train.projection, val.projection):
-        differ.append(f"the subspace projection (harvest the held-out store with --projection-from {train_path})")
-    if differ:
-        raise DflashError(
-            f"the held-out store {path} differs from the training store in {', '.join(differ)}; harvest the "
-            "held-out documents with the same --model, --layers, --token-budget and feature encoding"
-        )
-
-
-def check_self_check(cfg: TrainConfig, store: Store) -> None:
-    """A store whose recorded check against its target failed holds features the target does not produce: refuse
-    it unless told otherwise."""
-    check = store.manifest.self_check
-    if check is not None and not check.passed and not cfg.allow_failed_self_check:
-        raise DflashError(
-            f"the store {store.path} failed its check against the target at harvest ({check.describe()}); its "
-            "features are not what the target computes: harvest again, or pass --allow-failed-self-check to train anyway"
-        )
-
-
-def _target_path(cfg: TrainConfig, store: Store) -> str:
-    path = cfg.target or target_path(store.path, store.manifest)
-    if cfg.target is None and Path(path).is_absolute() and not Path(path).exists():  # (a hub name is not absolute)
-        raise DflashError(
-            f"the store was harvested from {path}, which is not here; pass --target the target checkpoint folder"
-        )
-    return path
-
-
-# Drafter fields that follow from the store (or from --block-size): an override would train one drafter and
-# export the config of another.
-STORE_FIXED_FIELDS = {
-    "target_layer_ids",
-    "num_target_layers",
-    "hidden_size",
-    "vocab_size",
-    "block_size",
-}
-
-
-def tally_for(store: Store, block_size: int, device) -> Tally:
-    """Zeroed metric sums for the steps over `store`: split by its data sources when it has several, with each doc
-    id's source on the device."""
-    names, doc_source = [], None
-    if store.document_sources is not None and len(store.manifest.sources) > 1:
-        names = [source["source"] for source in store.manifest.sources]
-        doc_source = torch.from_numpy(store.document_sources.astype(np.int64)).to(device)
-    layout = SumsLayout(block_size, len(names))
-    return Tally(layout, layout.zeros(device), names, doc_source)
-
-
-def drafter_config(cfg: TrainConfig, store: Store, target_path: str) -> DrafterConfig:
-    """The drafter shaped like the target recorded in the store; --draft-layers and overrides on top. A
-    version-1 store records no text config: it is read from the target's config.json."""
-    manifest = store.manifest
-    fixed = sorted(set(cfg.drafter_overrides) & STORE_FIXED_FIELDS)
-    if fixed:
-        raise DflashError(
-            f"--drafter-option cannot set {', '.join(fixed)}: the store fixes them (its target's width, vocabulary, "
-            "and tapped layers); --block-size sets the block size"
-        )
-    config_cls = methods.get(cfg.method).config_cls
-    overrides = dict(cfg.drafter_overrides)
-    if cfg.block_size is not None:
-        overrides["block_size"] = cfg.block_size
-    if "num_anchors" in {f.name for f in dataclasses.fields(config_cls)}:  # a method that records them (DSpark)
-        overrides["num_anchors"] = anchors_per_row(cfg, store.token_budget)
-    mask = overrides.pop("mask_token_id", manifest.tokenizer.mask_id)
-    if mask is None:
-        raise DflashError(
-            f"the target's tokenizer has no {MASK_TOKEN} token and no mask token id was given; "
-            "pass --drafter-option mask_token_id=ID (a token id of the target's vocabulary)"
-        )
-    text = manifest.target.text_config() if manifest.target.has_text_config else load_config(target_path, "--target")
-    return config_cls.from_target_config(text, list(manifest.layer_ids), mask, num_layers=cfg.draft_layers, **overrides)
-
-
-def anchors_per_row(cfg: TrainConfig, token_budget: int) -> int:
-    return cfg.anchors or max(1, round(token_budget * ANCHORS_PER_3072 / 3072))
-
-
-def load_frozen(path: str, manifest: Manifest) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's embedding and LM head, checked against the vocabulary and width the store was made with."""
-    embed, head = load_embedding_and_head(path)
-    want = (manifest.target.vocab_size, manifest.target.hidden_size)
-    for name, w in (("embedding", embed), ("LM head", head)):
-        if tuple(w.shape) != want:
-            raise DflashError(
-                f"the {name} of {path} is {tuple(w.shape)} but the store was harvested from a target with "
-                f"vocabulary {want[0]} and hidden size {want[1]}; pass --target the checkpoint the store was made from"
-            )
-    return embed, head
-
-
-def check_teacher(method: methods.Method, store: Store, path: str) -> dict:
-    """The teacher arrays a method trains from ({} for one that needs none), or a refusal for a store without."""
-    if not method.needs_teacher:
-        return {}
-    if store.teacher is None:
-        raise DflashError(
-            f"--method {method.name} trains against the target's next-token distribution, which {path} does not "
-            "hold: harvest it with --teacher hidden (exact, H bf16 values per token) or --teacher topk:K (K + 1 "
-            "probabilities and K ids per token)"
-        )
-    return store.teacher_layout
-
-
-def check_shapes(cfg: TrainConfig, token_budget: int, anchors: int, feature_dim: int, dcfg: DrafterConfig):
-    B = dcfg.span  # the tokens a block covers, from its anchor to its last draft
-    if dcfg.drafts_per_block < 1 or token_budget < B:
-        raise DflashError(
-            f"a row of the store holds {token_budget} tokens, which cannot hold a block of {dcfg.block_size} "
-            f"({dcfg.drafts_per_block} drafts); use a --block-size that drafts at least one token and fits the "
-            "store's token budget"
-        )
-    if not 1 <= anchors <= token_budget - B + 1:
-        raise DflashError(
-            f"{anchors} anchors per row cannot fit a {token_budget}-token row with blocks of {B} "
-            f"(at most {token_budget - B + 1}); lower --anchors"
-        )
-    if feature_dim != dcfg.feature_dim:
-        raise DflashError(
-            f"the store's features are {feature_dim} wide but the drafter fuses {dcfg.feature_dim} "
-            f"({len(dcfg.target_layer_ids)} layers x {dcfg.hidden_size}); the store's manifest and target do not match"
-        )
-
-
-# ---------------------------------------------------------------------------------------------- environment
-
-
-@dataclass(frozen=True)
-class Env:
-    rank: int
-    world_size: int
-    device: torch.device
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-def init_distributed(device: str | None) -> Env:
-    """One process per device under torchrun (RANK / WORLD_SIZE / LOCAL_RANK); NCCL on CUDA, gloo on the CPU."""
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    dev = local_device(device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    if world_size > 1 and not dist.is_initialized():
-        backend = "nccl" if dev.type == "cuda" else "gloo"
-        device_id = dev if dev.type == "cuda" else None
-        dist.init_process_group(backend, rank=rank, world_size=world_size, device_id=device_id)
-    return Env(rank, world_size, dev)
-
 
 # ---------------------------------------------------------------------------------------------- schedule
 
@@ -300,8 +122,7 @@ class Trainer:
         self.store = Store.open(cfg.store)
         check_self_check(cfg, self.store)
         manifest = self.store.manifest
-        self.target_path = _target_path(cfg, self.store)
-        embed, head = load_frozen(self.target_path, manifest)
+        self.target_path = target_path_for(cfg, self.store)
         self.dcfg = drafter_config(cfg, self.store, self.target_path)
         self.encoding = manifest.features
         # P [k, n*H] of a subspace store, kept with every checkpoint. The step lifts the stored P h back to P^T P h,
@@ -318,6 +139,12 @@ class Trainer:
         self.method = methods.get(cfg.method)
         teacher_fields = check_teacher(self.method, self.store, cfg.store)
         self.teacher_names = list(teacher_fields)
+        fields = reader.row_fields({**self.store.row_layout, **teacher_fields})
+        lifted = self.encoding.width if self.projection is not None else 0
+        self.memory_estimate = check_step_memory(
+            cfg, self.dcfg, self.method, fields, self.num_anchors, lifted, self.device
+        )
+        embed, head = load_frozen(self.target_path, manifest)
         self.objective_options = methods.ObjectiveOptions(
             position_weights=cfg.position_weights,
             loss_chunk=cfg.loss_chunk,
@@ -338,7 +165,6 @@ class Trainer:
         self.lr_t = torch.full((), cfg.lr, dtype=torch.float32, device=self.device)
         self.optimizer = self._optimizer()
 
-        fields = reader.row_fields({**self.store.row_layout, **teacher_fields})
         self.shape = reader.BatchShape(cfg.grad_accum, cfg.rows_per_step, fields)
         self.static = graph.StaticBuffers(reader.allocate_batch(self.shape, self.device))
         self.feed = reader.DeviceFeed(self.static)
@@ -381,11 +207,14 @@ class Trainer:
 
         compile_on = self.cuda if cfg.compile is None else cfg.compile
         self.forward = graph.compile_fn(self.model, compile_on)
-        # On the CPU the drafter evaluates the mask densely (flex_attention has no CPU backward), so a compiled
-        # BlockMask buys nothing there, and inductor's C++ code for create_block_mask fails on some shapes.
-        self.mask_fn = graph.compile_fn(
-            blocks.block_attention_mask, compile_on and self.cuda, options=blocks.MASK_COMPILE_OPTIONS
-        )
+        # On the CPU the drafter takes the mask dense (flex_attention has no CPU backward): built directly as the
+        # bias every layer shares, not through a BlockMask's mask_mod (13 bytes a pair while it is evaluated).
+        if self.cuda:
+            self.mask_fn = graph.compile_fn(
+                blocks.block_attention_mask, compile_on, options=blocks.MASK_COMPILE_OPTIONS
+            )
+        else:
+            self.mask_fn = blocks.dense_attention_bias
         self.objective = graph.compile_fn(self.method.objective_fn, compile_on)
         hint = "--anchors, --rows-per-step (or the store's token budget) or --loss-chunk"
         self.train_step = graph.GraphedStep(self._train_step, device=self.device, cuda_graph=cfg.cuda_graph, hint=hint)
@@ -598,9 +427,14 @@ class Trainer:
 
     # ---- the loop
 
-    def fit(self, start_step: int, log: MetricsLog) -> dict:
-        """Train from `start_step` to the last step. SIGINT / SIGTERM and a damaged row (unless skipped) stop the
-        run between steps with a checkpoint, as a DflashError that says how to go on."""
+    def validation_due(self, step: int) -> bool:
+        """Whether a mid-run validation follows `step` (the final one is run_training's)."""
+        return bool(self.cfg.val_every) and step % self.cfg.val_every == 0 and 0 < step < self.total_steps
+
+    def fit(self, start_step: int, log: MetricsLog, validate_first: bool = False) -> dict:
+        """Train from `start_step` to the last step (`validate_first`: the validation after `start_step` first).
+        SIGINT / SIGTERM and a damaged row (unless skipped) stop the run between steps with a checkpoint, as a
+        DflashError that says how to go on."""
         cfg = self.cfg
         meter = Meter(self)
         if start_step >= self.total_steps:
@@ -629,26 +463,34 @@ class Trainer:
                     "to skip such rows, or after repairing the store)"
                 ) from None
 
+        def validation(done: int, log_step: bool):
+            """A mid-run validation. A damaged held-out row (raised on every rank, see validate) stops the run with
+            this step's train record written and its checkpoint; the resume validates that step first."""
+            try:
+                log.write(meter.set_aside(lambda: self.validate(done)))
+            except reader.DamagedRow as exc:
+                if log_step:
+                    log.write(meter.read(done))
+                raise DflashError(
+                    f"{exc}; stopped after step {done} with {checkpoint(done)}: rerun with --resume (with "
+                    "--max-damaged-rows N to skip such rows, or after repairing the store)"
+                ) from None
+
         try:
             with graph.no_recompiles(), StopSignals() as stop:
+                if validate_first:
+                    validation(start_step, log_step=False)
                 self.feed.stage(next_batch(start_step))
                 for step in range(start_step, self.total_steps):
                     self.feed.commit()
                     self.train_step()
                     done = step + 1
-                    if cfg.val_every and done % cfg.val_every == 0 and done < self.total_steps:
-                        # Before staging: validation uses the same staging buffers.
-                        try:
-                            log.write(meter.set_aside(lambda step=done: self.validate(step)))
-                        except reader.DamagedRow as exc:  # raised on every rank (see validate)
-                            raise DflashError(
-                                f"{exc}; stopped after step {done} with {checkpoint(done)}: rerun with --resume (with "
-                                "--max-damaged-rows N to skip such rows, or after repairing the store)"
-                            ) from None
+                    log_step = done % cfg.log_every == 0 or done == self.total_steps
+                    if self.validation_due(done):  # before staging: validation uses the same staging buffers
+                        validation(done, log_step)
                     if done < self.total_steps:
                         # Queued right behind the step: the copy overlaps its compute.
                         self.feed.stage(next_batch(done))
-                    log_step = done % cfg.log_every == 0 or done == self.total_steps
                     if log_step:
                         log.write(meter.read(done))
                     if done % cfg.ckpt_every == 0 or done == self.total_steps:
@@ -729,12 +571,6 @@ class Trainer:
 # ---------------------------------------------------------------------------------------------- entry points
 
 
-def final_validation(out: Path, step: int) -> dict | None:
-    """The final validation record of a finished run (resumed again: it is not computed and written twice)."""
-    final = [r for r in read_records(out) if r["kind"] == "val" and r["step"] == step]
-    return final[-1] if final else None
-
-
 def export_final(trainer: "Trainer", out: Path) -> Path:
     """The drafter of the finished run into RUN/drafter (the final checkpoint is saved: a failure here loses
     nothing, a resume or `dflash export` exports it)."""
@@ -745,28 +581,6 @@ def export_final(trainer: "Trainer", out: Path) -> Path:
         if exc.errno not in DISK_ERRORS:
             raise
         raise disk_error(exc, "exporting the drafter failed", out) from None
-
-
-def check_out(cfg: TrainConfig) -> Path:
-    """The run folder must be a folder (made here), outside the stores, and writable: checked before any work."""
-    out = Path(cfg.out)
-    if out.exists() and not out.is_dir():
-        raise DflashError(f"--out {out} is a file; give --out a folder for the run (checkpoints, metrics, drafter)")
-    for flag, store in (("--shards", cfg.store), ("--val-shards", cfg.val_store)):
-        if store and (out.resolve() == Path(store).resolve() or Path(store).resolve() in out.resolve().parents):
-            raise DflashError(f"--out {out} is inside the store {store} ({flag}); give --out a folder outside it")
-    if cfg.max_damaged_rows < 0:
-        raise DflashError(f"--max-damaged-rows {cfg.max_damaged_rows} (must be at least 0)")
-    if cfg.export:  # refused now, not after the last step
-        check_export_target(out / "drafter", replace_export=True)
-    probe = out / f".write-test-{os.getpid()}"
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise DflashError(f"cannot write to --out {out} ({exc.strerror}); give --out a writable folder") from None
-    return out
 
 
 def run_training(cfg: TrainConfig) -> dict:
@@ -781,36 +595,43 @@ def run_training(cfg: TrainConfig) -> dict:
         identity = Store.open(cfg.store).manifest.identity
         checkpoint = Checkpointer(out, env.rank, env.world_size).to_resume(cfg, identity)
         start = read_state(checkpoint)["step"] if checkpoint is not None else 0
-        if checkpoint is not None and env.main:
-            drop_records_after(out, start)
+        kept = []  # the records of the steps up to the checkpoint (rank 0)
+        if cfg.resume and env.main:  # (from step 0 when there is no checkpoint to continue)
+            kept = drop_records_after(out, start)
+        done = finished_run(cfg, env, out, checkpoint)
+        if done is not None:
+            return done
         trainer = Trainer(cfg, env)
         prep = trainer.prepare(checkpoint)
         log = MetricsLog(out, env.main, cfg.tensorboard)
         logger.info(
-            "training %d-layer drafter (%.1f M parameters) on %d rank(s) from step %d to %d; warmup + capture "
-            "%.1f s (train step %.1f s, validation step %.1f s, capture and state restore %.1f s)",
+            "training %d-layer drafter (%.1f M parameters) on %d rank(s) from step %d to %d, a step's peak memory "
+            "estimated at %.1f GB; warmup + capture %.1f s (train step %.1f s, validation step %.1f s, capture and "
+            "state restore %.1f s)",
             trainer.dcfg.num_layers,
             sum(p.numel() for p in trainer.params) / 1e6,
             env.world_size,
             start,
             trainer.total_steps,
+            trainer.memory_estimate / 1e9,
             prep["total_s"],
             prep["train_warmup_s"],
             prep["val_warmup_s"],
             prep["capture_s"],
         )
+        # A run stopped by a damaged held-out row in the validation after its checkpoint's step has no record of it
+        validate_first = on_rank0(
+            env.rank,
+            env.world_size,
+            lambda: trainer.validation_due(start) and not any(r["kind"] == "val" and r["step"] == start for r in kept),
+        )
         try:
-            result = trainer.fit(start, log)
+            result = trainer.fit(start, log, validate_first)
             # The export comes before the final validation: a validation that fails must not cost the drafter.
             if cfg.export:  # rank 0 writes; its error reaches every rank (none waits in a collective for it)
                 result["export"] = on_rank0(env.rank, env.world_size, lambda: str(export_final(trainer, out)))
-            # A resumed run that had already finished has its final validation record: it is not written twice.
-            val = None
-            if start >= trainer.total_steps:
-                val = on_rank0(env.rank, env.world_size, lambda: final_validation(out, trainer.total_steps))
-            if val is None:
-                val = trainer.validate(trainer.total_steps)
-                log.write(val)
+            val = trainer.validate(trainer.total_steps)  # (a finished run resumed has none: see finished_run)
+            log.write(val)
         finally:
             log.close()
         result["val"] = val

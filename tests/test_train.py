@@ -5,6 +5,7 @@ target; the alignment tests rewrite its arrays with features that make the label
 """
 
 import dataclasses
+import io
 import json
 import math
 import os
@@ -165,6 +166,18 @@ def inclusive_mask(anchors, valid, doc_ids, block_size, window=None):
     return create_block_mask(mask_mod, R, None, A * block_size, T + A * block_size, device=anchors.device)
 
 
+def inclusive_dense_mask(dense_block_mask):
+    """inclusive_mask as the dense mask of the CPU step: each valid block also sees its anchor's position."""
+
+    def mask(anchors, valid, doc_ids, block_size, window=None):
+        visible = dense_block_mask(anchors, valid, doc_ids, block_size, window)
+        block_of_query = torch.arange(anchors.shape[1] * block_size) // block_size
+        anchor = anchors[:, block_of_query, None]
+        return visible.scatter(2, anchor, visible.gather(2, anchor) | valid[:, block_of_query, None])
+
+    return mask
+
+
 def shifted_labels(block_inputs):
     """The other historical bug: labels shifted once more (output k trained on token a+k+1)."""
 
@@ -236,7 +249,8 @@ def test_label_alignment(bug, store, target, tmp_path, monkeypatch):
     if bug == "shifted_labels":
         monkeypatch.setattr(blocks, "block_inputs", shifted_labels(blocks.block_inputs))
     if bug == "inclusive_mask":
-        monkeypatch.setattr(blocks, "block_attention_mask", inclusive_mask)
+        monkeypatch.setattr(blocks, "block_attention_mask", inclusive_mask)  # (the GPU's)
+        monkeypatch.setattr(blocks, "dense_block_mask", inclusive_dense_mask(blocks.dense_block_mask))  # (the CPU's)
     cfg = config(
         tmp_path / "store",
         tmp_path / "run",
@@ -441,6 +455,8 @@ def test_two_gloo_ranks_match_one_process(store, tmp_path):
     ]
     outputs = [p.communicate(timeout=240)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outputs  # a divergence of the ranks' weights would fail here
+    assert "training 1-layer drafter" in outputs[0] and "train step 4:" in outputs[0]
+    assert "training 1-layer drafter" not in outputs[1] and "step 4" not in outputs[1], outputs[1]  # rank 0's lines
     single = run_training(
         config(store, tmp_path / "single", max_steps=4, rows_per_step=1, grad_accum=2, method="dflash2")
     )
@@ -843,7 +859,7 @@ def test_resume_skips_a_checkpoint_mixing_two_saves_or_cut_short(store, tmp_path
     for name in ("model.pt", "optimizer.pt", "state.json", "rng_rank0.pt"):
         (ckpts / "step_2" / name).write_bytes(b"")
     (ckpts / "step_4" / "state.json").write_bytes(b"")
-    with pytest.raises(DflashError, match="has no complete checkpoint that loads"):
+    with pytest.raises(DflashError, match="has no checkpoint that loads .*remove its checkpoints folder"):
         run_training(config(store, run, max_steps=6, ckpt_every=2, resume=True))
 
 
@@ -936,14 +952,21 @@ def test_resume_refuses_another_store_naming_both(store, other_store, tmp_path):
         run_training(config(other_store, tmp_path / "run", max_steps=2, resume=True))
 
 
-def test_a_rerun_without_resume_does_not_append_to_an_earlier_runs_metrics(store, tmp_path):
+def test_a_run_killed_before_its_first_checkpoint_starts_again_on_resume(store, tmp_path, caplog):
+    """Without --resume the earlier run's records are kept and the way on named; --resume (what a scheduler's
+    requeue passes) starts it again from step 0, saying so, with the records of an uninterrupted run."""
+    full = _curve(run_training(config(store, tmp_path / "full", max_steps=2))["records"])
     run_training(config(store, tmp_path / "run", max_steps=2))
     shutil.rmtree(tmp_path / "run" / "checkpoints")  # killed before its first checkpoint
-    with pytest.raises(DflashError, match="metrics of an earlier run.*--resume.*start fresh"):
+    with pytest.raises(DflashError, match="stopped before its first checkpoint; pass --resume to start it again"):
         run_training(config(store, tmp_path / "run", max_steps=2))
-    with pytest.raises(DflashError, match="no complete checkpoint; remove .*metrics.jsonl and start without --resume"):
-        run_training(config(store, tmp_path / "run", max_steps=2, resume=True))
     assert [r["step"] for r in _records(tmp_path / "run")] == [1, 2]
+    run_training(config(store, tmp_path / "run", max_steps=2, resume=True))
+    assert "has no checkpoint (the run stopped before its first one): starting again from step 0" in caplog.text
+    assert _curve(_records(tmp_path / "run")) == full
+    assert [r["step"] for r in _records(tmp_path / "run", "val")] == [2]
+    run_training(config(store, tmp_path / "fresh", max_steps=2, resume=True))  # --resume into a new --out: a start
+    assert _curve(_records(tmp_path / "fresh")) == full
 
 
 def test_resuming_a_finished_run_writes_no_second_final_validation(store, tmp_path):
@@ -1234,3 +1257,156 @@ def test_a_one_source_store_has_no_per_source_metrics(store, tmp_path):
     run_training(config(store, tmp_path / "run", max_steps=2, log_every=1))
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert records and not any("sources" in r for r in records)
+
+
+# ---------------------------------------------------------------------------------------------- faults (issue 26)
+
+
+class _DiskFullAfter(io.RawIOBase):
+    """A file that takes `lines` lines, then fails every write with ENOSPC as a full disk does (what is still
+    buffered fails again at close)."""
+
+    def __init__(self, real, lines: int):
+        self.real, self.lines = real, lines
+
+    name = property(lambda self: self.real.name)
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        import errno
+
+        if self.lines <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.lines -= bytes(data).count(b"\n")
+        return self.real.write(data)
+
+
+def test_a_full_disk_while_writing_metrics_is_one_line_and_resumes_exactly(store, tmp_path, monkeypatch):
+    full = _curve(run_training(config(store, tmp_path / "full", max_steps=6, ckpt_every=2))["records"])
+    real_open = Path.open
+
+    def open_metrics(self, mode="r", *args, **kwargs):
+        if self.name != "metrics.jsonl" or mode != "a":
+            return real_open(self, mode, *args, **kwargs)
+        return io.TextIOWrapper(io.BufferedWriter(_DiskFullAfter(real_open(self, "ab", buffering=0), lines=3)))
+
+    monkeypatch.setattr(Path, "open", open_metrics)
+    args = (
+        "--max-steps",
+        "6",
+        "--ckpt-every",
+        "2",
+        "--log-every",
+        "1",
+        "--rows-per-step",
+        "2",
+        "--val-fraction",
+        "0.05",
+    )
+    result = _train_cli(store, tmp_path / "run", *args)
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and "Traceback" not in result.output and len(errors) == 1, result.output
+    assert "writing metrics.jsonl failed: No space left on device" in errors[0] and "--resume" in errors[0]
+    monkeypatch.setattr(Path, "open", real_open)
+    run_training(config(store, tmp_path / "run", max_steps=6, ckpt_every=2, resume=True))
+    assert _curve(_records(tmp_path / "run")) == full
+
+
+def test_a_full_disk_inside_torch_save_is_one_line_and_keeps_the_previous_checkpoint(store, tmp_path, monkeypatch):
+    """torch.save turns its file's OSError into a RuntimeError of its own: the disk's error is still the one named."""
+    import errno
+
+    from dflash import checkpoint
+
+    class SecondWriteFails(io.FileIO):  # torch.save reports a failure of its second write as "unexpected pos"
+        writes = 0
+
+        def write(self, data):
+            self.writes += 1
+            if self.writes == 2:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return super().write(data)
+
+    def open_(path, mode="r", *args, **kwargs):
+        if path.name == "model.pt" and "step_4" in path.parent.name:
+            return SecondWriteFails(path, "wb")
+        return open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "open", open_, raising=False)
+    result = _train_cli(store, tmp_path / "run", "--max-steps", "4", "--ckpt-every", "2")
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and "Traceback" not in result.output and len(errors) == 1, result.output
+    assert "writing checkpoint step_4 failed: No space left on device" in errors[0] and "step_2 is intact" in errors[0]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_2"]
+
+
+def test_a_damaged_held_out_row_mid_run_keeps_every_record_exact_across_the_resume(store, tmp_path):
+    """The step's train record is written before the stop, its checkpoint holds no sums of steps already recorded,
+    and the resume runs the validation that failed: the records are those of a run on the repaired store."""
+    options = dict(max_steps=6, val_every=2, log_every=2)
+    full = run_training(config(store, tmp_path / "full", **options))["records"]
+    val_full = [(r["step"], r["loss"], r["tau"]) for r in _records(tmp_path / "full", "val")]
+    shards = _copy_store(store, tmp_path / "store")
+    _, val_rows = reader.split_rows(Store.open(shards).num_rows, 0.05)
+    backup = _copy_store(shards, tmp_path / "backup")
+    _corrupt_row(shards, int(val_rows[0]))
+    with pytest.raises(DflashError, match=r"stopped after step 2 with checkpoint"):
+        run_training(config(shards, tmp_path / "run", **options))
+    assert [r["step"] for r in _records(tmp_path / "run")] == [2]
+    shutil.rmtree(shards)
+    shutil.copytree(backup, shards)  # repaired
+    run_training(config(shards, tmp_path / "run", **options, resume=True))
+    assert _curve(_records(tmp_path / "run")) == _curve(full)
+    assert [(r["step"], r["loss"], r["tau"]) for r in _records(tmp_path / "run", "val")] == val_full
+
+
+def test_a_cpu_run_past_the_available_memory_is_refused_before_any_model_is_built(store, tmp_path, monkeypatch):
+    """With a tiny MemAvailable the defaults are refused before the embedding is read or the drafter made, naming the
+    --anchors that fit; those anchors then train under the same memory."""
+    from dflash import memory, train
+
+    env = init_distributed("cpu")
+    estimates = {a: Trainer(config(store, tmp_path / f"e{a}", anchors=a, rows_per_step=1), env) for a in (4, 11)}
+    estimates = {a: trainer.memory_estimate for a, trainer in estimates.items()}
+    available = (estimates[4] + estimates[11]) // 2
+    (tmp_path / "meminfo").write_text(f"MemTotal: 99999999 kB\nMemAvailable: {available // 1024} kB\n")
+    monkeypatch.setattr(memory, "MEMINFO", tmp_path / "meminfo")
+    monkeypatch.setattr(memory, "CGROUP", tmp_path / "no-cgroup")
+    real_load = train.load_frozen
+    monkeypatch.setattr(train, "load_frozen", lambda *a: pytest.fail("the target's tensors were read"))
+    result = _train_cli(store, tmp_path / "run", "--anchors", "11")
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and "Traceback" not in result.output and len(errors) == 1, result.output
+    assert "available to this process (MemAvailable; 90% of it counts)" in errors[0] and "(11 now)" in errors[0]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() and not (tmp_path / "run" / "checkpoints").exists()
+    anchors = int(errors[0].split("--anchors ")[1].split()[0])
+    assert 4 <= anchors < 11
+    monkeypatch.setattr(train, "load_frozen", real_load)
+    assert _train_cli(store, tmp_path / "fits", "--anchors", str(anchors)).exit_code == 0
+    assert _train_cli(store, tmp_path / "ignored", "--anchors", "11", "--ignore-memory-estimate").exit_code == 0
+
+
+def test_a_held_out_store_of_the_same_target_read_from_another_path_is_accepted(store, other_store, tmp_path):
+    val = _copy_store(other_store, tmp_path / "val")
+    manifest = json.loads((val / "manifest.json").read_text())
+    tokenizer = {**manifest["tokenizer"], "name": "/elsewhere/a-copy-of-the-target"}
+    _manifest_edit(val, tokenizer=tokenizer)
+    run_training(config(store, tmp_path / "run", max_steps=1, val_store=str(val)))
+    _manifest_edit(val, tokenizer={**tokenizer, "special_ids": {**tokenizer["special_ids"], "eos": 5}})
+    with pytest.raises(DflashError, match=r"differs from the training store in tokenizer \(vocabulary size or special"):
+        run_training(config(store, tmp_path / "other", max_steps=1, val_store=str(val)))
+
+
+def test_a_finished_run_resumed_says_so_before_any_work_and_cannot_be_extended(store, tmp_path, monkeypatch, caplog):
+    caplog.set_level("INFO", logger="dflash")
+    first = run_training(config(store, tmp_path / "run", max_steps=2, export=True))
+    weights = (tmp_path / "run" / "drafter" / "model.safetensors").read_bytes()
+    monkeypatch.setattr(Trainer, "prepare", lambda *a: pytest.fail("a finished run warmed up"))
+    again = run_training(config(store, tmp_path / "run", max_steps=2, export=True, resume=True))
+    assert "finished all its 2 steps (checkpoint step_2): nothing left to train" in caplog.text
+    assert again["val"] == first["val"] and again["export"] == first["export"] and again["finished"]
+    assert (tmp_path / "run" / "drafter" / "model.safetensors").read_bytes() == weights  # exported again, the same
+    with pytest.raises(DflashError, match=r"max_steps: checkpoint 2, now 4.*cannot be extended or shortened exactly"):
+        run_training(config(store, tmp_path / "run", max_steps=4, resume=True))

@@ -96,6 +96,11 @@ class DFlash2Config(DrafterConfig):
         convs = self.num_layers * 2 * (2 * H * 2 * self.conv_kernel_size * self.conv_groups)  # two projections a layer
         return convs + 2 * H * r + 2 * K * H + 2 * K * r  # P h, candidate logits, edge scores
 
+    def method_activation_copies(self) -> float:
+        # Fitted to one measurement (bench/train.py drafter b: 45.3 GB peak against DFlash's 33.4 GB, of which the
+        # extra parameters are 2.6 GB); docs/training.md, "Memory".
+        return 11.6
+
     def extra_layer_keys(self) -> list[str]:
         return [f"{conv}.{name}" for conv in ("attention_conv", "mlp_conv") for name in CONV_KEYS]
 

@@ -1,0 +1,143 @@
+"""The peak memory of a training step, estimated from the shapes before anything is built, and the refusal of a
+run that would not fit the device (a CPU run past the machine's memory is otherwise killed by the OS without a
+word; a GPU run fails with an out-of-memory error after minutes of compile).
+
+The formula and its measured error are in docs/training.md ("Memory"); `step_memory` is its only home.
+"""
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dflash.drafter import DrafterConfig
+from dflash.errors import DflashError
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """What a step keeps, in copies of a width per token (fitted: docs/training.md, "Memory")."""
+
+    block: float  # per drafter layer and block token: copies of (hidden + FFN + q width)
+    context: float  # per context token: copies of the hidden width (its fused and normed context)
+    context_kv: float  # per context token and drafter layer: copies of the key / value width
+    loss: float  # copies of one loss chunk's fp32 logits [chunk, V]
+    mask: float  # bytes per (query, key) pair of the dense mask (the CPU's; the GPU's BlockMask is tiny)
+
+
+# GPU: the compiled bf16 step, fitted to bench/train.py's peaks on one H200 (docs/benchmarks.md, issue 24).
+GPU = Coefficients(block=3.45, context=7.4, context_kv=2.9, loss=1.0, mask=0.0)
+# CPU: the eager fp32 step, fitted to peak resident memory on a 2-core CPU box (docs/training.md, "Memory"); the
+# context's copies are the GPU's (not measured apart: small on the CPU).
+CPU = Coefficients(block=7.0, context=7.4, context_kv=2.9, loss=4.1, mask=4.3)
+# On the CPU a step past the memory is killed by the OS without a word, and the estimate runs up to 12 % low there
+# (docs/training.md): only this share of the available memory counts.
+CPU_USABLE = 0.9
+MEMINFO = Path("/proc/meminfo")
+CGROUP = Path("/sys/fs/cgroup")  # v2: memory.max and memory.current of this process's group
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a step holds, from the options and the store alone."""
+
+    rows: int  # rows per micro-step
+    micro_batches: int
+    token_budget: int
+    anchors: int
+    loss_chunk: int
+    stored_bytes_per_row: int  # one row of the store's arrays as they sit in the static buffers
+    parameters: int
+    lifted_width: int  # k of a subspace store's lift (0 without one)
+    cuda: bool
+
+
+def parameter_count(model_cls, dcfg: DrafterConfig) -> int:
+    """The drafter's trainable parameters, counted on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in model_cls(dcfg).parameters())
+
+
+def row_bytes(fields: dict) -> int:
+    """Bytes of one row in the step's buffers, from `reader.row_fields` (name -> (shape, torch dtype))."""
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in fields.values())
+
+
+def step_memory(dcfg: DrafterConfig, shape: StepShape) -> dict[str, int]:
+    """The estimated peak bytes of a training step by part (their sum is the estimate)."""
+    e = 2 if shape.cuda else 4  # bytes of a matmul value: bf16 under autocast, fp32 on the CPU
+    c = GPU if shape.cuda else CPU
+    H, V, L = dcfg.hidden_size, dcfg.vocab_size, dcfg.num_layers
+    T, R = shape.token_budget, shape.rows
+    Q = shape.anchors * dcfg.block_size  # block tokens of a row
+    q_width, kv_width = dcfg.num_attention_heads * dcfg.head_dim, dcfg.num_key_value_heads * dcfg.head_dim
+    # A method's own copies are measured on the GPU; the eager CPU step keeps more of everything, in proportion
+    method_copies = dcfg.method_activation_copies() * c.block / GPU.block
+    block_copies = c.block * (H + dcfg.intermediate_size + q_width) + method_copies * H
+    parts = {
+        # fp32 weights, the flat fp32 gradient, AdamW's two moments; bf16 copies of the weights under autocast
+        "weights and optimizer": shape.parameters * (16 + (2 if shape.cuda else 0)),
+        "frozen embedding and LM head": 2 * V * H * e + shape.lifted_width * dcfg.feature_dim * e,
+        "step buffers": shape.micro_batches * R * shape.stored_bytes_per_row,
+        "block activations": round(R * Q * L * block_copies * e),
+        "context activations": round(R * T * (c.context * H + c.context_kv * L * kv_width) * e),
+        # a chunk holds at most the labels of a micro-step
+        "loss chunk logits": round(min(shape.loss_chunk, R * shape.anchors * dcfg.span) * V * 4 * c.loss),
+        "dense attention mask": round(R * Q * (T + Q) * c.mask),
+    }
+    return parts
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes the step may use: free GPU memory, or the host's MemAvailable (within a cgroup's limit); None where
+    unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        meminfo = dict(line.split(":", 1) for line in MEMINFO.read_text().splitlines() if ":" in line)
+        available = int(meminfo["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+    try:  # a container's limit may be far below the host's memory
+        limit = (CGROUP / "memory.max").read_text().strip()
+        if limit != "max":
+            available = min(available, int(limit) - int((CGROUP / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
+
+
+def check_memory(dcfg: DrafterConfig, shape: StepShape, available: int | None, device: torch.device) -> int:
+    """Refuse a step whose estimated peak exceeds `available` (on the CPU: its usable share), naming the estimate, its largest parts and what to
+    change (the --anchors that would fit). Returns the estimate."""
+    parts = step_memory(dcfg, shape)
+    need = sum(parts.values())
+    usable = None if available is None else available if device.type == "cuda" else int(available * CPU_USABLE)
+    if usable is None or need <= usable:
+        return need
+    fitting = next((a for a in range(shape.anchors - 1, 0, -1) if _total(dcfg, shape, a) <= usable), None)
+    largest = sorted(parts.items(), key=lambda kv: -kv[1])[:3]
+    detail = ", ".join(f"{name} {_size(n)}" for name, n in largest)
+    where = (
+        "free on the GPU"
+        if device.type == "cuda"
+        else f"available to this process (MemAvailable; {CPU_USABLE:.0%} of it counts)"
+    )
+    fix = f"--anchors {fitting} fits" if fitting else "not even --anchors 1 fits"
+    raise DflashError(
+        f"a training step needs about {_size(need)} ({detail}) but {_size(available)} is {where}: {fix} "
+        f"({shape.anchors} now); fewer --rows-per-step, a smaller --loss-chunk, fewer --draft-layers or a store of a "
+        "shorter --token-budget also lower it; --ignore-memory-estimate runs it anyway (docs/training.md, 'Memory')"
+    )
+
+
+def _total(dcfg: DrafterConfig, shape: StepShape, anchors: int) -> int:
+    return sum(step_memory(dcfg, dataclasses.replace(shape, anchors=anchors)).values())

@@ -1,0 +1,295 @@
+"""What a training run checks and decides before its trainer does any work: the store against its options and its
+target (held-out store, self-check, teacher arrays, shapes), the drafter's config, the step's memory, the run
+folder, whether a resumed run had already finished; and the process's place among the ranks.
+
+Everything the trainer reads from the store's manifest and the target's files is here (dflash.train builds the
+trainer from it).
+"""
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dflash import loss, memory, methods
+from dflash.checkpoint import Checkpointer, on_rank0, read_state
+from dflash.config import TrainConfig
+from dflash.device import local_device
+from dflash.drafter import DrafterConfig
+from dflash.errors import DflashError
+from dflash.export import check_export_target
+from dflash.manifest import Manifest
+from dflash.metrics import SumsLayout, Tally, read_records
+from dflash.store import Store, target_path
+from dflash.target_files import MASK_TOKEN, load_config, load_embedding_and_head
+
+logger = logging.getLogger("dflash")
+
+ANCHORS_PER_3072 = 512  # the paper: 512 anchors per 3072-token sequence; scaled with the token budget
+
+
+# ---------------------------------------------------------------------------------------------- the store's manifest
+
+
+def check_val_store(train: Store, val: Store, train_path: str, path: str) -> None:
+    """A held-out store is read into the training rows' buffers and scored against the same target: it must share
+    the target (its config and the dtype it ran in), the tapped layers, the tokenizer, the row layout and the
+    feature encoding (a subspace store: the very same projection) of the training store. Weights are not
+    compared: a fine-tune with the same config passes."""
+    if Path(path).resolve() == Path(train_path).resolve():
+        raise DflashError(f"--val-shards {path} is the training store itself; give a store of held-out documents")
+    a, b = train.manifest, val.manifest
+    differ = [name for name in ("layer_ids", "token_budget") if getattr(a, name) != getattr(b, name)]
+    # The tokenizer by content (its name is the path it was read from: the same target elsewhere is the same)
+    if (a.tokenizer.vocab_size, a.tokenizer.special_ids) != (b.tokenizer.vocab_size, b.tokenizer.special_ids):
+        differ.append("tokenizer (vocabulary size or special token ids)")
+    if a.target.config_hash != b.target.config_hash:
+        differ.append("target (config hash)")
+    if a.fingerprint.get("dtype") != b.fingerprint.get("dtype"):
+        differ.append("the dtype the target ran in")
+    if (a.features.precision, a.features.width, a.features.scale_groups) != (
+        b.features.precision,
+        b.features.width,
+        b.features.scale_groups,
+    ):
+        differ.append("the feature encoding (--precision, --subspace, --scale-groups)")
+    elif train.projection is not None and not np.array_equal(train.projection, val.projection):
+        differ.append(f"the subspace projection (harvest the held-out store with --projection-from {train_path})")
+    if differ:
+        raise DflashError(
+            f"the held-out store {path} differs from the training store in {', '.join(differ)}; harvest the "
+            "held-out documents with the same --model, --layers, --token-budget and feature encoding"
+        )
+
+
+def check_self_check(cfg: TrainConfig, store: Store) -> None:
+    """A store whose recorded check against its target failed holds features the target does not produce: refuse
+    it unless told otherwise."""
+    check = store.manifest.self_check
+    if check is not None and not check.passed and not cfg.allow_failed_self_check:
+        raise DflashError(
+            f"the store {store.path} failed its check against the target at harvest ({check.describe()}); its "
+            "features are not what the target computes: harvest again, or pass --allow-failed-self-check to train anyway"
+        )
+
+
+def target_path_for(cfg: TrainConfig, store: Store) -> str:
+    path = cfg.target or target_path(store.path, store.manifest)
+    if cfg.target is None and Path(path).is_absolute() and not Path(path).exists():  # (a hub name is not absolute)
+        raise DflashError(
+            f"the store was harvested from {path}, which is not here; pass --target the target checkpoint folder"
+        )
+    return path
+
+
+# Drafter fields that follow from the store (or from --block-size): an override would train one drafter and
+# export the config of another.
+STORE_FIXED_FIELDS = {
+    "target_layer_ids",
+    "num_target_layers",
+    "hidden_size",
+    "vocab_size",
+    "block_size",
+}
+
+
+def tally_for(store: Store, block_size: int, device) -> Tally:
+    """Zeroed metric sums for the steps over `store`: split by its data sources when it has several, with each doc
+    id's source on the device."""
+    names, doc_source = [], None
+    if store.document_sources is not None and len(store.manifest.sources) > 1:
+        names = [source["source"] for source in store.manifest.sources]
+        doc_source = torch.from_numpy(store.document_sources.astype(np.int64)).to(device)
+    layout = SumsLayout(block_size, len(names))
+    return Tally(layout, layout.zeros(device), names, doc_source)
+
+
+def drafter_config(cfg: TrainConfig, store: Store, target_path: str) -> DrafterConfig:
+    """The drafter shaped like the target recorded in the store; --draft-layers and overrides on top. A
+    version-1 store records no text config: it is read from the target's config.json."""
+    manifest = store.manifest
+    fixed = sorted(set(cfg.drafter_overrides) & STORE_FIXED_FIELDS)
+    if fixed:
+        raise DflashError(
+            f"--drafter-option cannot set {', '.join(fixed)}: the store fixes them (its target's width, vocabulary, "
+            "and tapped layers); --block-size sets the block size"
+        )
+    config_cls = methods.get(cfg.method).config_cls
+    overrides = dict(cfg.drafter_overrides)
+    if cfg.block_size is not None:
+        overrides["block_size"] = cfg.block_size
+    if "num_anchors" in {f.name for f in dataclasses.fields(config_cls)}:  # a method that records them (DSpark)
+        overrides["num_anchors"] = anchors_per_row(cfg, store.token_budget)
+    mask = overrides.pop("mask_token_id", manifest.tokenizer.mask_id)
+    if mask is None:
+        raise DflashError(
+            f"the target's tokenizer has no {MASK_TOKEN} token and no mask token id was given; "
+            "pass --drafter-option mask_token_id=ID (a token id of the target's vocabulary)"
+        )
+    text = manifest.target.text_config() if manifest.target.has_text_config else load_config(target_path, "--target")
+    return config_cls.from_target_config(text, list(manifest.layer_ids), mask, num_layers=cfg.draft_layers, **overrides)
+
+
+def anchors_per_row(cfg: TrainConfig, token_budget: int) -> int:
+    return cfg.anchors or max(1, round(token_budget * ANCHORS_PER_3072 / 3072))
+
+
+def load_frozen(path: str, manifest: Manifest) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's embedding and LM head, checked against the vocabulary and width the store was made with."""
+    embed, head = load_embedding_and_head(path)
+    want = (manifest.target.vocab_size, manifest.target.hidden_size)
+    for name, w in (("embedding", embed), ("LM head", head)):
+        if tuple(w.shape) != want:
+            raise DflashError(
+                f"the {name} of {path} is {tuple(w.shape)} but the store was harvested from a target with "
+                f"vocabulary {want[0]} and hidden size {want[1]}; pass --target the checkpoint the store was made from"
+            )
+    return embed, head
+
+
+def check_teacher(method: methods.Method, store: Store, path: str) -> dict:
+    """The teacher arrays a method trains from ({} for one that needs none), or a refusal for a store without."""
+    if not method.needs_teacher:
+        return {}
+    if store.teacher is None:
+        raise DflashError(
+            f"--method {method.name} trains against the target's next-token distribution, which {path} does not "
+            "hold: harvest it with --teacher hidden (exact, H bf16 values per token) or --teacher topk:K (K + 1 "
+            "probabilities and K ids per token)"
+        )
+    return store.teacher_layout
+
+
+def check_step_memory(
+    cfg: TrainConfig, dcfg: DrafterConfig, method, fields: dict, anchors: int, lifted_width: int, device
+) -> int:
+    """The estimated peak bytes of a step (dflash.memory), refused before anything is built when the device has
+    less (unless --ignore-memory-estimate)."""
+    T = fields["input_ids"][0][0]
+    shape = memory.StepShape(
+        rows=cfg.rows_per_step,
+        micro_batches=cfg.grad_accum,
+        token_budget=T,
+        anchors=anchors,
+        loss_chunk=cfg.loss_chunk or loss.default_chunk_size(dcfg.vocab_size),
+        stored_bytes_per_row=memory.row_bytes(fields),
+        parameters=memory.parameter_count(method.model_cls, dcfg),
+        lifted_width=lifted_width,
+        cuda=device.type == "cuda",
+    )
+    available = None if cfg.ignore_memory_estimate else memory.available_memory(device)
+    if available is not None and device.type == "cpu":  # the ranks of one host share its memory
+        available //= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return memory.check_memory(dcfg, shape, available, device)
+
+
+def check_shapes(cfg: TrainConfig, token_budget: int, anchors: int, feature_dim: int, dcfg: DrafterConfig):
+    B = dcfg.span  # the tokens a block covers, from its anchor to its last draft
+    if dcfg.drafts_per_block < 1 or token_budget < B:
+        raise DflashError(
+            f"a row of the store holds {token_budget} tokens, which cannot hold a block of {dcfg.block_size} "
+            f"({dcfg.drafts_per_block} drafts); use a --block-size that drafts at least one token and fits the "
+            "store's token budget"
+        )
+    if not 1 <= anchors <= token_budget - B + 1:
+        raise DflashError(
+            f"{anchors} anchors per row cannot fit a {token_budget}-token row with blocks of {B} "
+            f"(at most {token_budget - B + 1}); lower --anchors"
+        )
+    if feature_dim != dcfg.feature_dim:
+        raise DflashError(
+            f"the store's features are {feature_dim} wide but the drafter fuses {dcfg.feature_dim} "
+            f"({len(dcfg.target_layer_ids)} layers x {dcfg.hidden_size}); the store's manifest and target do not match"
+        )
+
+
+# ---------------------------------------------------------------------------------------------- environment
+
+
+@dataclass(frozen=True)
+class Env:
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: str | None) -> Env:
+    """One process per device under torchrun (RANK / WORLD_SIZE / LOCAL_RANK); NCCL on CUDA, gloo on the CPU."""
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if rank != 0 and logger.getEffectiveLevel() < logging.WARNING:
+        logger.setLevel(logging.WARNING)  # their info lines would repeat rank 0's; warnings and errors are their own
+    dev = local_device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        device_id = dev if dev.type == "cuda" else None
+        dist.init_process_group(backend, rank=rank, world_size=world_size, device_id=device_id)
+    return Env(rank, world_size, dev)
+
+
+# ---------------------------------------------------------------------------------------------- the run folder
+
+
+def final_validation(out: Path, step: int) -> dict | None:
+    """The final validation record of a finished run (resumed again: it is not computed and written twice)."""
+    final = [r for r in read_records(out) if r["kind"] == "val" and r["step"] == step]
+    return final[-1] if final else None
+
+
+def finished_run(cfg: TrainConfig, env: Env, out: Path, checkpoint: Path | None) -> dict | None:
+    """The result of resuming a run that had finished (its last checkpoint and its final validation written), said
+    before any work: its drafter exported again (from the checkpoint) when --export; None for a run not finished."""
+    state = read_state(checkpoint) if checkpoint is not None else None
+    if state is None or state["step"] < state["total_steps"]:
+        return None
+    val = on_rank0(env.rank, env.world_size, lambda: final_validation(out, state["step"]))
+    if val is None:  # its final validation failed (a damaged held-out row): the trainer runs it again
+        return None
+    logger.info(
+        "%s finished all its %d steps (checkpoint %s): nothing left to train. It cannot be extended exactly (the "
+        "learning rate's schedule spans the total steps): to train longer, train into a new --out with more "
+        "--max-steps or --epochs",
+        out,
+        state["step"],
+        checkpoint.name,
+    )
+    result = {"records": [], "val": val, "damaged_rows": [], "finished": True}
+    if cfg.export:
+
+        def export() -> str:
+            return str(Checkpointer(out).export(out / "drafter", dtype=cfg.export_dtype, force=True))
+
+        result["export"] = on_rank0(env.rank, env.world_size, export)
+    return result
+
+
+def check_out(cfg: TrainConfig) -> Path:
+    """The run folder must be a folder (made here), outside the stores, and writable: checked before any work."""
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise DflashError(f"--out {out} is a file; give --out a folder for the run (checkpoints, metrics, drafter)")
+    for flag, store in (("--shards", cfg.store), ("--val-shards", cfg.val_store)):
+        if store and (out.resolve() == Path(store).resolve() or Path(store).resolve() in out.resolve().parents):
+            raise DflashError(f"--out {out} is inside the store {store} ({flag}); give --out a folder outside it")
+    if cfg.max_damaged_rows < 0:
+        raise DflashError(f"--max-damaged-rows {cfg.max_damaged_rows} (must be at least 0)")
+    if cfg.export:  # refused now, not after the last step
+        check_export_target(out / "drafter", replace_export=True)
+    probe = out / f".write-test-{os.getpid()}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise DflashError(f"cannot write to --out {out} ({exc.strerror}); give --out a writable folder") from None
+    return out
