@@ -148,6 +148,11 @@ class DrafterConfig:
         """Forward matmul FLOPs per block token of a method's modules beyond DFlash's (dflash.metrics.step_flops)."""
         return 0.0
 
+    def loss_logit_copies(self, teacher: str | None) -> float:
+        """fp32 [loss chunk x V] logits a method's loss keeps at its peak on a GPU, with the store's teacher kind
+        (`hidden`, `topk` or None; dflash.memory.step_memory): DFlash's chunked CE keeps one."""
+        return 1.0
+
     def method_activation_copies(self) -> float:
         """Activations a method's modules keep per drafter layer and block token beyond DFlash's, in copies of the
         hidden width (dflash.memory.step_memory)."""

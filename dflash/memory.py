@@ -52,6 +52,7 @@ class StepShape:
     parameters: int
     lifted_width: int  # k of a subspace store's lift (0 without one)
     cuda: bool
+    teacher: str | None = None  # the teacher kind the method trains from (`hidden`, `topk`), None without
 
 
 def parameter_count(model_cls, dcfg: DrafterConfig) -> int:
@@ -84,7 +85,13 @@ def step_memory(dcfg: DrafterConfig, shape: StepShape) -> dict[str, int]:
         "block activations": round(R * Q * L * block_copies * e),
         "context activations": round(R * T * (c.context * H + c.context_kv * L * kv_width) * e),
         # a chunk holds at most the labels of a micro-step
-        "loss chunk logits": round(min(shape.loss_chunk, R * shape.anchors * dcfg.span) * V * 4 * c.loss),
+        "loss chunk logits": round(
+            min(shape.loss_chunk, R * shape.anchors * dcfg.span)
+            * V
+            * 4
+            * c.loss
+            * dcfg.loss_logit_copies(shape.teacher)
+        ),
         "dense attention mask": round(R * Q * (T + Q) * c.mask),
     }
     return parts

@@ -165,6 +165,13 @@ def check_teacher(method: methods.Method, store: Store, path: str) -> dict:
     return store.teacher_layout
 
 
+def teacher_kind(fields: dict) -> str | None:
+    """The kind of teacher arrays among a step's buffers (`hidden`, `topk`), None without."""
+    if "teacher_hidden" in fields:
+        return "hidden"
+    return "topk" if "teacher_ids" in fields else None
+
+
 def check_step_memory(
     cfg: TrainConfig, dcfg: DrafterConfig, method, fields: dict, anchors: int, lifted_width: int, device
 ) -> int:
@@ -181,6 +188,7 @@ def check_step_memory(
         parameters=memory.parameter_count(method.model_cls, dcfg),
         lifted_width=lifted_width,
         cuda=device.type == "cuda",
+        teacher=teacher_kind(fields),
     )
     available = None if cfg.ignore_memory_estimate else memory.available_memory(device)
     if available is not None and device.type == "cpu":  # the ranks of one host share its memory

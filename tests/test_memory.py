@@ -11,7 +11,8 @@ from dflash.memory import StepShape, check_memory, parameter_count, step_memory
 
 
 def drafter(hidden: int, heads: int, ffn: int, method: str = "dflash"):
-    """bench/train.py's drafters: 5 layers, 4 KV heads of 256, vocabulary 248320, block 16, 5 tapped layers."""
+    """bench/train.py's drafters: 5 layers, 4 KV heads of 256, vocabulary 248320, 5 tapped layers, the method's
+    default block (16; DSpark's 7)."""
     return methods.get(method).config_cls(
         hidden_size=hidden,
         intermediate_size=ffn,
@@ -23,7 +24,7 @@ def drafter(hidden: int, heads: int, ffn: int, method: str = "dflash"):
         mask_token_id=0,
         target_layer_ids=[1, 8, 15, 22, 29],
         num_target_layers=32,
-        block_size=16,
+        block_size=7 if method == "dspark" else 16,
         max_position_embeddings=262144,
     )
 
@@ -31,29 +32,44 @@ def drafter(hidden: int, heads: int, ffn: int, method: str = "dflash"):
 A, B = (5120, 24, 17408), (2560, 16, 9216)  # 27B-class and 4B-class targets' widths, heads and FFN
 
 
-def gpu_shape(dcfg, token_budget: int, anchors: int = 2048, rows: int = 1, loss_chunk: int = 2048) -> StepShape:
+def gpu_shape(
+    dcfg, token_budget: int, anchors: int = 2048, rows: int = 1, loss_chunk: int = 2048, teacher: str | None = None
+) -> StepShape:
     per_token = dcfg.feature_dim * 2 + 4 * 4  # bf16 features and four int32 token arrays
     model_cls = methods.get(dcfg.method).model_cls
     return StepShape(
-        rows, 1, token_budget, anchors, loss_chunk, token_budget * per_token, parameter_count(model_cls, dcfg), 0, True
+        rows,
+        1,
+        token_budget,
+        anchors,
+        loss_chunk,
+        token_budget * per_token,
+        parameter_count(model_cls, dcfg),
+        0,
+        True,
+        teacher,
     )
 
 
-# Peak allocated GB of bench/train.py on one H200 (docs/benchmarks.md, issue 24): 2048 anchors, block 16.
+# Peak allocated GB of bench/train.py on one H200 (docs/benchmarks.md, issue 24 and "Drafter methods"): 2048
+# anchors, the method's block, DSpark with the store's teacher kind.
 MEASURED = [
-    (B, "dflash", 12288, 33.4),
-    (B, "dflash", 32768, 35.3),
-    (B, "dflash", 65536, 38.2),
-    (B, "dflash", 131072, 44.4),
-    (A, "dflash", 12288, 73.9),
-    (A, "dflash", 32768, 77.1),
-    (B, "dflash2", 12288, 45.3),
+    (B, "dflash", None, 12288, 33.4),
+    (B, "dflash", None, 32768, 35.3),
+    (B, "dflash", None, 65536, 38.2),
+    (B, "dflash", None, 131072, 44.4),
+    (A, "dflash", None, 12288, 73.9),
+    (A, "dflash", None, 32768, 77.1),
+    (B, "dflash2", None, 12288, 45.3),
+    (B, "dspark", "topk", 12288, 32.6),
+    (B, "dspark", "hidden", 12288, 40.8),
 ]
 
 
-@pytest.mark.parametrize("widths, method, token_budget, peak_gb", MEASURED)
-def test_the_estimate_matches_the_measured_gpu_peaks_within_2_percent(widths, method, token_budget, peak_gb):
-    estimate = sum(step_memory(drafter(*widths, method), gpu_shape(drafter(*widths, method), token_budget)).values())
+@pytest.mark.parametrize("widths, method, teacher, token_budget, peak_gb", MEASURED)
+def test_the_estimate_matches_the_measured_gpu_peaks_within_2_percent(widths, method, teacher, token_budget, peak_gb):
+    dcfg = drafter(*widths, method)
+    estimate = sum(step_memory(dcfg, gpu_shape(dcfg, token_budget, teacher=teacher)).values())
     assert estimate / 1e9 == pytest.approx(peak_gb, rel=0.02)
 
 

@@ -89,6 +89,13 @@ class DSparkConfig(DrafterConfig):
         markov = 2 * self.markov_rank * self.vocab_size  # W2 e over the vocabulary
         return markov + (2 * self.confidence_width if self.enable_confidence_head else 0)
 
+    def loss_logit_copies(self, teacher: str | None) -> float:
+        # Fitted to bench/train.py's drafter b (12288 tokens, 2048 anchors, default chunk): 32.6 GB peak with a
+        # top-k teacher and 40.8 GB with the hidden one, where the rest of the formula gives 23.2 GB; the backward
+        # holds p, its sign, the label's one-hot and grad z of a chunk, and with `hidden` the teacher's logits
+        # and p_t too (docs/training.md, "Memory").
+        return 8.65 if teacher == "hidden" else 4.6
+
     def extra_keys(self) -> list[str]:
         keys = ["markov_head.markov_w1.weight", "markov_head.markov_w2.weight"]
         if self.enable_confidence_head:
