@@ -363,6 +363,32 @@ def test_resume_reproduces_the_uninterrupted_run(store, tmp_path):
     assert [r["loss"] for r in resumed] == full[6:]  # exact: same rows, anchors, weights and optimizer state
 
 
+def test_kernel_options_and_mask_tiles_reach_the_step_and_keep_the_curve(store, tmp_path, monkeypatch):
+    # On the CPU the drafter evaluates the mask densely: what this checks is that the options get to the BlockMask
+    # and the attention modules, and that the step is unchanged (test_blocks: every tile size gives the same pairs).
+    tiles = []
+    build = blocks.block_attention_mask
+
+    def spy(*args):
+        mask = build(*args)
+        tiles.append(mask.BLOCK_SIZE)
+        return mask
+
+    monkeypatch.setattr(blocks, "block_attention_mask", spy)
+    default = run_training(config(store, tmp_path / "default", max_steps=3))["records"]
+    assert set(tiles) == {(blocks.DEFAULT_MASK_TILE,) * 2}
+    tiles.clear()
+    options = {"bwd_num_warps": 8, "USE_TMA": True}
+    cfg = config(store, tmp_path / "tuned", max_steps=3, attention_kernel_options=options, mask_tile_size=16)
+    trainer = Trainer(cfg, init_distributed("cpu"))
+    assert all(layer.self_attn.kernel_options == options for layer in trainer.model.layers)
+    tuned = run_training(cfg)["records"]
+    assert set(tiles) == {(16, 16)}
+    assert [r["loss"] for r in tuned] == [r["loss"] for r in default]
+    # Speed options, like --compile: a resume may change them.
+    assert fingerprint(cfg, 1) == fingerprint(config(store, tmp_path / "tuned", max_steps=3), 1)
+
+
 def test_resume_with_other_options_names_them(store, tmp_path):
     run_training(config(store, tmp_path / "run", max_steps=2))
     with pytest.raises(DflashError, match=r"lr: checkpoint 0.0006, now 0.001.*max_steps"):
