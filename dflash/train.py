@@ -497,7 +497,9 @@ class Trainer:
         values[layout["accepted"]] = stats.accepted
         values[layout["blocks"]] = stats.anchors
         values[layout["context_tokens"]] = (x["segments"] >= 0).sum()
-        values[layout["pairs"]] = visible_pairs(x["anchors"], x["valid"], x["segments"], self.block_size)
+        values[layout["pairs"]] = visible_pairs(
+            x["anchors"], x["valid"], x["segments"], self.block_size, self.dcfg.sliding_window
+        )
         values[layout.correct] = stats.correct
         values[layout.counted] = stats.counted
         if doc_source is not None:

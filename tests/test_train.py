@@ -332,15 +332,16 @@ def assert_same_validation(val, reference):
     np.testing.assert_allclose([val[k] for k in ("loss", "tau")], [reference[k] for k in ("loss", "tau")], rtol=1e-3)
 
 
-def test_visible_pairs_count_the_mask():
+@pytest.mark.parametrize("window", [None, 1, 3, 9, 40])
+def test_visible_pairs_count_the_mask(window):
     """The attention pairs that MFU counts are the pairs the BlockMask rule lets attend (valid blocks)."""
     g = torch.Generator().manual_seed(0)
     doc_ids = torch.tensor([[0] * 20 + [1] * 30 + [-1] * 14, [5] * 64])
     loss_mask = (torch.rand(2, 64, generator=g) > 0.3).to(torch.uint8)
     anchors, valid = blocks.sample_anchors(loss_mask, doc_ids, 12, B, torch.tensor([[7], [8]]))
-    dense = blocks.dense_block_mask(anchors, valid, doc_ids, B)
+    dense = blocks.dense_block_mask(anchors, valid, doc_ids, B, window)
     counted = dense * valid.repeat_interleave(B, dim=1)[:, :, None]
-    assert visible_pairs(anchors, valid, doc_ids, B) == counted.sum()
+    assert visible_pairs(anchors, valid, doc_ids, B, window) == counted.sum()
 
 
 def test_recompile_is_an_error_naming_the_cause():
