@@ -172,8 +172,11 @@ def assert_inference_form_equals_training_form(model, cfg, s: int = 13):
     torch.testing.assert_close(inferred, trained, rtol=1e-12, atol=1e-12)
 
 
-def test_inference_form_equals_training_form_with_one_anchor_at_the_end():
-    cfg = small_config()
+# Windows that hide context (1: slot 0 sees none), one that hides the first position from the last slot only (16 =
+# s + B - 1) and one just past it (17: decoding passes no mask at all), with 13 context tokens and B = 4.
+@pytest.mark.parametrize("window", [None, 1, 6, 16, 17])
+def test_inference_form_equals_training_form_with_one_anchor_at_the_end(window):
+    cfg = small_config(sliding_window=window)
     assert_inference_form_equals_training_form(make_drafter(cfg, seed=1), cfg)
 
 
