@@ -19,6 +19,22 @@ Multi-GPU scaling: one process per GPU under torchrun (NCCL; gloo on the CPU), n
     python bench/train.py --tiny --json /tmp/t1.json     # the same on the CPU with toy shapes: one process,
     torchrun --nproc-per-node 2 bench/train.py --tiny --json /tmp/t2.json --compare-to /tmp/t1.json  # 2 gloo ranks
 
+Attention kernels (issue 24): --flex-options times each drafter once per set of flex_attention kernel options
+(TrainConfig.attention_kernel_options; the key "mask_tile_size" sets TrainConfig.mask_tile_size instead), one table
+row each. `sweep` is FLEX_SWEEP below, candidates for head_dim 256 on the H200 from torch 2.13's sm90 tables:
+    default             torch's choice: forward 64 x 32, 3 stages, 4 warps; backward 64 x 64 x 64 x 64, 2 stages, 4 warps
+    bwd-8warps          the same backward tiles on 8 warps (half the dK / dV accumulator registers per thread)
+    bwd-1stage-8warps   1 stage, 8 warps (what torch takes on sm100 past head_dim 192)
+    bwd-32x64-3stages   BLOCK_M1 32, N1 64, M2 64, N2 32, 3 stages (torch's max-autotune pattern (M, N, N, M))
+    tma                 USE_TMA (Hopper's tensor memory accelerator for the loads)
+    tile64              BlockMask tiles of 64 instead of 128 (more of the sparse mask skipped)
+Each set compiles the step anew; keep a call under the 10-minute limit with fewer steps:
+
+    python3 bench/train.py --drafter b --flex-options sweep --steps 30 --ungraphed-steps 3 --json $OUT/flex.json
+    python3 bench/train.py --drafter b --row-shapes 1x32768:2048 --flex-options '{};{"bwd_num_warps": 8}'
+    python3 bench/train.py --drafter b --row-shapes 1x32768:2048 --methods dflash,dflash-window2048,dflash2,dflash2-full
+    python bench/train.py --tiny --flex-options sweep --steps 3      # the same on the CPU (options have no effect)
+
 The data is written through the real store writer (`PartWriter`, random bf16 features, random token ids,
 documents of 3072 tokens, loss mask on everywhere) into --work, with a fake target folder next to it holding
 only config.json and the embedding / LM head; both are reused by a later run with the same shapes. The store
