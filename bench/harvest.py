@@ -4,11 +4,16 @@ against the bare forward of the same target, measured in the same process; under
 The target has the Qwen3.5-27B-like shapes of shared/DEVICE.md (hidden 5120, FFN 17408, 24 / 4 heads of 256,
 Gated-DeltaNet 48 value / 16 key heads of 128, 3 linear layers per full-attention layer) with random bf16
 weights, built on the GPU. Only the layers up to the last tapped one exist, as in a real harvest. Documents are
-random token ids, 3072 tokens each (DFlash's max length), packed 4 to a 12288-token row.
+random token ids, 3072 tokens each (DFlash's max length; --doc-length), packed 4 to a 12288-token row.
 
     python bench/harvest.py --layers 64 --groups 16         # full depth: the bar (a 34 GB store on disk)
     python bench/harvest.py --layers 8 --groups 6           # truncated depth: where writing becomes the limit
     python bench/harvest.py --tiny                          # toy shapes on the CPU: checks the script
+
+Long documents (issue 24's bar: harvest/bare >= 90 % at 32768-token documents, full depth), one document a row:
+
+    python bench/harvest.py --layers 64 --groups 8 --doc-length 32768 --token-budget 32768 --forward-tokens 65536
+    python bench/harvest.py --tiny --doc-length 384 --token-budget 384  # the same layout on the CPU
 
 Several GPUs (weak scaling: every rank harvests as many rows as the one-GPU run, into its own part of one store,
 from its own GPU cuda:LOCAL_RANK; ranks start each timed phase together, sharing the host's disk and cores):
@@ -400,9 +405,9 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=64, help="target depth (the harvest runs up to the last tap)")
     parser.add_argument("--groups", type=int, default=8, help="row groups timed in the harvest")
-    parser.add_argument("--doc-length", type=int, default=3072)
-    parser.add_argument("--token-budget", type=int, default=12288)
-    parser.add_argument("--forward-tokens", type=int, default=49152)
+    parser.add_argument("--doc-length", type=int, default=3072, help="tokens per document (one per row at 32768)")
+    parser.add_argument("--token-budget", type=int, default=12288, help="tokens per row: whole documents packed")
+    parser.add_argument("--forward-tokens", type=int, default=49152, help="tokens per forward: whole rows")
     parser.add_argument("--out", default="/tmp/dflash-bench-store")
     parser.add_argument("--precision", choices=["bf16", "fp8"], default="bf16", help="the store's feature precision")
     parser.add_argument("--subspace", default="none", help="the store's subspace width (K, 1/4, or none)")
@@ -413,7 +418,13 @@ def parse_args():
     parser.add_argument("--tiny", action="store_true", help=f"toy shapes (defaults {TINY}) for a check on the CPU")
     if parser.parse_known_args()[0].tiny:  # toy defaults; options given explicitly still win
         parser.set_defaults(**TINY)
-    return parser.parse_args()
+    args = parser.parse_args()
+    if not 1 <= args.doc_length <= args.token_budget <= args.forward_tokens:
+        parser.error(
+            f"--doc-length {args.doc_length}, --token-budget {args.token_budget} and --forward-tokens "
+            f"{args.forward_tokens} must grow in that order (a row holds whole documents, a forward whole rows)"
+        )
+    return args
 
 
 def main():

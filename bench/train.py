@@ -19,6 +19,22 @@ Multi-GPU scaling: one process per GPU under torchrun (NCCL; gloo on the CPU), n
     python bench/train.py --tiny --json /tmp/t1.json     # the same on the CPU with toy shapes: one process,
     torchrun --nproc-per-node 2 bench/train.py --tiny --json /tmp/t2.json --compare-to /tmp/t1.json  # 2 gloo ranks
 
+Attention kernels (issue 24): --flex-options times each drafter once per set of flex_attention kernel options
+(TrainConfig.attention_kernel_options; the key "mask_tile_size" sets TrainConfig.mask_tile_size instead), one table
+row each. `sweep` is FLEX_SWEEP below, candidates for head_dim 256 on the H200 from torch 2.13's sm90 tables:
+    default             torch's choice: forward 64 x 32, 3 stages, 4 warps; backward 64 x 64 x 64 x 64, 2 stages, 4 warps
+    bwd-8warps          the same backward tiles on 8 warps (half the dK / dV accumulator registers per thread)
+    bwd-1stage-8warps   1 stage, 8 warps (what torch takes on sm100 past head_dim 192)
+    bwd-32x64-3stages   BLOCK_M1 32, N1 64, M2 64, N2 32, 3 stages (torch's max-autotune pattern (M, N, N, M))
+    tma                 USE_TMA (Hopper's tensor memory accelerator for the loads)
+    tile64              BlockMask tiles of 64 instead of 128 (more of the sparse mask skipped)
+Each set compiles the step anew; keep a call under the 10-minute limit with fewer steps:
+
+    python3 bench/train.py --drafter b --flex-options sweep --steps 30 --ungraphed-steps 3 --json $OUT/flex.json
+    python3 bench/train.py --drafter b --row-shapes 1x32768:2048 --flex-options '{};{"bwd_num_warps": 8}'
+    python3 bench/train.py --drafter b --row-shapes 1x32768:2048 --methods dflash,dflash-window2048,dflash2,dflash2-full
+    python bench/train.py --tiny --flex-options sweep --steps 3      # the same on the CPU (options have no effect)
+
 The data is written through the real store writer (`PartWriter`, random bf16 features, random token ids,
 documents of 3072 tokens, loss mask on everywhere) into --work, with a fake target folder next to it holding
 only config.json and the embedding / LM head; both are reused by a later run with the same shapes. The store
@@ -66,6 +82,7 @@ from unittest import mock
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch._inductor.runtime.triton_compat import OutOfResources
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repository's dflash
 
@@ -73,6 +90,7 @@ from bench.step_profile import profile_step, profile_table
 from bench.variants import METHOD_VARIANTS, parse_variants, split_variant
 from dflash import features, graph, loss, store
 from dflash.config import TrainConfig
+from dflash.drafter import check_kernel_options
 from dflash.errors import DflashError
 from dflash.harvest import RowEncoder, store_bits
 from dflash.manifest import FeatureSpec, Manifest, SubspaceSpec, TargetSpec, TokenizerSpec, teacher_spec
@@ -103,6 +121,64 @@ def parse_row_shapes(text: str) -> list[dict]:
     if not shapes:
         raise ValueError("give at least one row shape")
     return shapes
+
+
+# Candidates of `--flex-options sweep`: flex_attention kernel options for the drafters' attention (head_dim 256,
+# bf16) on the H200 (sm90). torch 2.13's own choices there (torch/_inductor/template_heuristics/triton.py, the CUDA
+# get_flex_attn_fwd_configs / get_flex_attn_bwd_configs): forward BLOCK_M 64 x BLOCK_N 32, 3 stages, 4 warps;
+# backward BLOCK_M1 = N1 = M2 = N2 = 64, 2 stages, 4 warps. Its max-autotune list pairs (M1, N1, M2, N2) =
+# (M, N, N, M) with M in 32, 64, N in 32, 64, 128 and 1, 3, 4, 5 stages; on sm100 it takes 1 stage past head_dim 192.
+# At head_dim 256 the backward keeps dK and dV tiles of BLOCK_N1 x 256 fp32 in registers: 8 warps halve them per
+# thread. "mask_tile_size" sets the BlockMask's tiles (TrainConfig.mask_tile_size) rather than a kernel option.
+FLEX_SWEEP = {
+    "default": {},
+    "bwd-8warps": {"bwd_num_warps": 8},
+    "bwd-1stage-8warps": {"bwd_num_stages": 1, "bwd_num_warps": 8},
+    "bwd-32x64-3stages": {
+        "bwd_BLOCK_M1": 32,
+        "bwd_BLOCK_N1": 64,
+        "bwd_BLOCK_M2": 64,
+        "bwd_BLOCK_N2": 32,
+        "bwd_num_stages": 3,
+    },
+    "tma": {"USE_TMA": True},
+    "tile64": {"mask_tile_size": 64},
+}
+
+
+# A kernel-option set the GPU cannot run (more shared memory than it has, tiles that do not divide the mask's) fails
+# at compile or at the first launch: the set gets an error row and the sweep goes on.
+KERNEL_FAILURES = (torch._dynamo.exc.TorchDynamoException, OutOfResources)
+
+
+def parse_flex_options(text: str) -> list[tuple[str, dict]]:
+    """`sweep` (FLEX_SWEEP) or `JSON;JSON...`, each a JSON object of kernel options -> [(name, options), ...]
+    (ValueError otherwise)."""
+    if text.strip() == "sweep":
+        return list(FLEX_SWEEP.items())
+    sets = []
+    for part in (p.strip() for p in text.split(";") if p.strip()):
+        try:
+            options = json.loads(part)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{part!r} is not JSON: {exc}") from None
+        if not isinstance(options, dict):
+            raise ValueError(f'{part!r} is not a JSON object, e.g. {{"bwd_num_warps": 8}}')
+        try:
+            check_kernel_options({k: v for k, v in options.items() if k != "mask_tile_size"})
+        except DflashError as exc:
+            raise ValueError(str(exc)) from None
+        sets.append((json.dumps(options, separators=(",", ":")), options))
+    if not sets:
+        raise ValueError("give `sweep` or at least one JSON object")
+    return sets
+
+
+def flex_train_options(options: dict) -> dict:
+    """A --flex-options set as TrainConfig fields."""
+    kernel = {k: v for k, v in options.items() if k != "mask_tile_size"}
+    tile = {"mask_tile_size": options["mask_tile_size"]} if "mask_tile_size" in options else {}
+    return {"attention_kernel_options": kernel, **tile}
 
 
 TINY = {
@@ -454,9 +530,13 @@ def rank_view(summary: dict, trainer: Trainer, baseline: dict | None, path: str 
     return view
 
 
-def bench_one(name: str, s: dict, args, env: Env, baseline: dict | None, method: str = "dflash") -> dict:
+def bench_one(
+    name: str, s: dict, args, env: Env, baseline: dict | None, method: str = "dflash", flex: tuple | None = None
+) -> dict:
+    """One drafter, row shape and method (and --flex-options set `flex`, (name, options)) through the trainer."""
     device = env.device
     options, teacher = split_variant(method)
+    options.update(flex_train_options(flex[1]) if flex else {})
     shape = f"{s['docs_per_row']}x{s['doc_len']}"
     root = Path(args.work) / (f"tiny-{name}-{shape}" if args.tiny else f"{name}-{shape}")
     if teacher:  # a store of its own, with the teacher arrays
@@ -491,8 +571,10 @@ def bench_one(name: str, s: dict, args, env: Env, baseline: dict | None, method:
     finally:
         log.close()
     label = f"{name} {shape}:{s['anchors_per_doc']}" + ("" if method == "dflash" else f" {method}")
+    label += f" flex {flex[0]}" if flex else ""
     summary = summarise(label, s, trainer, result["records"], args.steps)
     summary["method"] = method
+    summary["flex"] = dict(zip(("name", "options"), flex)) if flex else None
     summary.update(data_build_s=build_s, warmup_capture_s=prep["total_s"], warmup_parts_s=prep)
     try:
         summary["ungraphed"] = time_ungraphed(trainer, args.ungraphed_steps)
@@ -610,6 +692,7 @@ def report(info: dict, results: list[dict], args, world: int):
         f"--methods {','.join(args.methods)} --steps {args.steps}"
         + (f" --row-shapes {args.row_shapes}" if args.row_shapes else "")
         + (f" --profile {args.profile}" if args.profile else "")
+        + (f" --flex-options '{args.flex_options}'" if args.flex_options else "")
     )
     print(", ".join(f"{k} {v}" for k, v in info.items()))
     for r in results:
@@ -666,6 +749,12 @@ def main():
     parser.add_argument(
         "--profile", type=int, default=0, metavar="N", help="also profile N ungraphed steps: time per part of the step"
     )
+    parser.add_argument(
+        "--flex-options",
+        metavar="sweep|JSON[;JSON...]",
+        help="time each drafter with each set of flex_attention kernel options: `sweep` (the docstring's candidates) "
+        'or JSON objects separated by ";", e.g. \'{"bwd_num_warps": 8};{"mask_tile_size": 64}\' ({}: torch\'s own)',
+    )
     parser.add_argument("--work", default="/tmp/dflash-bench-train", help="where the fake target, store and runs go")
     parser.add_argument("--json", help="also write the results (with every step's record) here")
     parser.add_argument("--compare-to", metavar="ONE.json", help="the --json of a one-GPU run: report the scaling")
@@ -678,6 +767,10 @@ def main():
         row_shapes = parse_row_shapes(args.row_shapes) if args.row_shapes else [None]
     except ValueError as exc:
         parser.error(f"--row-shapes: {exc}")
+    try:
+        flex_sets = parse_flex_options(args.flex_options) if args.flex_options else [None]
+    except ValueError as exc:
+        parser.error(f"--flex-options: {exc}")
     if min(args.steps or 1, args.ungraphed_steps or 1, args.rows) < 1 or args.profile < 0:
         parser.error("--steps, --ungraphed-steps and --rows must be at least 1, --profile at least 0")
     args.steps = args.steps or (20 if args.tiny else 60)
@@ -702,14 +795,21 @@ def main():
     shapes = TINY if args.tiny else DRAFTERS
     results = []
     drafters = ["a", "b"] if args.drafter == "both" else [args.drafter]
-    runs = ((name, row, method) for row in row_shapes for name in drafters for method in args.methods)
-    for name, row, method in runs:
+    runs = (
+        (name, row, method, flex)
+        for row in row_shapes
+        for name in drafters
+        for method in args.methods
+        for flex in flex_sets
+    )
+    for name, row, method, flex in runs:
         try:
-            results.append(bench_one(name, {**shapes[name], **(row or {})}, args, env, baseline, method))
-        except (DflashError, torch.OutOfMemoryError) as exc:  # report it and go on with the other drafter
+            results.append(bench_one(name, {**shapes[name], **(row or {})}, args, env, baseline, method, flex))
+        except (DflashError, torch.OutOfMemoryError, *KERNEL_FAILURES) as exc:  # report it, go on with the others
             logging.exception("drafter %s (%s) failed on rank %d", name, method, env.rank)
             error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-            results.append({"drafter": f"{name} {row or 'default row'} {method}", "error": error})
+            flex_name = f" flex {flex[0]}" if flex else ""
+            results.append({"drafter": f"{name} {row or 'default row'} {method}{flex_name}", "error": error})
         free_device(env.device)  # here, after the except block has dropped the failed trainer's frames
         # After each drafter, so that a run stopped at a time limit keeps the drafters that finished.
         if env.main:

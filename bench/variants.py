@@ -10,6 +10,10 @@ METHOD_VARIANTS = {
     "dflash2-dpace": {"method": "dflash2", "position_weights": "dpace"},
     "dflash2-drop": {"method": "dflash2", "selector_outside": "drop"},
     "dflash2-b8": {"method": "dflash2", "block_size": 8},
+    # The sliding window over the context (issue 24): DFlash 2 slides over 2048 positions by default.
+    "dflash-window512": {"method": "dflash", "drafter_overrides": {"sliding_window": 512}},
+    "dflash-window2048": {"method": "dflash", "drafter_overrides": {"sliding_window": 2048}},
+    "dflash2-full": {"method": "dflash2", "drafter_overrides": {"sliding_window": None}},
     # DSpark trains from a store harvested with a teacher (the `teacher` key: the harvest's --teacher)
     "dspark-topk": {"method": "dspark", "teacher": "topk:32"},
     "dspark-hidden": {"method": "dspark", "teacher": "hidden"},

@@ -174,6 +174,8 @@ def _key_values(ctx, param, values):
 def _number(raw: str):
     if raw.lower() == "none":  # an optional field switched off, e.g. sliding_window=none
         return None
+    if raw.lower() in ("true", "false"):  # a switch, e.g. --attention-kernel-option USE_TMA=true
+        return raw.lower() == "true"
     for cast in (int, float):
         try:
             return cast(raw)

@@ -29,6 +29,11 @@ _U32 = 0xFFFFFFFF
 # nothing at these sizes (a few thousand block indices per step). bench/mask_compile.py measures both.
 MASK_COMPILE_OPTIONS = {"triton.persistent_reductions": False}
 
+# Query and key positions per side of a BlockMask tile (create_block_mask's BLOCK_SIZE; its default). flex_attention
+# skips the tiles where no pair is visible and evaluates mask_mod only in partly visible ones; its kernel tiles
+# (BLOCK_M, BLOCK_N, ...) must divide this size.
+DEFAULT_MASK_TILE = 128
+
 
 def default_gamma(block_size: int) -> float:
     return PAPER_GAMMA.get(block_size, block_size / 2)
@@ -175,7 +180,12 @@ def span_gather(values: Tensor, anchors: Tensor, span: int, offset: int = 0) -> 
 
 
 def block_attention_mask(
-    anchors: Tensor, valid: Tensor, doc_ids: Tensor, block_size: int, window: int | None = None
+    anchors: Tensor,
+    valid: Tensor,
+    doc_ids: Tensor,
+    block_size: int,
+    window: int | None = None,
+    tile_size: int = DEFAULT_MASK_TILE,
 ) -> BlockMask:
     """The flex_attention BlockMask of a step: Q_LEN = A*B, KV_LEN = T + A*B, one mask per row, shared by heads.
 
@@ -183,7 +193,7 @@ def block_attention_mask(
     block kv >= T iff it is in block j. A block always sees itself, so no query row is empty. With a sliding
     `window`, context kv is visible to the query at a_j + k only if a_j + k - kv < window (positions run with the
     row within a document). Same structure every step (only tensor values change): a compiled caller does not
-    recompile.
+    recompile. `tile_size` (DEFAULT_MASK_TILE) changes which tiles are skipped, never which pairs are visible.
     """
     R, A = anchors.shape
     T = doc_ids.shape[1]
@@ -200,7 +210,7 @@ def block_attention_mask(
         return sees_context | sees_own_block
 
     Q = A * block_size
-    return create_block_mask(mask_mod, B=R, H=None, Q_LEN=Q, KV_LEN=T + Q, device=anchors.device)
+    return create_block_mask(mask_mod, B=R, H=None, Q_LEN=Q, KV_LEN=T + Q, device=anchors.device, BLOCK_SIZE=tile_size)
 
 
 def dense_block_mask(

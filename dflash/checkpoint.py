@@ -48,6 +48,8 @@ RESUMABLE_CHANGES = {
     "device",
     "compile",
     "cuda_graph",
+    "attention_kernel_options",
+    "mask_tile_size",
     "peak_tflops",
     "tensorboard",
     "prefetch",

@@ -204,6 +204,18 @@ class TrainConfig:
     device: str | None = option(None, "Torch device.", default_doc="cuda:$LOCAL_RANK when CUDA is available, else cpu")
     compile: bool | None = option(None, "torch.compile the step.", default_doc="on for CUDA, off on the CPU")
     cuda_graph: bool = option(True, "Capture the whole step in a CUDA graph (CUDA only).")
+    attention_kernel_options: dict = option(
+        help="A flex_attention kernel option for the drafter's attention, KEY=VALUE (repeatable; torch's "
+        "FlexKernelOptions, e.g. bwd_num_warps=8, bwd_BLOCK_M1=32, USE_TMA=true; a fwd_ / bwd_ prefix sets one pass "
+        "only): speed only, docs/training.md.",
+        factory=dict,
+        flag="--attention-kernel-option",
+    )
+    mask_tile_size: int = option(
+        128,
+        "Positions per side of the attention BlockMask's tiles (create_block_mask's BLOCK_SIZE): flex_attention "
+        "skips tiles with no visible pair; a power of two, divisible by the kernel's tiles. Speed only.",
+    )
     peak_tflops: float = option(
         792.0, "Dense bf16 TFLOP/s of one device, the MFU denominator (the default: the H200's, measured)."
     )
@@ -258,6 +270,8 @@ class TrainConfig:
             bad.append(f"--selector-weight {self.selector_weight} (must be at least 0)")
         if self.lr <= 0 or self.clip <= 0 or (self.gamma is not None and self.gamma <= 0):
             bad.append("--lr, --clip and --gamma must be positive")
+        if self.mask_tile_size < 16 or self.mask_tile_size & (self.mask_tile_size - 1):
+            bad.append(f"--mask-tile-size {self.mask_tile_size} (must be a power of two, at least 16)")
         if self.export_dtype not in EXPORT_DTYPES:
             bad.append(f"--export-dtype {self.export_dtype} ({' or '.join(EXPORT_DTYPES)})")
         if bad:

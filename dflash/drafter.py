@@ -17,7 +17,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, FlexKernelOptions, create_mask, flex_attention
 
 from dflash.errors import DflashError
 
@@ -246,6 +246,17 @@ def check_overrides(config_cls: type, overrides: dict) -> None:
             raise DflashError(f"--drafter-option {name}={value!r} is not {want}; give {want} for {name}")
 
 
+def check_kernel_options(options: dict) -> None:
+    """Refuse keys that torch's flex_attention does not know: Triton would ignore a misspelt tile size silently."""
+    known = set(FlexKernelOptions.__annotations__)
+    unknown = sorted(k for k in options if k.removeprefix("fwd_").removeprefix("bwd_") not in known)
+    if unknown:
+        raise DflashError(
+            f"unknown flex_attention kernel option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} in "
+            f"--attention-kernel-option; the options are {', '.join(sorted(known))}, optionally prefixed fwd_ or bwd_"
+        )
+
+
 def _get(config, name, *default):
     """Read a field from a transformers config object or a plain dict."""
     if isinstance(config, dict):
@@ -307,6 +318,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.kernel_options: dict | None = None  # flex_attention's; see DFlashDrafter.set_attention_kernel_options
 
     def forward(self, x: Tensor, ctx: Tensor, q_rope, kv_rope, mask: BlockMask | Tensor | None) -> Tensor:
         R, Q, _ = x.shape
@@ -319,7 +331,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, *q_rope), apply_rope(k, *kv_rope)
         gqa = self.kv_heads != self.heads
         if isinstance(mask, BlockMask):
-            out = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+            out = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa, kernel_options=self.kernel_options)
         else:  # None: one block per row at inference, everything visible; or a dense mask (CPU training)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(R, Q, self.heads * self.head_dim))
@@ -363,6 +375,14 @@ class DFlashDrafter(nn.Module):
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=INIT_STD)
+
+    def set_attention_kernel_options(self, options: dict | None) -> None:
+        """flex_attention's kernel options for every layer (tile sizes, warps, stages: FlexKernelOptions' keys, with
+        a fwd_ / bwd_ prefix for one pass only). They change the speed, and the result only by float rounding."""
+        check_kernel_options(options or {})
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.kernel_options = dict(options) if options else None
 
     def forward(
         self,

@@ -116,16 +116,22 @@ def source_sums(per_block: list[torch.Tensor], sources: torch.Tensor, count: int
 # ---------------------------------------------------------------------------------------------- FLOPs
 
 
-def visible_pairs(anchors, valid, doc_ids, block_size) -> torch.Tensor:
+def visible_pairs(anchors, valid, doc_ids, block_size, window: int | None = None) -> torch.Tensor:
     """(query, key) pairs the BlockMask lets attend, over valid blocks: each of a block's B queries sees the
-    context of its document before the anchor and the B tokens of its block (documents are contiguous runs)."""
+    context of its document before the anchor (with a window, the query at slot k at most window - 1 - k of it)
+    and the B tokens of its block (documents are contiguous runs)."""
     T = doc_ids.shape[1]
     position = torch.arange(T, device=doc_ids.device).expand_as(doc_ids)
     starts = torch.ones_like(doc_ids, dtype=torch.bool)
     starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
     doc_start = torch.where(starts, position, 0).cummax(dim=1).values
     context = anchors - doc_start.gather(1, anchors)
-    return (block_size * (context + block_size) * valid).sum()
+    if window is None:
+        seen = block_size * context
+    else:
+        reach = (window - 1 - torch.arange(block_size, device=anchors.device)).clamp(min=0)
+        seen = torch.minimum(context[..., None], reach).sum(-1)
+    return ((seen + block_size * block_size) * valid).sum()
 
 
 # Model FLOPs of the counted work, with context tokens C (non-padding), drafted block tokens D, labelled positions

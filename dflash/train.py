@@ -159,6 +159,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         with torch.device(self.device):
             self.model = self.method.model_cls(self.dcfg)
+        self.model.set_attention_kernel_options(cfg.attention_kernel_options)
         self.params = [p for p in self.model.parameters()]
         self.flat_grad = self._flat_grad()
         self.step_t = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -288,7 +289,9 @@ class Trainer:
     def _micro(self, m: int, x: dict) -> methods.Objective:
         """Micro-batch m through the drafter and the method's objective (frozen head)."""
         s, B, S = self.static, self.block_size, self.span
-        mask = self.mask_fn(x["anchors"], x["valid"], x["segments"], B, self.dcfg.sliding_window)
+        mask = self.mask_fn(
+            x["anchors"], x["valid"], x["segments"], B, self.dcfg.sliding_window, self.cfg.mask_tile_size
+        )
         features = self._features(m)
         with self._autocast():
             embeds = F.embedding(x["block_ids"], self.embed)
@@ -323,7 +326,9 @@ class Trainer:
         values[layout["accepted"]] = stats.accepted
         values[layout["blocks"]] = stats.anchors
         values[layout["context_tokens"]] = (x["segments"] >= 0).sum()
-        values[layout["pairs"]] = visible_pairs(x["anchors"], x["valid"], x["segments"], self.block_size)
+        values[layout["pairs"]] = visible_pairs(
+            x["anchors"], x["valid"], x["segments"], self.block_size, self.dcfg.sliding_window
+        )
         values[layout.correct] = stats.correct
         values[layout.counted] = stats.counted
         if doc_source is not None:

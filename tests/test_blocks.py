@@ -48,8 +48,10 @@ def eligible_by_rule(loss_mask, doc_ids, B):
     return out
 
 
-def mask_by_rule(anchors, valid, doc_ids, B):
-    """Brute force, one (query, key) pair at a time, from the rule in DFLASH.md."""
+def mask_by_rule(anchors, valid, doc_ids, B, window=None):
+    """Brute force, one (query, key) pair at a time, from the rule in DFLASH.md. With a window, the query at row
+    position a + k sees context kv only if a + k - kv < window: kv = a + k - window + 1 is the oldest it sees, and
+    window 1 leaves slot k = 0 no context at all (only its own block)."""
     R, A = anchors.shape
     T = doc_ids.shape[1]
     Q = A * B
@@ -60,7 +62,8 @@ def mask_by_rule(anchors, valid, doc_ids, B):
             a = int(anchors[r, j])
             for kv in range(T + Q):
                 if kv < T:
-                    out[r, q, kv] = bool(valid[r, j]) and kv < a and doc_ids[r, kv] == doc_ids[r, a]
+                    in_window = window is None or a + q % B - kv < window
+                    out[r, q, kv] = bool(valid[r, j]) and kv < a and doc_ids[r, kv] == doc_ids[r, a] and in_window
                 else:
                     out[r, q, kv] = (kv - T) // B == j
     return out
@@ -192,15 +195,19 @@ def test_block_inputs_hand_checked():
     assert default_gamma(16) == 7 and default_gamma(10) == 5 and default_gamma(8) == 4
 
 
-def test_dense_mask_equals_rule():
+@pytest.mark.parametrize("window", [None, 1, 2, 5, 17])
+def test_dense_mask_equals_rule(window):
     B = 4
     _, _, loss_mask, doc_ids = make_row_data(2, 40, seed=3)
     anchors, valid = sample_anchors(loss_mask, doc_ids, 6, B, torch.tensor(1))
     valid[0, 0] = False  # an invalid anchor at a real position too
-    assert torch.equal(dense_block_mask(anchors, valid, doc_ids, B), mask_by_rule(anchors, valid, doc_ids, B))
+    want = mask_by_rule(anchors, valid, doc_ids, B, window)
+    assert torch.equal(dense_block_mask(anchors, valid, doc_ids, B, window), want)
 
 
-def test_block_mask_equals_dense_mask():
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("tile_size", [16, 32, 128])
+def test_block_mask_equals_dense_mask(tile_size, window):
     # Several 128-tiles in both directions, documents crossing tiles, padding, invalid anchors.
     B, A, T = 16, 24, 300
     _, _, loss_mask, doc_ids = make_row_data(2, T, seed=4, padding=20)
@@ -208,11 +215,39 @@ def test_block_mask_equals_dense_mask():
     doc_ids[1, :280] = 7  # row 1 is one long document: whole context tiles become visible
     anchors, valid = sample_anchors(loss_mask, doc_ids, A, B, torch.tensor(9))
     assert not valid[0].all() and valid[0].any() and valid[1].all()
-    block_mask = block_attention_mask(anchors, valid, doc_ids, B)
-    assert block_mask.full_kv_num_blocks[1].sum() > 0
-    dense = dense_block_mask(anchors, valid, doc_ids, B)
+    # Every tile size and window: the tiles skipped hold no visible pair, the full ones only visible pairs.
+    block_mask = block_attention_mask(anchors, valid, doc_ids, B, window, tile_size)
+    assert block_mask.BLOCK_SIZE == (tile_size, tile_size)
+    assert window is not None or block_mask.full_kv_num_blocks[1].sum() > 0
+    dense = dense_block_mask(anchors, valid, doc_ids, B, window)
     assert block_mask.seq_lengths == (A * B, T + A * B)
     assert torch.equal(expand_block_mask(block_mask), dense)
+
+
+def visited_tiles(block_mask) -> torch.Tensor:
+    """[R, query tiles, KV tiles] bool: the tiles flex_attention computes (partly or fully visible)."""
+    return block_mask.to_dense().bool()[:, 0]
+
+
+def test_a_window_skips_the_context_tiles_outside_it():
+    # One long document: full context makes a staircase of tiles, a window a band along it.
+    B, A, T, window, tile = 16, 64, 8192, 512, 128
+    loss_mask = torch.ones(1, T, dtype=torch.uint8)
+    doc_ids = torch.zeros(1, T, dtype=torch.int32)
+    anchors, valid = sample_anchors(loss_mask, doc_ids, A, B, torch.tensor(5))
+    full = visited_tiles(block_attention_mask(anchors, valid, doc_ids, B))
+    windowed = visited_tiles(block_attention_mask(anchors, valid, doc_ids, B, window))
+    assert (windowed <= full).all()
+    context_tiles = T // tile
+    assert windowed[..., :context_tiles].sum() * 3 < full[..., :context_tiles].sum()
+    # The blocks of query tile i see the context tiles that meet one of their spans [a_j - window + 1, a_j - 1]
+    # (the union over the block's slots k of a_j + k - window < kv < a_j), and only those.
+    assert valid.all()
+    starts = torch.arange(context_tiles) * tile
+    for i in range(A * B // tile):
+        tile_anchors = anchors[0, i * (tile // B) : (i + 1) * (tile // B), None]
+        meets = (starts <= tile_anchors - 1) & (starts + tile - 1 >= tile_anchors - window + 1)
+        assert torch.equal(windowed[0, i, :context_tiles], meets.any(0))
 
 
 def test_mask_compiled_with_the_trainers_options_equals_eager():

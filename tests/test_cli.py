@@ -1,8 +1,11 @@
 """The command line: every command listed with a description, and --config values that flags override."""
 
+import pytest
 from click.testing import CliRunner
 
 from cli.main import main
+from dflash.config import TrainConfig
+from dflash.errors import DflashError
 
 COMMANDS = ("harvest", "inspect", "train", "export", "regenerate", "eval", "smoke")
 
@@ -146,6 +149,22 @@ def test_config_lists_and_tables_reach_their_options(tmp_path):
     assert got["lr"] == 1 and got["betas"] == [0.8, 0.9] and got["resume"] is True
     assert got["drafter_overrides"] == {"intermediate_size": 9216, "rope_theta": 5}  # the flag wins
     assert _train_options(tmp_path, "drafter-option = {num_layers = 2}\n")["drafter_overrides"] == {"num_layers": 2}
+
+
+def test_attention_kernel_options_and_mask_tiles_reach_the_train_config(tmp_path):
+    got = _train_options(
+        tmp_path,
+        "mask-tile-size = 64\nattention-kernel-option = {bwd_num_warps = 4, PRESCALE_QK = true}\n",
+        "--attention-kernel-option",
+        "bwd_num_warps=8",
+        "--attention-kernel-option",
+        "USE_TMA=true",
+    )
+    assert got["mask_tile_size"] == 64
+    assert got["attention_kernel_options"] == {"bwd_num_warps": 8, "PRESCALE_QK": True, "USE_TMA": True}
+    for tile in (8, 100):  # the kernels' tiles are powers of two that must divide it
+        with pytest.raises(DflashError, match=f"--mask-tile-size {tile} \\(must be a power of two, at least 16\\)"):
+            TrainConfig(store="s", out="o", mask_tile_size=tile)
 
 
 def test_config_list_for_a_list_flag(tmp_path):

@@ -5,8 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dflash import drafter as drafter_module
 from dflash.blocks import block_attention_mask, dense_block_mask, sample_anchors
-from dflash.drafter import DFlashDrafter, DrafterConfig
+from dflash.drafter import DFlashDrafter, DrafterConfig, rope_tables
 from dflash.errors import DflashError
 from dflash.export import export_drafter, load_drafter
 from dflash.proposers import window_mask
@@ -171,8 +172,11 @@ def assert_inference_form_equals_training_form(model, cfg, s: int = 13):
     torch.testing.assert_close(inferred, trained, rtol=1e-12, atol=1e-12)
 
 
-def test_inference_form_equals_training_form_with_one_anchor_at_the_end():
-    cfg = small_config()
+# Windows that hide context (1: slot 0 sees none), one that hides the first position from the last slot only (16 =
+# s + B - 1) and one just past it (17: decoding passes no mask at all), with 13 context tokens and B = 4.
+@pytest.mark.parametrize("window", [None, 1, 6, 16, 17])
+def test_inference_form_equals_training_form_with_one_anchor_at_the_end(window):
+    cfg = small_config(sliding_window=window)
     assert_inference_form_equals_training_form(make_drafter(cfg, seed=1), cfg)
 
 
@@ -270,3 +274,29 @@ def test_drafter_options_name_unknown_fields_and_wrong_types():
         DrafterConfig.from_target_config(target, [1, 5, 9], mask_token_id=299, rope_theta=True)
     cfg = DrafterConfig.from_target_config(target, [1, 5, 9], 299, intermediate_size=96, rope_theta=5)
     assert (cfg.intermediate_size, cfg.rope_theta) == (96, 5)
+
+
+def test_attention_kernel_options_reach_flex_attention_in_every_layer(monkeypatch):
+    cfg = small_config()
+    model = make_drafter(cfg)
+    options = {"bwd_num_warps": 8, "fwd_BLOCK_M": 32, "USE_TMA": True}
+    model.set_attention_kernel_options(options)
+    seen = []
+
+    def spy(q, k, v, *, block_mask, enable_gqa, kernel_options):
+        seen.append((block_mask, kernel_options))
+        return q
+
+    monkeypatch.setattr(drafter_module, "flex_attention", spy)
+    embeds, features, q_pos, ctx_pos, anchors, valid, doc_ids = training_batch(cfg)
+    mask = block_attention_mask(anchors, valid, doc_ids, cfg.block_size)
+    q_rope = rope_tables(q_pos, cfg.head_dim, cfg.rope_theta, embeds.dtype)
+    kv_rope = rope_tables(torch.cat([ctx_pos, q_pos], dim=1), cfg.head_dim, cfg.rope_theta, embeds.dtype)
+    ctx = model.hidden_norm(model.fc(features))
+    for layer in model.layers:
+        layer.self_attn(embeds, ctx, q_rope, kv_rope, mask)
+    assert seen == [(mask, options)] * cfg.num_layers
+    model.set_attention_kernel_options({})  # back to torch's own choice
+    assert all(layer.self_attn.kernel_options is None for layer in model.layers)
+    with pytest.raises(DflashError, match="unknown flex_attention kernel option bwd_BLOCK_Q1 .*BLOCK_M1"):
+        model.set_attention_kernel_options({"bwd_BLOCK_Q1": 64})

@@ -89,6 +89,18 @@ def test_export_has_exactly_the_documented_keys_and_tensors(method, tmp_path):
     assert config["architectures"] == [cfg.architecture]
 
 
+@pytest.mark.parametrize("window", [None, 8])
+def test_a_dflash_window_is_in_the_keys_the_engines_read_and_reloads(window, tmp_path):
+    """--method dflash --drafter-option sliding_window=N: the layer types, the window and transformers' switch."""
+    cfg = small_config(sliding_window=window)
+    folder = export_drafter(drafter(cfg).float(), cfg, tmp_path / "d", dtype=torch.float32)
+    config = json.loads((folder / "config.json").read_text())
+    kind = "full_attention" if window is None else "sliding_attention"
+    assert config["layer_types"] == [kind] * cfg.num_layers
+    assert config["sliding_window"] == window and config["use_sliding_window"] is (window is not None)
+    assert load_drafter(folder)[1] == cfg
+
+
 def test_dflash2_export_reloads_to_the_trained_outputs(tmp_path):
     """AutoModel (trust_remote_code) and load_drafter both give the trained drafter's block states, unary logits
     and edge scores within 1e-5 in float32."""

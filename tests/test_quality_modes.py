@@ -164,3 +164,12 @@ def test_several_trained_drafters_in_one_run(tiny_target, tmp_path):
     ]
     assert merged.methods["dflash[fp8]"].tau == alone.methods["dflash"].tau
     assert merged.methods["dflash[fp8]"].mismatches == 0
+
+
+def test_window_variants_train_with_their_window_and_survive_the_saved_json():
+    # The window's tau cost next to full context (issue 24): a variant's drafter options go to the TrainConfig and
+    # back from the mode's saved JSON unchanged.
+    modes = quality.parse_modes("dflash-window512,dflash-window2048,dflash2-full")
+    windows = [dict(m.train)["drafter_overrides"]["sliding_window"] for m in modes]
+    assert windows == [512, 2048, None] and all(m.on_bf16_store for m in modes)
+    assert [StoreMode(**json.loads(json.dumps(asdict(m)))) for m in modes] == modes

@@ -346,15 +346,16 @@ def assert_same_validation(val, reference):
     np.testing.assert_allclose([val[k] for k in ("loss", "tau")], [reference[k] for k in ("loss", "tau")], rtol=1e-3)
 
 
-def test_visible_pairs_count_the_mask():
+@pytest.mark.parametrize("window", [None, 1, 3, 9, 40])
+def test_visible_pairs_count_the_mask(window):
     """The attention pairs that MFU counts are the pairs the BlockMask rule lets attend (valid blocks)."""
     g = torch.Generator().manual_seed(0)
     doc_ids = torch.tensor([[0] * 20 + [1] * 30 + [-1] * 14, [5] * 64])
     loss_mask = (torch.rand(2, 64, generator=g) > 0.3).to(torch.uint8)
     anchors, valid = blocks.sample_anchors(loss_mask, doc_ids, 12, B, torch.tensor([[7], [8]]))
-    dense = blocks.dense_block_mask(anchors, valid, doc_ids, B)
+    dense = blocks.dense_block_mask(anchors, valid, doc_ids, B, window)
     counted = dense * valid.repeat_interleave(B, dim=1)[:, :, None]
-    assert visible_pairs(anchors, valid, doc_ids, B) == counted.sum()
+    assert visible_pairs(anchors, valid, doc_ids, B, window) == counted.sum()
 
 
 def test_recompile_is_an_error_naming_the_cause():
@@ -375,6 +376,32 @@ def test_resume_reproduces_the_uninterrupted_run(store, tmp_path):
     resumed = run_training(config(store, tmp_path / "run", max_steps=8, ckpt_every=3, resume=True))["records"]
     assert [r["step"] for r in resumed] == [7, 8]
     assert [r["loss"] for r in resumed] == full[6:]  # exact: same rows, anchors, weights and optimizer state
+
+
+def test_kernel_options_and_mask_tiles_reach_the_step_and_keep_the_curve(store, tmp_path, monkeypatch):
+    # On the CPU the drafter evaluates the mask densely: what this checks is that the options get to the BlockMask
+    # and the attention modules, and that the step is unchanged (test_blocks: every tile size gives the same pairs).
+    tiles = []
+    build = blocks.block_attention_mask
+
+    def spy(*args):
+        mask = build(*args)
+        tiles.append(mask.BLOCK_SIZE)
+        return mask
+
+    monkeypatch.setattr(blocks, "block_attention_mask", spy)
+    default = run_training(config(store, tmp_path / "default", max_steps=3))["records"]
+    assert set(tiles) == {(blocks.DEFAULT_MASK_TILE,) * 2}
+    tiles.clear()
+    options = {"bwd_num_warps": 8, "USE_TMA": True}
+    cfg = config(store, tmp_path / "tuned", max_steps=3, attention_kernel_options=options, mask_tile_size=16)
+    trainer = Trainer(cfg, init_distributed("cpu"))
+    assert all(layer.self_attn.kernel_options == options for layer in trainer.model.layers)
+    tuned = run_training(cfg)["records"]
+    assert set(tiles) == {(16, 16)}
+    assert [r["loss"] for r in tuned] == [r["loss"] for r in default]
+    # Speed options, like --compile: a resume may change them.
+    assert fingerprint(cfg, 1) == fingerprint(config(store, tmp_path / "tuned", max_steps=3), 1)
 
 
 def test_resume_with_other_options_names_them(store, tmp_path):
