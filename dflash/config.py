@@ -39,6 +39,19 @@ def given(cls, values: dict) -> Any:
     return cls(**{k: v for k, v in values.items() if k in names and v is not None})
 
 
+# transformers' experts implementations of an MoE target (`from_pretrained(experts_implementation=...)`; this module
+# stays torch-free, a test keeps the list equal to transformers'). deepgemm and sonicmoe need their own kernels.
+EXPERTS_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm", "deepgemm", "sonicmoe")
+EXPERTS_HELP = (
+    "An MoE target's experts implementation (transformers'); auto: grouped_mm where torch's grouped matmul runs "
+    "on the device (CUDA sm80+, the CPU with torch >= 2.9), else eager. Named in the log's `kernels:` line."
+)
+
+
+def experts_option():
+    return option("auto", EXPERTS_HELP, choices=["auto", *EXPERTS_IMPLEMENTATIONS])
+
+
 @dataclass
 class HarvestConfig:
     model: str = option(help="Target checkpoint: a local transformers folder (or a hub name).")
@@ -76,6 +89,7 @@ class HarvestConfig:
     allow_slow_kernels: bool = option(
         False, "Run a hybrid target on PyTorch reference kernels on GPU instead of refusing."
     )
+    experts: str = experts_option()
     # the feature encoding (docs/shard-format.md, "Feature encodings")
     precision: str = option(
         "bf16", "Stored feature precision: bf16 (lossless) or fp8 (e4m3, power-of-two scales).", choices=["bf16", "fp8"]
@@ -317,6 +331,7 @@ class RegenerateConfig:
     )
     device: str = option("auto", DEVICE_HELP)
     dtype: str = option("auto", DTYPE_HELP)
+    experts: str = experts_option()
     server: str | None = option(None, "OpenAI-compatible server to generate through, e.g. http://localhost:8000.")
     server_model: str | None = option(None, "Model name to request from --server.", default_doc="the one it serves")
     concurrency: int = option(16, "Requests in flight to --server.")
@@ -381,6 +396,7 @@ class EvalConfig:
         "plan); each runs the same evaluation, the first writes the report.",
     )
     dtype: str = option("auto", DTYPE_HELP)
+    experts: str = experts_option()
     json_path: str | None = option(
         None,
         "Also write the full report (per prompt) as JSON here, updated after every prompt.",

@@ -23,7 +23,7 @@ import torch
 
 from dflash.device import local_device, resolve_dtype
 from dflash.errors import DflashError
-from dflash.kernels import GPU_EXTRA, describe_kernels, select_kernels
+from dflash.kernels import GPU_EXTRA, check_experts, describe_kernels, select_kernels
 from dflash.target_files import config_hash, load_config, load_head
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ def _default_hint(num_layers: int) -> str:
 class TappedTarget:
     """Frozen, eval, only layers 0..max(layer_ids) kept (every layer with a teacher); features() concatenates the
     tapped layers' outputs. `teacher` ("topk" | "hidden" | None): also run the final norm (and load the LM head for
-    "topk", as `lm_head` [V, H])."""
+    "topk", as `lm_head` [V, H]). `experts`: an MoE target's experts implementation (dflash.kernels)."""
 
     def __init__(
         self,
@@ -95,8 +95,10 @@ class TappedTarget:
         dtype,
         allow_slow_kernels: bool = False,
         teacher: str | None = None,
+        experts: str = "auto",
         group: "Group | None" = None,
     ):
+        check_experts(experts)
         config = load_config(path)
         text_config = config.get_text_config()
         num_layers = text_config.num_hidden_layers
@@ -112,14 +114,20 @@ class TappedTarget:
         keep = num_layers if teacher else max(layer_ids) + 1
         split = group.layout.size if group else 1
         model = _load_truncated(path, text_config, keep, dtype, final_norm=teacher is not None, tensor_parallel=split)
-        self._attach(model, info, layer_ids, torch.device(device), dtype, allow_slow_kernels, split)
+        self._attach(model, info, layer_ids, torch.device(device), dtype, allow_slow_kernels, experts, split)
         self.teacher, self.group = teacher, group
         if teacher == "topk" and (group is None or group.layout.leader):  # the leader alone encodes the teacher
             self.lm_head = load_head(path).to(self.device, dtype)
 
     @classmethod
     def from_model(
-        cls, model: torch.nn.Module, layer_ids: list[int], num_layers: int, name: str, allow_slow_kernels: bool = False
+        cls,
+        model: torch.nn.Module,
+        layer_ids: list[int],
+        num_layers: int,
+        name: str,
+        allow_slow_kernels: bool = False,
+        experts: str = "auto",
     ) -> "TappedTarget":
         """Wrap an already-built base model that holds layers 0..max(layer_ids) of a `num_layers` target.
 
@@ -143,14 +151,24 @@ class TappedTarget:
             weight.device,
             weight.dtype,
             allow_slow_kernels,
+            experts,
         )
         return target
 
     def _attach(
-        self, model, info: TargetInfo, layer_ids: list[int], device, dtype, allow_slow_kernels: bool, split: int = 1
+        self,
+        model,
+        info: TargetInfo,
+        layer_ids: list[int],
+        device,
+        dtype,
+        allow_slow_kernels: bool,
+        experts: str,
+        split: int = 1,
     ):
         self.info, self.layer_ids, self.device, self.dtype = info, layer_ids, device, dtype
-        self.kernels = select_kernels(model, self.device, allow_slow_kernels)  # refuse before a long copy to GPU
+        # Before a long copy to the GPU: a refusal comes at once.
+        self.kernels = select_kernels(model, self.device, allow_slow_kernels, experts=experts)
         self.model = model.to(self.device)
         self._features = None
         self.teacher, self.lm_head, self.group = None, None, None
@@ -243,18 +261,21 @@ def load_target(
     device: str | torch.device | None = "cpu",
     dtype: str | torch.dtype = "float32",
     tensor_parallel: int = 1,
+    experts: str = "auto",
 ):
     """The full target (with LM head) for generation, frozen, and its tokenizer; split by transformers'
-    tensor-parallel plan over the `tensor_parallel` processes of the torch.distributed world when above 1."""
+    tensor-parallel plan over the `tensor_parallel` processes of the torch.distributed world when above 1;
+    `experts`: an MoE target's experts implementation (dflash.kernels)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.distributed import DistributedConfig
 
     if not (Path(path) / "config.json").is_file():
         raise DflashError(f"{path} is not a model folder (no config.json); pass the target's local folder")
+    check_experts(experts)
     device = local_device(device)
     split = {"distributed_config": DistributedConfig(tp_size=tensor_parallel)} if tensor_parallel > 1 else {}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device), **split)
-    kernels = select_kernels(model, device, allow_slow=True, generation=True)
+    kernels = select_kernels(model, device, allow_slow=True, generation=True, experts=experts)
     model = model.to(device).eval()
     model.requires_grad_(False)
     where = f"{device}, split over {tensor_parallel} processes by transformers' tensor-parallel plan"
