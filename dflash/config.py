@@ -330,6 +330,11 @@ class RegenerateConfig:
         choices=["last", "all"],
     )
     device: str = option("auto", DEVICE_HELP)
+    tensor_parallel: int = option(
+        1,
+        "Under torchrun --nproc-per-node T, split the local target over the T processes (transformers' "
+        "tensor-parallel plan); each runs the same generation, the first writes the output.",
+    )
     dtype: str = option("auto", DTYPE_HELP)
     experts: str = experts_option()
     server: str | None = option(None, "OpenAI-compatible server to generate through, e.g. http://localhost:8000.")
@@ -342,7 +347,7 @@ class RegenerateConfig:
         from dflash.errors import DflashError
 
         at_least = {"batch_size": 1, "max_new_tokens": 1, "temperature": 0, "top_k": 0, "concurrency": 1, "retries": 0}
-        _check_generation(self, at_least)
+        _check_generation(self, {**at_least, "tensor_parallel": 1})
         if not 0 < self.top_p <= 1:
             raise DflashError(f"--top-p must be in (0, 1], got {self.top_p}; give e.g. --top-p 0.95 (1 = off)")
         if self.data is None or self.out is None:
@@ -351,6 +356,8 @@ class RegenerateConfig:
             raise DflashError("give --model (a target folder, to generate locally) or --server URL (a serving engine)")
         if self.model is not None and self.server is not None:
             raise DflashError("give either --model (generate locally) or --server (generate through it), not both")
+        if self.server is not None and self.tensor_parallel > 1:
+            raise DflashError("--tensor-parallel splits a local target (--model); a --server splits its own")
         if self.server is not None and not self.server.startswith(("http://", "https://")):
             raise DflashError(f"--server {self.server} is not an http(s) URL; give e.g. http://localhost:8000")
         if self.request_timeout <= 0:

@@ -236,3 +236,43 @@ def test_eval_split_over_two_processes_gives_the_single_process_rounds(tiny_targ
 
     one, split = rounds(tmp_path / "one.json"), rounds(tmp_path / "split.json")
     assert split == one and any(run["accepted"] for prompt in one for run in prompt.values())
+
+
+# ------------------------------------------------------------------------------------------------ regenerate
+
+
+def regenerate_args(model, out: Path, *extra: str) -> list[str]:
+    from dflash.tiny import PROMPTS
+
+    args = ["-m", "cli", "regenerate", "--model", str(model), "--data", str(PROMPTS), "--out", str(out)]
+    return [*args, "--max-new-tokens", "24", "--batch-size", "2", "--device", "cpu", "--dtype", "float32", *extra]
+
+
+def test_regenerate_split_over_two_processes_writes_the_single_process_output(tiny_target, tmp_path):
+    """float32, greedy: every process generates alike on the split target's replicated logits; the first writes."""
+    model = tiny_target("qwen3_moe")
+    run_processes(1, regenerate_args(model, tmp_path / "one.jsonl"))
+    outputs = run_processes(2, regenerate_args(model, tmp_path / "split.jsonl", "--tensor-parallel", "2"))
+    assert "split over 2 processes by transformers' tensor-parallel plan" in outputs[0]
+    assert "responses written" in outputs[0] and "responses written" not in outputs[1]
+    assert (tmp_path / "split.jsonl").read_text() == (tmp_path / "one.jsonl").read_text()
+    resumed = run_processes(2, regenerate_args(model, tmp_path / "split.jsonl", "--tensor-parallel", "2"))
+    assert "0 responses written" in resumed[0]
+
+
+def test_a_split_regenerate_stops_every_process_when_the_first_refuses(tiny_target, tmp_path):
+    out = tmp_path / "answers.jsonl"
+    model = tiny_target("llama")
+    run_processes(1, regenerate_args(model, out, "--max-new-tokens", "4"))
+    started = start_processes(2, regenerate_args(model, out, "--tensor-parallel", "2"))
+    outputs = [p.communicate(timeout=300)[0] for p in started]
+    assert all(p.returncode != 0 for p in started)
+    assert "was written with other generation settings" in outputs[0]
+    assert "the first process refused" in outputs[1] and "other generation settings" in outputs[1]
+
+
+def test_regenerate_through_a_server_is_not_split():
+    from dflash.config import RegenerateConfig
+
+    with pytest.raises(DflashError, match=r"--tensor-parallel splits a local target"):
+        RegenerateConfig(data="p", out="o", server="http://localhost:8000", tensor_parallel=2)
