@@ -179,6 +179,38 @@ def test_a_killed_follower_leaves_a_store_that_resumes(tiny_target, tmp_path):
     assert feature_differences(out, one)[1] <= TOLERANCE
 
 
+def test_a_group_of_one_is_todays_path(tiny_target, data_file, tmp_path, monkeypatch):
+    """--tensor-parallel 1 (the default), even under torchrun: no process group, no announcing, no distributed
+    load; the harvest and regenerate of one process, as before the option existed."""
+    from transformers import PreTrainedModel
+
+    from dflash import parallel
+    from dflash.config import RegenerateConfig
+    from dflash.regenerate import regenerate
+    from dflash.tiny import PROMPTS
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a process group was set up for --tensor-parallel 1")
+
+    monkeypatch.setattr(parallel, "Group", refuse)
+    monkeypatch.setattr(torch.distributed, "init_process_group", refuse)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a torchrun launch of unsplit ranks
+    monkeypatch.setenv("RANK", "0")
+    loads, from_pretrained = [], PreTrainedModel.from_pretrained.__func__
+
+    def recorded(cls, *args, **kwargs):
+        loads.append(kwargs)
+        return from_pretrained(cls, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(recorded))
+    model = tiny_target("qwen3_moe")
+    run_harvest(HarvestConfig(model=str(model), data=str(data_file), out=str(tmp_path / "s"), **OPTIONS))
+    regenerate(RegenerateConfig(model=str(model), data=str(PROMPTS), out=str(tmp_path / "a.jsonl"), max_new_tokens=4))
+    assert len(loads) == 2  # the harvest's target (its self-check reuses it) and regenerate's
+    assert not any({"distributed_config", "tp_plan", "device_mesh"} & set(kwargs) for kwargs in loads)
+    assert not torch.distributed.is_initialized()
+
+
 # ------------------------------------------------------------------------------------------------- refusals
 
 
