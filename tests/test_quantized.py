@@ -38,42 +38,51 @@ def dequantized(quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return blocks.reshape(rows, columns)
 
 
-def save_fp8_checkpoint(source: Path, folder: Path) -> dict[str, torch.Tensor]:
-    """`source` with its layers' projections in fine-grained FP8; returns their dequantized weights by name."""
+def save_fp8_checkpoint(source: Path, folder: Path, plain: Path) -> None:
+    """`source` with its layers' projections (an MoE's per expert, as Qwen ships them) in fine-grained FP8 at
+    `folder`, and the same weights dequantized as a plain checkpoint at `plain`: the reference."""
     shutil.copytree(source, folder)
-    tensors, weights = load_file(source / "model.safetensors"), {}
+    shutil.copytree(source, plain)
+    tensors = load_file(source / "model.safetensors")
+    quantized, reference = dict(tensors), dict(tensors)
     for name in [n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in PROJECTIONS]:
-        quantized, scale = fp8_blocks(tensors[name])
-        tensors[name], tensors[name.removesuffix("weight") + "weight_scale_inv"] = quantized, scale
-        weights[name.removeprefix("model.")] = dequantized(quantized, scale)
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+        weight, scale = fp8_blocks(tensors[name])
+        quantized[name], quantized[name.removesuffix("weight") + "weight_scale_inv"] = weight, scale
+        reference[name] = dequantized(weight, scale).to(tensors[name].dtype)
+    save_file(quantized, folder / "model.safetensors", metadata={"format": "pt"})
+    save_file(reference, plain / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((source / "config.json").read_text())
     config["quantization_config"] = dict(
         quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[BLOCK, BLOCK]
     )
     (folder / "config.json").write_text(json.dumps(config))
-    return weights
 
 
 @pytest.fixture(scope="module")
 def fp8_target(tiny_target, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("fp8") / "llama-fp8"
-    return folder, save_fp8_checkpoint(tiny_target("llama"), folder)
+    """arch -> (the FP8 checkpoint, its dequantized weights as a plain checkpoint)."""
+    cache = {}
+
+    def make(arch: str) -> tuple[Path, Path]:
+        if arch not in cache:
+            folder = tmp_path_factory.mktemp(f"fp8-{arch}")
+            cache[arch] = folder / "fp8", folder / "dequantized"
+            save_fp8_checkpoint(tiny_target(arch), *cache[arch])
+        return cache[arch]
+
+    return make
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's path: transformers dequantizes FP8 without a GPU")
-def test_a_fine_grained_fp8_checkpoint_gives_its_dequantized_weights_features(fp8_target, tiny_target, caplog):
-    folder, weights = fp8_target
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_a_fine_grained_fp8_checkpoint_gives_its_dequantized_weights_features(arch, fp8_target, tiny_target, caplog):
+    folder, plain = fp8_target(arch)
     with caplog.at_level(logging.INFO, logger="dflash"):
-        fp8 = TappedTarget(str(folder), None, "cpu", torch.float32)
+        features = TappedTarget(str(folder), None, "cpu", torch.float32).features(IDS)
     assert "fp8 weights, dequantized to float32 at load; kernels:" in caplog.text
-    reference = TappedTarget(str(tiny_target("llama")), None, "cpu", torch.float32)
-    unquantized = reference.features(IDS)
-    state = reference.model.state_dict()
-    for name in state.keys() & weights.keys():  # the truncated target holds the layers up to its last tap
-        state[name].copy_(weights[name])
-    features = fp8.features(IDS)
-    torch.testing.assert_close(features, reference.features(IDS), atol=1e-6, rtol=1e-6)
+    reference = TappedTarget(str(plain), None, "cpu", torch.float32).features(IDS)
+    torch.testing.assert_close(features, reference, atol=1e-6, rtol=1e-6)
+    unquantized = TappedTarget(str(tiny_target(arch)), None, "cpu", torch.float32).features(IDS)
     assert (features - unquantized).abs().max() > 1e-3  # the FP8 rounding is there: its weights were read
     model, _ = load_target(folder, "cpu")  # generation (eval, regenerate) loads it too
     assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32
@@ -84,7 +93,9 @@ def test_a_fine_grained_fp8_checkpoint_harvests(fp8_target, tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text("\n".join(CORPUS.read_text().splitlines()[:20]) + "\n")
     out = tmp_path / "store"
-    run_harvest(HarvestConfig(model=str(fp8_target[0]), data=str(data), out=str(out), device="cpu", workers=1))
+    run_harvest(
+        HarvestConfig(model=str(fp8_target("qwen3_moe")[0]), data=str(data), out=str(out), device="cpu", workers=1)
+    )
     assert Store.open(out).self_check.passed
 
 
