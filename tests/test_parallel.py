@@ -122,6 +122,7 @@ def test_a_split_target_harvests_the_unsplit_store(arch, tiny_target, data_file,
     one = harvest_in_process(model, data_file, tmp_path / "one")
     outputs = run_processes(2, harvest_args(model, data_file, tmp_path / "split", tensor_parallel=2))
     assert "split over 2 processes by transformers' tensor-parallel plan" in outputs[0]
+    assert ("experts grouped_mm" in outputs[0]) == (arch == "qwen3_moe")  # the fastest, split too
     assert "rank 1 of group 0 (global ranks 0..1), a follower (it writes nothing)" in outputs[1]
     largest, worst = feature_differences(tmp_path / "split", one)
     print(f"{arch}: split vs unsplit, largest |difference| {largest:.3g}, worst relative {worst:.3g}")
