@@ -1,14 +1,20 @@
 """Harvest throughput on the GPU: the real harvest pipeline (forward, device->host copy, compression, disk)
 against the bare forward of the same target, measured in the same process; under torchrun, on every GPU at once.
 
-The target has the Qwen3.5-27B-like shapes of shared/DEVICE.md (hidden 5120, FFN 17408, 24 / 4 heads of 256,
-Gated-DeltaNet 48 value / 16 key heads of 128, 3 linear layers per full-attention layer) with random bf16
-weights, built on the GPU. Only the layers up to the last tapped one exist, as in a real harvest. Documents are
-random token ids, 3072 tokens each (DFlash's max length; --doc-length), packed 4 to a 12288-token row.
+The target (--target) has random bf16 weights, built on the GPU: `dense`, the Qwen3.5-27B-like shapes of
+shared/DEVICE.md (hidden 5120, FFN 17408, 24 / 4 heads of 256, Gated-DeltaNet 48 value / 16 key heads of 128, 3
+linear layers per full-attention layer); `moe`, Qwen3-Next-80B-A3B's shapes (hidden 2048, 16 / 2 heads of 256,
+Gated-DeltaNet 32 value / 16 key heads of 128, 512 experts of 512 with 10 routed per token and a shared expert
+of 512, 3 linear layers per full one), its experts run by --experts (auto: what the harvest picks, grouped_mm on
+an H200). Only the layers up to the last tapped one exist, as in a real harvest. Documents are random token
+ids, 3072 tokens each (DFlash's max length; --doc-length), packed 4 to a 12288-token row.
 
     python bench/harvest.py --layers 64 --groups 16         # full depth: the bar (a 34 GB store on disk)
     python bench/harvest.py --layers 8 --groups 6           # truncated depth: where writing becomes the limit
+    python bench/harvest.py --target moe --layers 8 --groups 6                   # the MoE harvest against its bare forward
+    python bench/harvest.py --target moe --layers 8 --groups 2 --experts eager   # transformers' slow experts path
     python bench/harvest.py --tiny                          # toy shapes on the CPU: checks the script
+    python bench/harvest.py --tiny --target moe             # the MoE one on the CPU (tiny Qwen3-Next)
 
 Long documents (issue 24's bar: harvest/bare >= 90 % at 32768-token documents, full depth), one document a row:
 
@@ -32,8 +38,9 @@ last writes after the last forward), as timed by the pipeline itself (`harvest.P
 Those parts take seconds whatever the run's length, so harvest/bare rises with --groups; measured values are in
 docs/benchmarks.md.
 
-Dense MFU = 2 * (non-embedding parameters run) * tokens / time / 792 TFLOP/s (the bf16 matmul rate measured on
-the machine); attention FLOPs are not counted, as in the baseline of shared/DEVICE.md.
+MFU = 2 * (active non-embedding parameters run) * tokens / time / 792 TFLOP/s (the bf16 matmul rate measured on
+the machine); attention FLOPs are not counted, as in the baseline of shared/DEVICE.md. An MoE's routed experts
+count for the share of them a token runs (num_experts_per_tok / num_experts), its router and shared expert whole.
 """
 
 import argparse
@@ -52,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from bench.train import gather_ranks  # noqa: E402
 from dflash import features, harvest, packing, store  # noqa: E402
-from dflash.config import HarvestConfig  # noqa: E402
+from dflash.config import EXPERTS_IMPLEMENTATIONS, HarvestConfig  # noqa: E402
 from dflash.data import Document  # noqa: E402
 from dflash.manifest import Manifest, TargetSpec, TokenizerSpec  # noqa: E402
 from dflash.target import TappedTarget, default_layer_ids  # noqa: E402
@@ -61,7 +68,14 @@ from dflash.train import Env, init_distributed  # noqa: E402
 
 PEAK_FLOPS = 792e12
 TINY = dict(layers=8, groups=2, doc_length=96, token_budget=384, forward_tokens=768, out="/tmp/dflash-bench-store-tiny")
-SHAPE_KEYS = ("layers", "groups", "doc_length", "token_budget", "forward_tokens")  # equal for a scaling comparison
+SHAPE_KEYS = (
+    "target",
+    "layers",
+    "groups",
+    "doc_length",
+    "token_budget",
+    "forward_tokens",
+)  # equal for a scaling comparison
 HEADER = (
     "| depth | layers run | bare tok/s | bare MFU | harvest tok/s | harvest MFU | harvest/bare | steady/bare "
     "| features GB/s | on-disk GB/s | raw bf16 / disk | peak GB |"
@@ -88,18 +102,62 @@ def qwen35_27b_like(num_layers: int):
     )
 
 
-def build_target(num_layers: int, device: torch.device, tiny: bool) -> TappedTarget:
+def qwen3_next_80b_a3b_like(num_layers: int):
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=5120,
+        num_hidden_layers=num_layers,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_value_heads=32,
+        linear_num_key_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        num_experts=512,
+        num_experts_per_tok=10,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)],
+    )
+
+
+# --target: (the tiny architecture of --tiny, the real shapes, the name)
+TARGETS = {
+    "dense": ("qwen3_5", qwen35_27b_like, "qwen35-27b-like"),
+    "moe": ("qwen3_next", qwen3_next_80b_a3b_like, "qwen3-next-80b-a3b-like"),
+}
+
+
+def build_target(kind: str, num_layers: int, device: torch.device, tiny: bool, experts: str) -> TappedTarget:
     from transformers import AutoModel
 
-    config = tiny_config("qwen3_5", 1024, num_layers) if tiny else qwen35_27b_like(num_layers)
+    tiny_arch, real_shapes, real_name = TARGETS[kind]
+    config = tiny_config(tiny_arch, 1024, num_layers) if tiny else real_shapes(num_layers)
     layer_ids = default_layer_ids(num_layers)
     config.num_hidden_layers = max(layer_ids) + 1  # a harvest never builds the layers after the last tap
     config.layer_types = config.layer_types[: config.num_hidden_layers]
     torch.manual_seed(0)
     with device:
         model = AutoModel.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
-    name = f"{'tiny' if tiny else 'qwen35-27b-like'}-{num_layers}L"
-    return TappedTarget.from_model(model, layer_ids, num_layers=num_layers, name=name)
+    name = f"{f'tiny-{tiny_arch}' if tiny else real_name}-{num_layers}L"
+    return TappedTarget.from_model(model, layer_ids, num_layers=num_layers, name=name, experts=experts)
+
+
+def active_parameters(model: torch.nn.Module) -> float:
+    """Non-embedding parameters one token runs through: a routed expert's weights count for the share of the
+    experts a token is routed to (the router and a shared expert run whole)."""
+    config = model.config
+    routed = getattr(config, "num_experts_per_tok", 1) / getattr(config, "num_experts", 1)
+    return sum(
+        p.numel() * (routed if ".experts." in name else 1)
+        for name, p in model.named_parameters()
+        if "embed_tokens" not in name
+    )
 
 
 def documents(count: int, length: int, vocab: int) -> list[Document]:
@@ -215,7 +273,7 @@ def peak_memory_gb(device: torch.device) -> float | None:
 
 def measure(args, env: Env) -> dict:
     """This rank's run: bare forward, then the harvest of its own rows into its own part of the store."""
-    target = build_target(args.layers, env.device, args.tiny)
+    target = build_target(args.target, args.layers, env.device, args.tiny, args.experts)
     cfg = HarvestConfig(
         model="bench",
         data="bench",
@@ -239,7 +297,8 @@ def measure(args, env: Env) -> dict:
         env.world_size,
         args.token_budget,
     )
-    params = sum(p.numel() for n, p in target.model.named_parameters() if "embed_tokens" not in n)
+    stored = sum(p.numel() for n, p in target.model.named_parameters() if "embed_tokens" not in n)
+    params = active_parameters(target.model)
     group_tokens = rows_per_group * docs_per_row * args.doc_length
 
     warm = bare_forward(plan, target, cfg, 1)  # Triton autotuning happens here; never timed
@@ -262,7 +321,8 @@ def measure(args, env: Env) -> dict:
         "layers": args.layers,
         "layers_run": len(target.model.layers),
         "tapped": target.layer_ids,
-        "params_run_B": params / 1e9,
+        "params_run_B": stored / 1e9,
+        "active_params_run_B": params / 1e9,
         "kernels": target.kernels,
         "first_forward_s": warm,
         "bare_tok_s": 1 / bare,
@@ -354,8 +414,13 @@ def table_cells(r: dict) -> str:
 
 
 def report_one(result: dict) -> dict:
+    kernels = ", ".join(f"{role} {kernel}" for role, kernel in result["kernels"].items())
     print(
-        f"\nstore encoding: {result['precision']}, subspace {result['subspace']} ({result['stored_width']} values per "
+        f"\ntarget {result['target']}, {result['active_params_run_B']:.3g} B active parameters run of "
+        f"{result['params_run_B']:.3g} B; kernels: {kernels}"
+    )
+    print(
+        f"store encoding: {result['precision']}, subspace {result['subspace']} ({result['stored_width']} values per "
         f"token), on disk {result['of_raw_bf16']:.4f} of raw bf16"
     )
     print(HEADER)
@@ -403,6 +468,10 @@ def report_scaling(summary: dict, one: dict) -> dict:
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", choices=sorted(TARGETS), default="dense", help="the target's shapes (above)")
+    parser.add_argument(
+        "--experts", choices=["auto", *EXPERTS_IMPLEMENTATIONS], default="auto", help="the MoE target's experts"
+    )
     parser.add_argument("--layers", type=int, default=64, help="target depth (the harvest runs up to the last tap)")
     parser.add_argument("--groups", type=int, default=8, help="row groups timed in the harvest")
     parser.add_argument("--doc-length", type=int, default=3072, help="tokens per document (one per row at 32768)")

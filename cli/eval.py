@@ -23,11 +23,14 @@ from dflash.config import EvalConfig, RegenerateConfig, given
 @reports_errors
 def regenerate_command(**options):
     """Answer every prompt with the target itself, writing chat JSONL that `dflash harvest` reads."""
+    from dflash.parallel import is_first_process
     from dflash.regenerate import regenerate
 
     cfg = given(RegenerateConfig, options)
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the target's kernels
     stats = regenerate(cfg)
+    if not is_first_process(cfg.tensor_parallel):
+        return  # split over torchrun's processes, the first one reports
     click.echo(
         f"{cfg.out}: {stats.written} responses written, {stats.already_done} already there, {stats.prompts} prompts"
     )
@@ -53,6 +56,7 @@ def eval_command(**options):
     """Speculative decoding with the drafter: acceptance length tau, histogram, tokens/s and speedup."""
     from dflash.errors import DflashError
     from dflash.evaluate import evaluate
+    from dflash.parallel import is_first_process
 
     cfg = given(EvalConfig, options)
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the target's kernels
@@ -64,7 +68,7 @@ def eval_command(**options):
     if json_path and not os.access(json_path.parent, os.W_OK | os.X_OK):
         raise DflashError(f"--json {json_path}: the folder {json_path.parent} is not writable; give another path")
     # Split over torchrun's processes, every one runs the same evaluation: the first one reports.
-    reports = cfg.tensor_parallel == 1 or int(os.environ.get("RANK", 0)) == 0
+    reports = is_first_process(cfg.tensor_parallel)
     writes = json_path is not None and reports
     with report_lock(json_path) if writes else contextlib.nullcontext():
         if json_path and not cfg.resume and json_path.exists():

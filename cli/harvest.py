@@ -37,6 +37,7 @@ def harvest(**options):
         "device",
         "dtype",
         "allow_slow_kernels",
+        "experts",
         "calibration_tokens",
         "projection_from",
         "self_check",

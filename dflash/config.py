@@ -39,6 +39,19 @@ def given(cls, values: dict) -> Any:
     return cls(**{k: v for k, v in values.items() if k in names and v is not None})
 
 
+# transformers' experts implementations of an MoE target (`from_pretrained(experts_implementation=...)`; this module
+# stays torch-free, a test keeps the list equal to transformers'). deepgemm and sonicmoe need their own kernels.
+EXPERTS_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm", "deepgemm", "sonicmoe")
+EXPERTS_HELP = (
+    "An MoE target's experts implementation (transformers'); auto: grouped_mm where torch's grouped matmul runs "
+    "on the device (CUDA sm80+, the CPU with torch >= 2.9), else eager. Named in the log's `kernels:` line."
+)
+
+
+def experts_option():
+    return option("auto", EXPERTS_HELP, choices=["auto", *EXPERTS_IMPLEMENTATIONS])
+
+
 @dataclass
 class HarvestConfig:
     model: str = option(help="Target checkpoint: a local transformers folder (or a hub name).")
@@ -76,6 +89,7 @@ class HarvestConfig:
     allow_slow_kernels: bool = option(
         False, "Run a hybrid target on PyTorch reference kernels on GPU instead of refusing."
     )
+    experts: str = experts_option()
     # the feature encoding (docs/shard-format.md, "Feature encodings")
     precision: str = option(
         "bf16", "Stored feature precision: bf16 (lossless) or fp8 (e4m3, power-of-two scales).", choices=["bf16", "fp8"]
@@ -335,7 +349,13 @@ class RegenerateConfig:
         choices=["last", "all"],
     )
     device: str = option("auto", DEVICE_HELP)
+    tensor_parallel: int = option(
+        1,
+        "Under torchrun --nproc-per-node T, split the local target over the T processes (transformers' "
+        "tensor-parallel plan); each runs the same generation, the first writes the output.",
+    )
     dtype: str = option("auto", DTYPE_HELP)
+    experts: str = experts_option()
     server: str | None = option(None, "OpenAI-compatible server to generate through, e.g. http://localhost:8000.")
     server_model: str | None = option(None, "Model name to request from --server.", default_doc="the one it serves")
     concurrency: int = option(16, "Requests in flight to --server.")
@@ -346,7 +366,7 @@ class RegenerateConfig:
         from dflash.errors import DflashError
 
         at_least = {"batch_size": 1, "max_new_tokens": 1, "temperature": 0, "top_k": 0, "concurrency": 1, "retries": 0}
-        _check_generation(self, at_least)
+        _check_generation(self, {**at_least, "tensor_parallel": 1})
         if not 0 < self.top_p <= 1:
             raise DflashError(f"--top-p must be in (0, 1], got {self.top_p}; give e.g. --top-p 0.95 (1 = off)")
         if self.data is None or self.out is None:
@@ -355,6 +375,8 @@ class RegenerateConfig:
             raise DflashError("give --model (a target folder, to generate locally) or --server URL (a serving engine)")
         if self.model is not None and self.server is not None:
             raise DflashError("give either --model (generate locally) or --server (generate through it), not both")
+        if self.server is not None and self.tensor_parallel > 1:
+            raise DflashError("--tensor-parallel splits a local target (--model); a --server splits its own")
         if self.server is not None and not self.server.startswith(("http://", "https://")):
             raise DflashError(f"--server {self.server} is not an http(s) URL; give e.g. http://localhost:8000")
         if self.request_timeout <= 0:
@@ -400,6 +422,7 @@ class EvalConfig:
         "plan); each runs the same evaluation, the first writes the report.",
     )
     dtype: str = option("auto", DTYPE_HELP)
+    experts: str = experts_option()
     json_path: str | None = option(
         None,
         "Also write the full report (per prompt) as JSON here, updated after every prompt.",

@@ -327,7 +327,7 @@ def _evaluate(cfg: EvalConfig, named: dict, records: list, resume, on_prompt, pr
 
     drafters = list(named.values())
     try:
-        target, tokenizer = load_target(cfg.model, cfg.device, cfg.dtype, cfg.tensor_parallel)
+        target, tokenizer = load_target(cfg.model, cfg.device, cfg.dtype, cfg.tensor_parallel, cfg.experts)
     except (OSError, ValueError, RuntimeError, KeyError) as exc:  # e.g. weights of other shapes than config.json's
         last = (str(exc).strip().splitlines() or [type(exc).__name__])[-1].strip()
         raise DflashError(

@@ -1,5 +1,7 @@
-"""The kernels a hybrid (Gated-DeltaNet) target runs: named for the log, and patched where transformers' choice
-falls short (fla's kernels kept off CPU tensors; fla's Triton conv when causal-conv1d is missing).
+"""The kernels a target runs, named for the log: its attention; an MoE target's experts, set to the fastest
+implementation for the device (or the user's); a hybrid (Gated-DeltaNet) target's sequence functions, patched
+where transformers' choice falls short (fla's kernels kept off CPU tensors; fla's Triton conv when causal-conv1d
+is missing).
 """
 
 import inspect
@@ -7,6 +9,7 @@ import sys
 
 import torch
 
+from dflash.config import EXPERTS_IMPLEMENTATIONS
 from dflash.errors import DflashError
 
 GPU_EXTRA = "pip install 'dflash[gpu]'"
@@ -23,9 +26,11 @@ DECODE_FUNCTIONS = {
 
 
 def select_kernels(
-    model: torch.nn.Module, device: torch.device, allow_slow: bool, generation: bool = False
+    model: torch.nn.Module, device: torch.device, allow_slow: bool, generation: bool = False, experts: str = "auto"
 ) -> dict[str, str]:
-    """Name the kernel of each hybrid-layer function and patch transformers' choice where it falls short.
+    """Name the attention, set and name an MoE target's experts implementation (`experts`: "auto", the fastest
+    for `device`, or a name of EXPERTS_IMPLEMENTATIONS), name the kernel of each hybrid-layer function and patch
+    transformers' choice where it falls short.
 
     On CPU: the reference code (fla, if installed, is kept for CUDA tensors only). On CUDA: fla's Triton conv
     when causal-conv1d is missing, and a DflashError when a sequence function would run on the reference code
@@ -34,7 +39,7 @@ def select_kernels(
     only). The patches are module globals, so they hold for the whole process: generation after a harvest in
     the same process keeps the harvest's conv (and reports it).
     """
-    kernels = {"attention": model.config._attn_implementation}
+    kernels = {"attention": model.config._attn_implementation, **_set_experts(model, device, experts)}
     modeling = sys.modules[type(model).__module__]
     is_hybrid = "linear_attention" in (getattr(model.config, "layer_types", None) or [])
     if not (is_hybrid and all(hasattr(modeling, name) for name in SEQUENCE_FUNCTIONS.values())):
@@ -61,6 +66,40 @@ def select_kernels(
             "or pass --allow-slow-kernels to accept the slow path"
         )
     return kernels
+
+
+def check_experts(experts: str) -> None:
+    """Refuse an experts implementation transformers does not know, before anything loads."""
+    if experts not in ("auto", *EXPERTS_IMPLEMENTATIONS):
+        raise DflashError(
+            f"unknown experts implementation {experts!r}: choose auto (the fastest for the device) or one of "
+            f"{', '.join(EXPERTS_IMPLEMENTATIONS)}"
+        )
+
+
+def fastest_experts(device: torch.device) -> str:
+    """grouped_mm where torch's grouped-matmul kernel runs on `device`, else eager. The rule is transformers' own
+    (`integrations.moe._can_use_grouped_mm`; elsewhere its grouped_mm runs a loop over the experts): torch >= 2.9
+    on CUDA sm80+ and on the CPU, or an older torch on Hopper (sm90). batched_mm is never the pick: it gathers a
+    copy of the expert weights per token, memory that grows with a forward's tokens (a harvest's do not fit)."""
+    if not (hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm")):
+        return "eager"
+    recent = torch.torch_version.TorchVersion(torch.__version__) >= "2.9"
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        runs = capability >= (8, 0) if recent else capability[0] == 9
+    else:
+        runs = recent or device.type != "cpu"
+    return "grouped_mm" if runs else "eager"
+
+
+def _set_experts(model: torch.nn.Module, device: torch.device, experts: str) -> dict[str, str]:
+    """{"experts": the implementation set} for a model whose experts transformers can switch (MoE), else {}."""
+    if not model._can_set_experts_implementation():
+        return {}
+    chosen = fastest_experts(device) if experts == "auto" else experts
+    model.set_experts_implementation(chosen)
+    return {"experts": chosen}
 
 
 def describe_kernels(kernels: dict[str, str]) -> str:

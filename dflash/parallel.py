@@ -10,8 +10,8 @@ In a group only rank 0, the leader, runs the command's logic, reads the data and
 followers, mirror its collective steps. Before loading the target and before each forward the leader announces
 the step on a CPU (gloo) channel, so that announcing never waits for the GPU; a forward's token ids follow on
 the group's device backend. A follower runs each step as announced and leaves when the leader says stop (the
-harvest). A command whose every process can run the same steps on the split target's replicated outputs (eval)
-splits one target over the whole launch instead (`open_group(..., whole_launch=True)`).
+harvest). A command whose every process can run the same steps on the split target's replicated outputs (eval,
+regenerate) splits one target over the whole launch instead (`open_group(..., whole_launch=True)`).
 """
 
 import contextlib
@@ -65,6 +65,12 @@ def group_layout(tensor_parallel: int) -> Layout:
             f"(torchrun --nproc-per-node {max(1, tensor_parallel)} or more), or pick a divisor of {world}"
         )
     return Layout(tensor_parallel, rank // tensor_parallel, world // tensor_parallel, rank % tensor_parallel)
+
+
+def is_first_process(tensor_parallel: int) -> bool:
+    """Whether this process writes a command's output when every process of the launch runs the same steps on one
+    split target (eval, regenerate): the first one does."""
+    return tensor_parallel == 1 or int(os.environ.get("RANK", 0)) == 0
 
 
 def check_tp_plan(model: str) -> None:
@@ -168,7 +174,7 @@ class Group:
 
 def open_group(model: str, tensor_parallel: int, device: torch.device, whole_launch: bool = False) -> Group | None:
     """The refusals before `model` loads, then this process's group; None without a split. `whole_launch`: the
-    command splits one target over every process (eval), which all run the same steps on its replicated outputs,
+    command splits one target over every process (eval, regenerate), which all run the same steps on its replicated outputs,
     so that no step needs announcing."""
     check_weights_fit(model, tensor_parallel, device)
     if tensor_parallel == 1:

@@ -9,6 +9,10 @@ raw text. Output lines, in prompt order, are what `dflash harvest` reads:
 (with `--turns all`, every assistant turn of the prompt is the target's too, marked alike) and
 `{"prompt": prompt, "completion": response}` for text prompts (harvest puts the loss on the target's text only).
 
+Under torchrun, `--tensor-parallel T` splits the target over the T processes (dflash.parallel): every process
+runs the same generation on the split target's replicated logits (the same seeds: the same samples), and only
+the first reads the output's state, checks it and writes.
+
 Resuming: dflash.answers (the prompt and response records, the output's resume check and recorded settings,
 shared with `--server`, where dflash.remote asks a serving engine (vLLM, SGLang) for the answers instead).
 """
@@ -100,20 +104,52 @@ def regenerate(cfg: RegenerateConfig, progress: bool = True) -> RegenerateStats:
 
 
 def _regenerate_local(cfg: RegenerateConfig, progress: bool) -> RegenerateStats:
+    from dflash.device import local_device
+    from dflash.parallel import open_group
+
+    records = load_prompts(cfg.data)
+    out = output_path(cfg)
+    group = open_group(cfg.model, cfg.tensor_parallel, local_device(cfg.device), whole_launch=True)
+    try:
+        return _answer(cfg, records, out, _resume_point(cfg, records, out, group), group, progress)
+    finally:
+        if group is not None:
+            group.close()
+
+
+def _resume_point(cfg: RegenerateConfig, records: list[dict], out, group) -> int:
+    """Prompts already answered in `out`, checked and counted by the process that writes (it may cut a partial
+    last line), then told to the others of its tensor-parallel group, which stop too when it refuses."""
+    if group is not None and not group.layout.leader:
+        step = group.next_step()
+        if step[0] == "refused":
+            raise DflashError(f"the first process refused: {step[1]}")
+        return step[1]
+    try:
+        check_output(out, generation_settings(cfg))
+        done = completed_count(out, records, cfg.turns)
+    except DflashError as exc:
+        if group is not None:
+            group.announce("refused", str(exc))
+        raise
+    if group is not None:
+        group.announce("resume", done)
+    return done
+
+
+def _answer(cfg: RegenerateConfig, records: list[dict], out, done: int, group, progress: bool) -> RegenerateStats:
+    """Generate the answers after the first `done`, appending them to `out` (the first process of a group alone)."""
     import torch
     from tqdm import tqdm
 
     from dflash.target import load_target
 
-    records = load_prompts(cfg.data)
-    out = output_path(cfg)
-    check_output(out, generation_settings(cfg))
-    done = completed_count(out, records, cfg.turns)
+    writes = group is None or group.layout.leader
     if done == len(records):
-        return RegenerateStats(len(records), done, 0, *output_counts(out))
-    model, tokenizer = load_target(cfg.model, cfg.device, cfg.dtype)
+        return RegenerateStats(len(records), done, 0, *(output_counts(out) if writes else ()))
+    model, tokenizer = load_target(cfg.model, cfg.device, cfg.dtype, cfg.tensor_parallel, cfg.experts)
     eos_ids = eos_token_ids(model, tokenizer)
-    bar = tqdm(total=len(records), initial=done, unit="prompt", desc="regenerate", disable=not progress)
+    bar = tqdm(total=len(records), initial=done, unit="prompt", desc="regenerate", disable=not (progress and writes))
     for start in range(done, len(records), cfg.batch_size):
         batch = records[start : start + cfg.batch_size]
         # Seeded by position so that a resumed sampled run does not repeat the first run's random stream.
@@ -122,7 +158,9 @@ def _regenerate_local(cfg: RegenerateConfig, progress: bool) -> RegenerateStats:
         def generate(prompts: list[dict]) -> list[tuple[str, bool]]:
             return generate_batch(model, tokenizer, [encode_prompt(tokenizer, p) for p in prompts], cfg, eos_ids)
 
-        append_lines(out, answer_records(batch, cfg.turns, generate))
+        answered = answer_records(batch, cfg.turns, generate)
+        if writes:
+            append_lines(out, answered)
         bar.update(len(batch))
     bar.close()
-    return RegenerateStats(len(records), done, len(records) - done, *output_counts(out))
+    return RegenerateStats(len(records), done, len(records) - done, *(output_counts(out) if writes else ()))

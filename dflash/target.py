@@ -23,7 +23,7 @@ import torch
 
 from dflash.device import local_device, resolve_dtype
 from dflash.errors import DflashError
-from dflash.kernels import GPU_EXTRA, describe_kernels, select_kernels
+from dflash.kernels import GPU_EXTRA, check_experts, describe_kernels, select_kernels
 from dflash.target_files import config_hash, load_config, load_head
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ def _default_hint(num_layers: int) -> str:
 class TappedTarget:
     """Frozen, eval, only layers 0..max(layer_ids) kept (every layer with a teacher); features() concatenates the
     tapped layers' outputs. `teacher` ("topk" | "hidden" | None): also run the final norm (and load the LM head for
-    "topk", as `lm_head` [V, H])."""
+    "topk", as `lm_head` [V, H]). `experts`: an MoE target's experts implementation (dflash.kernels)."""
 
     def __init__(
         self,
@@ -95,10 +95,14 @@ class TappedTarget:
         dtype,
         allow_slow_kernels: bool = False,
         teacher: str | None = None,
+        experts: str = "auto",
         group: "Group | None" = None,
     ):
+        check_experts(experts)
         config = load_config(path)
         text_config = config.get_text_config()
+        if quantization_method(config) is not None:  # a VL checkpoint's sits on the outer config
+            text_config.quantization_config = config.quantization_config
         num_layers = text_config.num_hidden_layers
         layer_ids = default_layer_ids(num_layers) if layer_ids is None else check_layer_ids(layer_ids, num_layers)
         info = TargetInfo(
@@ -112,14 +116,20 @@ class TappedTarget:
         keep = num_layers if teacher else max(layer_ids) + 1
         split = group.layout.size if group else 1
         model = _load_truncated(path, text_config, keep, dtype, final_norm=teacher is not None, tensor_parallel=split)
-        self._attach(model, info, layer_ids, torch.device(device), dtype, allow_slow_kernels, split)
+        self._attach(model, info, layer_ids, torch.device(device), dtype, allow_slow_kernels, experts, split)
         self.teacher, self.group = teacher, group
         if teacher == "topk" and (group is None or group.layout.leader):  # the leader alone encodes the teacher
             self.lm_head = load_head(path).to(self.device, dtype)
 
     @classmethod
     def from_model(
-        cls, model: torch.nn.Module, layer_ids: list[int], num_layers: int, name: str, allow_slow_kernels: bool = False
+        cls,
+        model: torch.nn.Module,
+        layer_ids: list[int],
+        num_layers: int,
+        name: str,
+        allow_slow_kernels: bool = False,
+        experts: str = "auto",
     ) -> "TappedTarget":
         """Wrap an already-built base model that holds layers 0..max(layer_ids) of a `num_layers` target.
 
@@ -143,14 +153,25 @@ class TappedTarget:
             weight.device,
             weight.dtype,
             allow_slow_kernels,
+            experts,
         )
         return target
 
     def _attach(
-        self, model, info: TargetInfo, layer_ids: list[int], device, dtype, allow_slow_kernels: bool, split: int = 1
+        self,
+        model,
+        info: TargetInfo,
+        layer_ids: list[int],
+        device,
+        dtype,
+        allow_slow_kernels: bool,
+        experts: str,
+        split: int = 1,
     ):
         self.info, self.layer_ids, self.device, self.dtype = info, layer_ids, device, dtype
-        self.kernels = select_kernels(model, self.device, allow_slow_kernels)  # refuse before a long copy to GPU
+        # Before a long copy to the GPU: a refusal comes at once.
+        self.kernels = select_kernels(model, self.device, allow_slow_kernels, experts=experts)
+        weights = describe_weights(model, dtype)
         self.model = model.to(self.device)
         self._features = None
         self.teacher, self.lm_head, self.group = None, None, None
@@ -161,13 +182,14 @@ class TappedTarget:
         for slot, layer_id in enumerate(self.layer_ids):
             layers[layer_id].register_forward_hook(partial(self._capture, slot))
         logger.info(
-            "target %s (%s): tapping layers %s of %d, %d layers loaded, on %s; kernels: %s",
+            "target %s (%s): tapping layers %s of %d, %d layers loaded, on %s; %skernels: %s",
             self.info.name,
             self.info.model_type,
             self.layer_ids,
             info.num_layers,
             len(layers),
             where or self.device,
+            weights,
             describe_kernels(self.kernels),
         )
 
@@ -200,6 +222,44 @@ class TappedTarget:
 # ---- loading ------------------------------------------------------------------------------------------------
 
 
+def quantization_method(config) -> str | None:
+    """The quantization a checkpoint declares (its config's `quantization_config.quant_method`), or None."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None:
+        return None
+    return quantization.get("quant_method") if isinstance(quantization, dict) else quantization.quant_method
+
+
+def describe_weights(model: torch.nn.Module, dtype) -> str:
+    """The log's words for a quantized checkpoint's weights (`fp8 weights, dequantized ...; `), else ''. transformers
+    dequantizes where the format has no kernels (fine-grained FP8 on a CPU) and then drops the model's
+    quantization_config; it logs that as a warning, which the load's silenced logging would hide."""
+    declared = getattr(model, "_declared_quantization", None)
+    if declared is None:
+        return ""
+    if getattr(model, "is_quantized", False):
+        return f"{declared} weights, run quantized; "
+    return f"{declared} weights, dequantized to {str(dtype).removeprefix('torch.')} at load; "
+
+
+def _from_pretrained(auto_class, path, declared: str | None, **options) -> torch.nn.Module:
+    """`auto_class.from_pretrained`, a checkpoint of the quantization format `declared` that does not load here
+    refused naming it; the model remembers the format (for describe_weights)."""
+    try:
+        model = auto_class.from_pretrained(path, **options)
+    except (ImportError, RuntimeError, ValueError) as exc:
+        if declared is None:
+            raise
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise DflashError(
+            f"cannot load the {declared}-quantized checkpoint {path} here ({why}); README, 'Quantized "
+            "checkpoints', lists the formats that load"
+        ) from exc
+    loaded = model[0] if isinstance(model, tuple) else model
+    loaded._declared_quantization = declared
+    return model
+
+
 def _load_truncated(
     path: str, text_config, keep: int, dtype, final_norm: bool = False, tensor_parallel: int = 1
 ) -> torch.nn.Module:
@@ -218,8 +278,15 @@ def _load_truncated(
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # silence the report listing every weight of the layers left out
     try:
-        model, loading = AutoModel.from_pretrained(
-            path, config=text_config, dtype=dtype, attn_implementation="sdpa", output_loading_info=True, **split
+        model, loading = _from_pretrained(
+            AutoModel,
+            path,
+            quantization_method(text_config),
+            config=text_config,
+            dtype=dtype,
+            attn_implementation="sdpa",
+            output_loading_info=True,
+            **split,
         )
     except (OSError, ValueError) as exc:
         raise DflashError(f"cannot load the target from {path}: {exc}") from exc
@@ -243,23 +310,31 @@ def load_target(
     device: str | torch.device | None = "cpu",
     dtype: str | torch.dtype = "float32",
     tensor_parallel: int = 1,
+    experts: str = "auto",
 ):
     """The full target (with LM head) for generation, frozen, and its tokenizer; split by transformers'
-    tensor-parallel plan over the `tensor_parallel` processes of the torch.distributed world when above 1."""
+    tensor-parallel plan over the `tensor_parallel` processes of the torch.distributed world when above 1;
+    `experts`: an MoE target's experts implementation (dflash.kernels)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.distributed import DistributedConfig
 
     if not (Path(path) / "config.json").is_file():
         raise DflashError(f"{path} is not a model folder (no config.json); pass the target's local folder")
+    check_experts(experts)
     device = local_device(device)
     split = {"distributed_config": DistributedConfig(tp_size=tensor_parallel)} if tensor_parallel > 1 else {}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device), **split)
-    kernels = select_kernels(model, device, allow_slow=True, generation=True)
+    dtype = resolve_dtype(dtype, device)
+    model = _from_pretrained(AutoModelForCausalLM, path, quantization_method(load_config(path)), dtype=dtype, **split)
+    kernels = select_kernels(model, device, allow_slow=True, generation=True, experts=experts)
     model = model.to(device).eval()
     model.requires_grad_(False)
     where = f"{device}, split over {tensor_parallel} processes by transformers' tensor-parallel plan"
     logger.info(
-        "target %s on %s; kernels: %s", path, where if tensor_parallel > 1 else device, describe_kernels(kernels)
+        "target %s on %s; %skernels: %s",
+        path,
+        where if tensor_parallel > 1 else device,
+        describe_weights(model, dtype),
+        describe_kernels(kernels),
     )
     # The convolutions' reference code is a small op: the delta rules are the ones that cost.
     slow = [

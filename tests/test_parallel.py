@@ -122,6 +122,7 @@ def test_a_split_target_harvests_the_unsplit_store(arch, tiny_target, data_file,
     one = harvest_in_process(model, data_file, tmp_path / "one")
     outputs = run_processes(2, harvest_args(model, data_file, tmp_path / "split", tensor_parallel=2))
     assert "split over 2 processes by transformers' tensor-parallel plan" in outputs[0]
+    assert ("experts grouped_mm" in outputs[0]) == (arch == "qwen3_moe")  # the fastest, split too
     assert "rank 1 of group 0 (global ranks 0..1), a follower (it writes nothing)" in outputs[1]
     largest, worst = feature_differences(tmp_path / "split", one)
     print(f"{arch}: split vs unsplit, largest |difference| {largest:.3g}, worst relative {worst:.3g}")
@@ -177,6 +178,38 @@ def test_a_killed_follower_leaves_a_store_that_resumes(tiny_target, tmp_path):
         HarvestConfig(model=str(model), data=str(data), out=str(one), **{**OPTIONS, "dedup": False, "self_check": 0})
     )
     assert feature_differences(out, one)[1] <= TOLERANCE
+
+
+def test_a_group_of_one_is_todays_path(tiny_target, data_file, tmp_path, monkeypatch):
+    """--tensor-parallel 1 (the default), even under torchrun: no process group, no announcing, no distributed
+    load; the harvest and regenerate of one process, as before the option existed."""
+    from transformers import PreTrainedModel
+
+    from dflash import parallel
+    from dflash.config import RegenerateConfig
+    from dflash.regenerate import regenerate
+    from dflash.tiny import PROMPTS
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a process group was set up for --tensor-parallel 1")
+
+    monkeypatch.setattr(parallel, "Group", refuse)
+    monkeypatch.setattr(torch.distributed, "init_process_group", refuse)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a torchrun launch of unsplit ranks
+    monkeypatch.setenv("RANK", "0")
+    loads, from_pretrained = [], PreTrainedModel.from_pretrained.__func__
+
+    def recorded(cls, *args, **kwargs):
+        loads.append(kwargs)
+        return from_pretrained(cls, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(recorded))
+    model = tiny_target("qwen3_moe")
+    run_harvest(HarvestConfig(model=str(model), data=str(data_file), out=str(tmp_path / "s"), **OPTIONS))
+    regenerate(RegenerateConfig(model=str(model), data=str(PROMPTS), out=str(tmp_path / "a.jsonl"), max_new_tokens=4))
+    assert len(loads) == 2  # the harvest's target (its self-check reuses it) and regenerate's
+    assert not any({"distributed_config", "tp_plan", "device_mesh"} & set(kwargs) for kwargs in loads)
+    assert not torch.distributed.is_initialized()
 
 
 # ------------------------------------------------------------------------------------------------- refusals
@@ -236,3 +269,43 @@ def test_eval_split_over_two_processes_gives_the_single_process_rounds(tiny_targ
 
     one, split = rounds(tmp_path / "one.json"), rounds(tmp_path / "split.json")
     assert split == one and any(run["accepted"] for prompt in one for run in prompt.values())
+
+
+# ------------------------------------------------------------------------------------------------ regenerate
+
+
+def regenerate_args(model, out: Path, *extra: str) -> list[str]:
+    from dflash.tiny import PROMPTS
+
+    args = ["-m", "cli", "regenerate", "--model", str(model), "--data", str(PROMPTS), "--out", str(out)]
+    return [*args, "--max-new-tokens", "24", "--batch-size", "2", "--device", "cpu", "--dtype", "float32", *extra]
+
+
+def test_regenerate_split_over_two_processes_writes_the_single_process_output(tiny_target, tmp_path):
+    """float32, greedy: every process generates alike on the split target's replicated logits; the first writes."""
+    model = tiny_target("qwen3_moe")
+    run_processes(1, regenerate_args(model, tmp_path / "one.jsonl"))
+    outputs = run_processes(2, regenerate_args(model, tmp_path / "split.jsonl", "--tensor-parallel", "2"))
+    assert "split over 2 processes by transformers' tensor-parallel plan" in outputs[0]
+    assert "responses written" in outputs[0] and "responses written" not in outputs[1]
+    assert (tmp_path / "split.jsonl").read_text() == (tmp_path / "one.jsonl").read_text()
+    resumed = run_processes(2, regenerate_args(model, tmp_path / "split.jsonl", "--tensor-parallel", "2"))
+    assert "0 responses written" in resumed[0]
+
+
+def test_a_split_regenerate_stops_every_process_when_the_first_refuses(tiny_target, tmp_path):
+    out = tmp_path / "answers.jsonl"
+    model = tiny_target("llama")
+    run_processes(1, regenerate_args(model, out, "--max-new-tokens", "4"))
+    started = start_processes(2, regenerate_args(model, out, "--tensor-parallel", "2"))
+    outputs = [p.communicate(timeout=300)[0] for p in started]
+    assert all(p.returncode != 0 for p in started)
+    assert "was written with other generation settings" in outputs[0]
+    assert "the first process refused" in outputs[1] and "other generation settings" in outputs[1]
+
+
+def test_regenerate_through_a_server_is_not_split():
+    from dflash.config import RegenerateConfig
+
+    with pytest.raises(DflashError, match=r"--tensor-parallel splits a local target"):
+        RegenerateConfig(data="p", out="o", server="http://localhost:8000", tensor_parallel=2)

@@ -77,7 +77,7 @@ def _harvest_in_layout(cfg: HarvestConfig) -> Path:
 
 def _load_target(cfg: HarvestConfig, group, layer_ids: list[int], teacher: str | None) -> TappedTarget:
     """The target of this process, split over its group when it has one (the followers load as announced)."""
-    args = (cfg.model, layer_ids, cfg.device, DTYPES[cfg.dtype], cfg.allow_slow_kernels, teacher)
+    args = (cfg.model, layer_ids, cfg.device, DTYPES[cfg.dtype], cfg.allow_slow_kernels, teacher, cfg.experts)
     if group is not None:
         group.announce("load", *args)
     return TappedTarget(*args, group=group)
