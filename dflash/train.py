@@ -16,6 +16,7 @@ documented in docs/training.md.
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import signal
@@ -210,10 +211,10 @@ class Trainer:
         self.forward = graph.compile_fn(self.model, compile_on)
         # On the CPU the drafter takes the mask dense (flex_attention has no CPU backward): built directly as the
         # bias every layer shares, not through a BlockMask's mask_mod (13 bytes a pair while it is evaluated).
+        # (mask_fn: anchors, valid, doc ids, block size, window -> the mask; the tile size is the BlockMask's own)
         if self.cuda:
-            self.mask_fn = graph.compile_fn(
-                blocks.block_attention_mask, compile_on, options=blocks.MASK_COMPILE_OPTIONS
-            )
+            block_mask = functools.partial(blocks.block_attention_mask, tile_size=cfg.mask_tile_size)
+            self.mask_fn = graph.compile_fn(block_mask, compile_on, options=blocks.MASK_COMPILE_OPTIONS)
         else:
             self.mask_fn = blocks.dense_attention_bias
         self.objective = graph.compile_fn(self.method.objective_fn, compile_on)
@@ -289,9 +290,7 @@ class Trainer:
     def _micro(self, m: int, x: dict) -> methods.Objective:
         """Micro-batch m through the drafter and the method's objective (frozen head)."""
         s, B, S = self.static, self.block_size, self.span
-        mask = self.mask_fn(
-            x["anchors"], x["valid"], x["segments"], B, self.dcfg.sliding_window, self.cfg.mask_tile_size
-        )
+        mask = self.mask_fn(x["anchors"], x["valid"], x["segments"], B, self.dcfg.sliding_window)
         features = self._features(m)
         with self._autocast():
             embeds = F.embedding(x["block_ids"], self.embed)
