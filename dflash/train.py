@@ -67,6 +67,16 @@ logger = logging.getLogger("dflash")
 # ---------------------------------------------------------------------------------------------- schedule
 
 
+def mask_function(cfg: TrainConfig, cuda: bool, compile_on: bool):
+    """(anchors, valid, doc ids, block size, window) -> the step's attention mask. On a GPU a BlockMask of
+    --mask-tile-size tiles; on the CPU the dense mask (flex_attention has no CPU backward), built directly as the
+    bias every layer shares, not through a BlockMask's mask_mod (13 bytes a pair while it is evaluated)."""
+    if not cuda:
+        return blocks.dense_attention_bias
+    block_mask = functools.partial(blocks.block_attention_mask, tile_size=cfg.mask_tile_size)
+    return graph.compile_fn(block_mask, compile_on, options=blocks.MASK_COMPILE_OPTIONS)
+
+
 def learning_rate(step: torch.Tensor, cfg: TrainConfig, total_steps: int) -> torch.Tensor:
     """Linear warmup then cosine to min_lr_ratio * lr, as device tensor ops on the step counter (graph-safe)."""
     warmup = max(1, round(cfg.warmup_ratio * total_steps))
@@ -209,14 +219,7 @@ class Trainer:
 
         compile_on = self.cuda if cfg.compile is None else cfg.compile
         self.forward = graph.compile_fn(self.model, compile_on)
-        # On the CPU the drafter takes the mask dense (flex_attention has no CPU backward): built directly as the
-        # bias every layer shares, not through a BlockMask's mask_mod (13 bytes a pair while it is evaluated).
-        # (mask_fn: anchors, valid, doc ids, block size, window -> the mask; the tile size is the BlockMask's own)
-        if self.cuda:
-            block_mask = functools.partial(blocks.block_attention_mask, tile_size=cfg.mask_tile_size)
-            self.mask_fn = graph.compile_fn(block_mask, compile_on, options=blocks.MASK_COMPILE_OPTIONS)
-        else:
-            self.mask_fn = blocks.dense_attention_bias
+        self.mask_fn = mask_function(cfg, self.cuda, compile_on)
         self.objective = graph.compile_fn(self.method.objective_fn, compile_on)
         hint = "--anchors, --rows-per-step (or the store's token budget) or --loss-chunk"
         self.train_step = graph.GraphedStep(self._train_step, device=self.device, cuda_graph=cfg.cuda_graph, hint=hint)

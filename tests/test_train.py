@@ -34,7 +34,7 @@ from dflash.metrics import visible_pairs
 from dflash.store import Store
 from dflash.target_files import load_embedding_and_head
 from dflash.tiny import CORPUS
-from dflash.train import Trainer, init_distributed, run_training
+from dflash.train import Trainer, init_distributed, mask_function, run_training
 
 ROOT = Path(__file__).resolve().parent.parent
 B = 4  # block size of these tests: 3 drafted tokens fit the features of the tiny target (5 layers x 64)
@@ -378,27 +378,21 @@ def test_resume_reproduces_the_uninterrupted_run(store, tmp_path):
     assert [r["loss"] for r in resumed] == full[6:]  # exact: same rows, anchors, weights and optimizer state
 
 
-def test_kernel_options_and_mask_tiles_reach_the_step_and_keep_the_curve(store, tmp_path, monkeypatch):
-    # On the CPU the drafter evaluates the mask densely: what this checks is that the options get to the BlockMask
-    # and the attention modules, and that the step is unchanged (test_blocks: every tile size gives the same pairs).
-    tiles = []
-    build = blocks.block_attention_mask
-
-    def spy(*args):
-        mask = build(*args)
-        tiles.append(mask.BLOCK_SIZE)
-        return mask
-
-    monkeypatch.setattr(blocks, "block_attention_mask", spy)
-    default = run_training(config(store, tmp_path / "default", max_steps=3))["records"]
-    assert set(tiles) == {(blocks.DEFAULT_MASK_TILE,) * 2}
-    tiles.clear()
+def test_kernel_options_and_mask_tiles_reach_the_step_and_keep_the_curve(store, tmp_path):
+    # The GPU's mask function builds BlockMasks of the chosen tiles (test_blocks: every tile size gives the same
+    # pairs); the CPU step takes the dense mask, where neither option can change a value.
     options = {"bwd_num_warps": 8, "USE_TMA": True}
     cfg = config(store, tmp_path / "tuned", max_steps=3, attention_kernel_options=options, mask_tile_size=16)
+    anchors, valid = torch.tensor([[0, 40]]), torch.ones(1, 2, dtype=torch.bool)
+    doc_ids = torch.zeros(1, 64, dtype=torch.int32)
+    for tile, run in ((16, cfg), (blocks.DEFAULT_MASK_TILE, config(store, tmp_path / "default", max_steps=3))):
+        mask = mask_function(run, cuda=True, compile_on=False)(anchors, valid, doc_ids, 16, None)
+        assert mask.BLOCK_SIZE == (tile, tile)
+    assert mask_function(cfg, cuda=False, compile_on=False) is blocks.dense_attention_bias
     trainer = Trainer(cfg, init_distributed("cpu"))
     assert all(layer.self_attn.kernel_options == options for layer in trainer.model.layers)
+    default = run_training(config(store, tmp_path / "default", max_steps=3))["records"]
     tuned = run_training(cfg)["records"]
-    assert set(tiles) == {(16, 16)}
     assert [r["loss"] for r in tuned] == [r["loss"] for r in default]
     # Speed options, like --compile: a resume may change them.
     assert fingerprint(cfg, 1) == fingerprint(config(store, tmp_path / "tuned", max_steps=3), 1)
