@@ -25,6 +25,13 @@ def test_every_option_has_help_text():
                 assert param.help, f"dflash {command} {param.opts[0]} has no help text"
 
 
+def test_every_data_option_names_every_format_the_sources_read():
+    for command in COMMANDS:
+        for param in main.commands[command].params:
+            if param.name == "data":
+                assert all(kind in param.help for kind in ("JSONL", ".gz", ".zst", "Parquet", "folder")), command
+
+
 def _harvest(tmp_path, config_text: str, *flags: str):
     config = tmp_path / "run.toml"
     config.write_text(config_text)
