@@ -129,6 +129,14 @@ def test_config_tables_of_other_commands_are_skipped_and_unknown_tables_refused(
     assert result.exit_code == 2 and "[train] max_stepz" in result.output, result.output
 
 
+def test_config_top_level_keys_of_other_commands_serve_those_and_unknown_ones_are_refused(tmp_path):
+    # One file for the whole chain: harvest's keys at top level, train's own under [train].
+    chain = 'model = "m"\ndata = "d.jsonl"\ntoken-budget = 8\nshards = "s"\n[train]\nout = "r"\n'
+    assert _train_options(tmp_path, chain) == {"store": "s", "out": "r"}
+    result = _train_options(tmp_path, chain + "tokn-budget = 8\n")
+    assert result.exit_code == 2 and "unknown keys" in result.output and "tokn-budget" in result.output
+
+
 def test_config_values_of_the_wrong_type_are_named(tmp_path):
     cases = {
         "max-steps = 2.7": "max-steps = 2.7 is not an integer",
