@@ -22,8 +22,9 @@ ShareGPT `conversations` into `messages`; each record is one document:
 
 Blank lines are skipped; `doc_id` is the 0-based index of the record in the mixture (the file's order for one
 source), error messages name the file and its 1-based line (or Parquet row). Documents longer than `max_length`
-are truncated or split into standalone pieces; pieces left with no loss token (for example a split-off prompt) are
-dropped, since they could hold no training block, and counted. The documents' tokens are spilled to a temporary
+are truncated or split into standalone pieces; pieces left with no loss token (for example a split-off prompt, or a
+long chat truncated inside its prompt) are dropped, since they could hold no training block, and counted (the log
+says when a truncated document is then dropped). The documents' tokens are spilled to a temporary
 file and mapped back (`_Spill`), so that they do not sit in the Python heap; the records' text is read twice as a
 stream (sources.Mixture.read), never held. A record that fails to tokenise is reported first in file order.
 """
