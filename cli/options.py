@@ -16,9 +16,20 @@ _FILE_DICTS = "dflash.config_dicts"  # ctx.meta key: dict options' values from -
 
 def _command_names(ctx: click.Context) -> set[str]:
     """Every dflash command's name (a --config file may hold tables for several commands)."""
+    return set(_commands(ctx)) | {ctx.info_name}
+
+
+def _commands(ctx: click.Context) -> dict[str, click.Command]:
     root = ctx.find_root().command
-    names = set(root.commands) if isinstance(root, click.Group) else set()
-    return names | {ctx.info_name}
+    return dict(root.commands) if isinstance(root, click.Group) else {}
+
+
+def _key_names(command: click.Command) -> dict[str, str]:
+    """A command's --config keys (its flags' names and its parameters' own, `-` as `_`) -> parameter names."""
+    params = [p for p in command.params if p.name != "config"]
+    names = {opt.lstrip("-").replace("-", "_"): p.name for p in params for opt in p.opts}
+    names.update({p.name: p.name for p in params})
+    return names
 
 
 def _load_config(ctx: click.Context, _param, path: str | None):
@@ -26,8 +37,9 @@ def _load_config(ctx: click.Context, _param, path: str | None):
 
     The file holds the command's keys at top level and / or under a table named after the command (`[harvest]`,
     `[train]`; the table's value wins); keys use the option names with `-` or `_`. Tables named after other dflash
-    commands are skipped, so one file may serve several commands. Every other key must be an option of this
-    command with a value of its type: anything else is an error naming the key, never silently dropped.
+    commands, and top-level keys that only other dflash commands take (`token-budget` for `train`), are skipped, so
+    one file may serve the whole chain. Every other key must be an option of this command with a value of its
+    type: anything else is an error naming the key, never silently dropped.
     """
     if path is None:
         return None
@@ -37,8 +49,8 @@ def _load_config(ctx: click.Context, _param, path: str | None):
         raise click.BadParameter(f"cannot read config {path}: {exc}") from exc
     # Keys are the flags' names (`shards`, `val-shards`) or the parameters' own (`store`).
     params = {p.name: p for p in ctx.command.params if p.name != "config"}
-    names = {opt.lstrip("-").replace("-", "_"): p.name for p in params.values() for opt in p.opts}
-    names.update({name: name for name in params})
+    names = _key_names(ctx.command)
+    others = {key for command in _commands(ctx).values() for key in _key_names(command)} - set(names)
     commands = _command_names(ctx)
     own = ctx.info_name
     entries = []  # (key as written, where, value); the command's table after the top level, so that it wins
@@ -47,6 +59,8 @@ def _load_config(ctx: click.Context, _param, path: str | None):
         if isinstance(value, dict) and key in commands:
             if key == own:
                 tables = [(k, f"[{own}] {k}", v) for k, v in value.items()]
+        elif key.replace("-", "_") in others:
+            continue  # a key only other commands take serves those
         elif isinstance(value, dict) and key.replace("-", "_") not in names:
             raise click.BadParameter(
                 f"{path}: [{key}] is neither a dflash command's table ({', '.join(sorted(commands))}) nor an "

@@ -38,24 +38,38 @@ MARKS = (TARGET, UNFINISHED)  # dflash's own keys on a message, never shown to a
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def load_prompts(path: str | Path) -> list[dict]:
+class Unanswerable(DflashError):
+    """A conversation that does not end with a user turn for the target to answer."""
+
+
+def load_prompts(path: str | Path, skipped: list[str] | None = None) -> list[dict]:
     """Read prompt records from a data source of any kind harvest reads (a JSONL, .gz, .zst or Parquet file, or a
     folder of them: docs/data.md), each normalised to `{"messages": [...]}` (ending with a user turn) or
-    `{"prompt": ...}`."""
-    records = [_prompt_record(*check_record(record, where), where) for where, record in sources.iter_records(path)]
+    `{"prompt": ...}`. A conversation with no user turn to answer is refused, or left out with its place appended
+    to `skipped` when that is given (eval measures the other prompts)."""
+    records = _prompts(sources.iter_records(path), skipped)
     if not records:
         raise DflashError(
             f"{path} holds no prompts; expected records with 'messages', 'conversations', 'text' or 'prompt'"
+            + (f" ending with a user turn ({len(skipped)} do not)" if skipped else "")
         )
     return records
 
 
-def prompt_records(records: list[dict]) -> list[dict]:
+def prompt_records(records: list[dict], skipped: list[str] | None = None) -> list[dict]:
     """In-memory prompt records (any form a prompt file may hold), checked and normalised as load_prompts does."""
+    return _prompts(((f"prompt {number}", record) for number, record in enumerate(records, start=1)), skipped)
+
+
+def _prompts(where_records, skipped: list[str] | None) -> list[dict]:
     normalised = []
-    for number, record in enumerate(records, start=1):
-        where = f"prompt {number}"
-        normalised.append(_prompt_record(*check_record(record, where), where))
+    for where, record in where_records:
+        try:
+            normalised.append(_prompt_record(*check_record(record, where), where))
+        except Unanswerable:
+            if skipped is None:
+                raise
+            skipped.append(where)
     return normalised
 
 
@@ -69,7 +83,7 @@ def _prompt_record(kind: str, payload, where: str) -> dict:
     messages = plain_messages(payload)
     messages = messages[:-1] if messages[-1]["role"] == "assistant" else messages
     if not messages or messages[-1]["role"] != "user":
-        raise DflashError(
+        raise Unanswerable(
             f"{where}: the conversation must end with a user turn for the target to answer (a final assistant turn "
             "is dropped first); end it with the user turn to answer or remove the line"
         )

@@ -402,7 +402,11 @@ class EvalConfig:
     )
     untrained: bool = option(False, "Use a randomly initialised drafter shaped from the target (baseline).")
     block_size: int = option(16, "Block size of the --untrained drafter.")
-    num_prompts: int | None = option(None, "Only the first N prompts.", default_doc="all")
+    num_prompts: int | None = option(
+        None,
+        "Only the first N prompts (conversations with no user turn to answer are skipped, counted).",
+        default_doc="all",
+    )
     max_new_tokens: int = option(256, "Tokens generated per prompt.")
     temperature: float = option(
         0.0, "0 = greedy (checked against plain greedy decoding); > 0 samples, and so does the plain baseline."

@@ -22,8 +22,9 @@ ShareGPT `conversations` into `messages`; each record is one document:
 
 Blank lines are skipped; `doc_id` is the 0-based index of the record in the mixture (the file's order for one
 source), error messages name the file and its 1-based line (or Parquet row). Documents longer than `max_length`
-are truncated or split into standalone pieces; pieces left with no loss token (for example a split-off prompt) are
-dropped, since they could hold no training block, and counted. The documents' tokens are spilled to a temporary
+are truncated or split into standalone pieces; pieces left with no loss token (for example a split-off prompt, or a
+long chat truncated inside its prompt) are dropped, since they could hold no training block, and counted (the log
+says when a truncated document is then dropped). The documents' tokens are spilled to a temporary
 file and mapped back (`_Spill`), so that they do not sit in the Python heap; the records' text is read twice as a
 stream (sources.Mixture.read), never held. A record that fails to tokenise is reported first in file order.
 """
@@ -86,6 +87,7 @@ class DataStats:
     completion: int = 0
     truncated: int = 0  # documents cut to max_length ...
     truncated_tokens: int = 0  # ... and the tokens that cut dropped
+    truncated_dropped: int = 0  # truncated documents then dropped: their kept tokens hold no loss token
     split: int = 0  # documents split ...
     split_pieces: int = 0  # ... into this many pieces
     dropped_no_loss: int = 0  # pieces (or truncated documents) left without a loss token
@@ -96,7 +98,8 @@ class DataStats:
     loss_tokens: int = 0
     truncated_most: int = 0  # truncated documents that lost more than TRUNCATION_WARNING of their tokens ...
     largest_cut: int = 0  # ... the most tokens one truncation dropped ...
-    largest_cut_line: int = -1  # ... and that document's index (0-based; -1: none)
+    largest_cut_line: int = -1  # ... and that document's index (0-based; -1: none) ...
+    largest_cut_dropped: bool = False  # ... and whether it was then dropped (no loss token in what it kept)
     sources: list[dict] = field(default_factory=list)  # per source: sources.SourceStats
 
     def summary(self) -> str:
@@ -208,11 +211,13 @@ def _count_cuts(chosen, lengths, pieces, kept, cfg: DataConfig, stats: DataStats
     if cfg.overflow == "split":
         stats.split, stats.split_pieces = int(over.sum()), int(pieces[over].sum())
         return
-    cuts = (lengths - cfg.max_length)[over]
+    cuts, dropped = (lengths - cfg.max_length)[over], kept[over] == 0
     stats.truncated, stats.truncated_tokens = len(cuts), int(cuts.sum())
+    stats.truncated_dropped = int(dropped.sum())
     stats.truncated_most = int((cuts > TRUNCATION_WARNING * lengths[over]).sum())
     if len(cuts):
         stats.largest_cut, stats.largest_cut_line = int(cuts.max()), int(chosen[over][cuts.argmax()])
+        stats.largest_cut_dropped = bool(dropped[cuts.argmax()])
 
 
 def _names(path) -> str:
@@ -241,9 +246,11 @@ def _log(cfg: DataConfig, stats: DataStats) -> None:
             ),
         )
     if stats.truncated_most:
+        # The kept part of a long chat may be all prompt: then the document is dropped too, and the log says so.
+        kept = "then dropped: the rest held no token to train on" if stats.largest_cut_dropped else "keeping %d"
         logger.warning(
             "WARNING: --overflow truncate cut %d document(s) of %s to less than %d%% of their length, dropping %d "
-            "tokens in all (document %d alone lost %d of its tokens, keeping %d); those tokens are never trained on. "
+            f"tokens in all (document %d alone lost %d of its tokens, {kept}); those tokens are never trained on. "
             "Pass --overflow split to keep them as standalone pieces, or raise --max-length",
             stats.truncated_most,
             _names(cfg.path),
@@ -251,6 +258,14 @@ def _log(cfg: DataConfig, stats: DataStats) -> None:
             stats.truncated_tokens,
             stats.largest_cut_line,
             stats.largest_cut,
+            *(() if stats.largest_cut_dropped else (cfg.max_length,)),
+        )
+    if stats.truncated_dropped:
+        logger.warning(
+            "WARNING: %d truncated document(s) of %s were then dropped whole: their first %d tokens (the prompt) "
+            "hold no token to train on. Pass --overflow split or raise --max-length to keep their answers",
+            stats.truncated_dropped,
+            _names(cfg.path),
             cfg.max_length,
         )
 

@@ -119,8 +119,11 @@ class EvalReport:
     def prompt_table(self) -> str:
         """A row per prompt: its plain decoding, then each method's tau and speedup (`!` marks a mismatch)."""
         names = list(self.methods)
+        # Two spaces at least before each header, however long the method's name: they never run together.
+        headers = {name: f"  {name} tau, speedup" for name in names}
+        widths = {name: max(34, len(header)) for name, header in headers.items()}
         lines = [
-            f"{'prompt':>6}{'tokens':>8}{'plain tok/s':>13}" + "".join(f"{n + ' tau, speedup':>34}" for n in names)
+            f"{'prompt':>6}{'tokens':>8}{'plain tok/s':>13}" + "".join(f"{headers[n]:>{widths[n]}}" for n in names)
         ]
         for row in self.prompts:
             plain = row["plain"]
@@ -131,7 +134,7 @@ class EvalReport:
                 rate = run.new_tokens / run.seconds if run.seconds else 0.0
                 tau = f"{run.tau:.2f}" if run.tau is not None else "-"
                 mark = "!" if run.mismatch_at is not None else ""
-                cells.append(f"{tau + mark:>26}{rate / plain_rate if plain_rate else 0.0:>7.2f}x")
+                cells.append(f"{tau + mark:>{widths[name] - 8}}{rate / plain_rate if plain_rate else 0.0:>7.2f}x")
             lines.append(f"{row['index']:>6}{plain['new_tokens']:>8}{plain_rate:>13.1f}" + "".join(cells))
         return "\n".join(lines)
 
@@ -311,14 +314,30 @@ def evaluate(
     for drafter in drafters:  # the shapes, from the config files alone: before the target is loaded
         if isinstance(drafter, (str, Path)) and drafter != "untrained":
             check_drafter_fits(read_drafter_config(drafter), text_config, None, str(drafter), str(cfg.model))
-    records = load_prompts(cfg.data) if isinstance(cfg.data, (str, Path)) else prompt_records(cfg.data)
-    records = records[: cfg.num_prompts]
+    records = _answerable_prompts(cfg.data)[: cfg.num_prompts]
     group = open_group(cfg.model, cfg.tensor_parallel, local_device(cfg.device), whole_launch=True)
     try:
         return _evaluate(cfg, named, records, resume, on_prompt, progress)
     finally:
         if group is not None:
             group.close()
+
+
+def _answerable_prompts(data) -> list[dict]:
+    """The prompts of `data` (a path or records), leaving out with a count the conversations that end with no user
+    turn to answer (e.g. with a tool result): one such line should not stop the measurement of the others."""
+    skipped: list[str] = []
+    records = load_prompts(data, skipped) if isinstance(data, (str, Path)) else prompt_records(data, skipped)
+    if skipped:
+        logger.warning(
+            "skipping %d prompt(s) that do not end with a user turn for the target to answer (%s%s); eval measures "
+            "the other %d",
+            len(skipped),
+            ", ".join(skipped[:3]),
+            ", ..." if len(skipped) > 3 else "",
+            len(records),
+        )
+    return records
 
 
 def _evaluate(cfg: EvalConfig, named: dict, records: list, resume, on_prompt, progress: bool) -> EvalReport:
@@ -336,6 +355,7 @@ def _evaluate(cfg: EvalConfig, named: dict, records: list, resume, on_prompt, pr
         ) from None
     eos_ids = eos_token_ids(target, tokenizer)
     encoded = [torch.tensor(encode_prompt(tokenizer, r), device=target.device) for r in records]
+    check_positions(encoded, cfg.max_new_tokens, target.config.get_text_config())
     methods = _methods(cfg, target, tokenizer, named, eos_ids)
     trained = [name for name, drafter in named.items() if drafter != "untrained"]
     generator = torch.Generator(target.device).manual_seed(cfg.seed)
@@ -387,6 +407,21 @@ def _evaluate(cfg: EvalConfig, named: dict, records: list, resume, on_prompt, pr
         if on_prompt is not None:
             on_prompt(report(in_order(rows)))
     return report(in_order(rows), compare=True)
+
+
+def check_positions(encoded: list[torch.Tensor], max_new_tokens: int, text_config) -> None:
+    """Refuse, before any decoding, prompts whose answers would run past the positions the target was made for
+    (transformers would only remind, and the measurement would be of a target out of its range)."""
+    limit = getattr(text_config, "max_position_embeddings", None)
+    longest = max(range(len(encoded)), key=lambda i: encoded[i].numel(), default=None)
+    if limit is None or longest is None or encoded[longest].numel() + max_new_tokens <= limit:
+        return
+    tokens = encoded[longest].numel()
+    fix = f"pass --max-new-tokens {limit - tokens} or less" if tokens < limit else "shorten or remove that prompt"
+    raise DflashError(
+        f"prompt {longest} has {tokens} tokens: with --max-new-tokens {max_new_tokens} it reaches position "
+        f"{tokens + max_new_tokens}, past the target's max_position_embeddings {limit}; {fix}"
+    )
 
 
 def compare_drafters(methods: dict[str, Method], rows: list[dict], names: list[str]) -> dict[str, dict]:

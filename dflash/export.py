@@ -5,6 +5,7 @@ The export's own modeling file (dflash/export_modeling.py, copied as modeling_df
 `AutoModel.from_pretrained(folder, trust_remote_code=True)` give the drafter without dflash installed.
 """
 
+import glob
 import json
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from torch import Tensor
 from dflash import methods
 from dflash.drafter import DFlashDrafter, DrafterConfig
 from dflash.errors import DflashError
+from dflash.locks import FileLock
 
 
 def fold_projection(state: dict, config: DrafterConfig, projection: Tensor) -> dict:
@@ -88,11 +90,6 @@ def export_drafter(
     always refused. The files are written into a temporary sibling folder that is renamed into place, so that an
     interruption leaves either the earlier folder or the whole new export, never half of one.
     """
-    import os
-    import shutil
-
-    from safetensors.torch import save_file
-
     folder = check_export_target(folder, replace_export)
     state = model if isinstance(model, dict) else getattr(model, "_orig_mod", model).state_dict()
     if projection is not None:
@@ -110,6 +107,42 @@ def export_drafter(
         folder.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise DflashError(f"cannot create {folder.parent} ({exc.strerror}); give --out a writable folder") from None
+    with FileLock(folder.parent / f".{folder.name}.export-lock", lambda holder: _busy(folder, holder), remove=True):
+        if _recover_killed_export(folder):  # the earlier export is back in place: may it be replaced?
+            check_export_target(folder, replace_export)
+        _write_export(tensors, config, saved_dtype, folder)
+    return folder
+
+
+def _busy(folder: Path, holder: str) -> str:
+    return f"{folder} is being exported by {holder}; wait for it to finish or export to another folder"
+
+
+def _recover_killed_export(folder: Path) -> bool:
+    """Clear what an export of `folder` killed mid-way left beside it (its lock held: no live export's): a partial
+    `.NAME.tmp-PID` is removed; an earlier export moved aside as `.NAME.old-PID` is put back if the new one never
+    took its place, removed otherwise. Returns whether an earlier export was put back."""
+    import shutil
+
+    restored = False
+    for leftover in sorted(folder.parent.glob(f".{glob.escape(folder.name)}.old-*")):
+        if not folder.exists() and is_export(leftover):
+            leftover.rename(folder)
+            restored = True
+        else:
+            shutil.rmtree(leftover, ignore_errors=True)
+    for leftover in folder.parent.glob(f".{glob.escape(folder.name)}.tmp-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    return restored
+
+
+def _write_export(tensors: dict, config: DrafterConfig, saved_dtype: torch.dtype, folder: Path) -> None:
+    """Write the export into a temporary sibling folder, then rename it into place (an earlier one moved aside)."""
+    import os
+    import shutil
+
+    from safetensors.torch import save_file
+
     tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
     old = folder.parent / f".{folder.name}.old-{os.getpid()}"
     try:
@@ -135,7 +168,6 @@ def export_drafter(
             f"cannot write the drafter to {folder} ({reason}); give --out a writable folder with free space"
         ) from None
     shutil.rmtree(old, ignore_errors=True)
-    return folder
 
 
 def read_drafter_config(folder) -> DrafterConfig:

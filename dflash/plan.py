@@ -178,12 +178,14 @@ def plan_report(cfg: HarvestConfig, sample: int | None, epochs: int, draft_layer
         for name, (precision, subspace) in MODES.items()
     }
     bf16_row = mode_bytes(encodings["bf16"], cfg.token_budget)[0]
+    # Padding slots are zeros, which the codec stores in next to nothing: only the filled share counts on disk.
+    filled = 1 - data.padding
     for mode, encoding in encodings.items():
         raw, fraction = mode_bytes(encoding, cfg.token_budget)
         size = raw * data.rows
         lines.append(
             f"| {mode} | {raw / cfg.token_budget:,.0f} | {raw / bf16_row:.3f} | {_size(size)} | "
-            f"~{_size(size * fraction)} |"
+            f"~{_size(size * fraction * filled)} |"
         )
     lines.append(
         "What a mode costs in acceptance length: README, 'Store modes'. On the quality run each measured mode's drafter "
@@ -199,16 +201,17 @@ def plan_report(cfg: HarvestConfig, sample: int | None, epochs: int, draft_layer
     existing = nearest_existing(Path(cfg.out))
     free = shutil.disk_usage(existing).free
     fits = (
-        "fits"
-        if need * fraction <= free
+        "DOES NOT FIT (harvest refuses a store whose raw size, padding included, exceeds the free space by the codec's "
+        "best ratio)"
+        if need / BEST_CODEC_RATIO > free
+        else "fits"
+        if need * fraction * filled <= free
         else "fits only if the codec does well"
-        if need / BEST_CODEC_RATIO <= free
-        else "DOES NOT FIT"
     )
     lines += [
         "",
-        f"disk       the chosen mode ({chosen}) needs {_size(need)} raw, ~{_size(need * fraction)} on disk; {existing} "
-        f"has {_size(free)} free: {fits}",
+        f"disk       the chosen mode ({chosen}) needs {_size(need)} raw, ~{_size(need * fraction * filled)} on disk "
+        f"(its {data.padding:.1%} padding as the zeros it compresses to); {existing} has {_size(free)} free: {fits}",
     ]
     params = params_through(cfg.model, max(layers))
     harvest_tok_s = HARVEST_MFU * H200_PEAK / (2 * params)

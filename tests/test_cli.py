@@ -25,6 +25,13 @@ def test_every_option_has_help_text():
                 assert param.help, f"dflash {command} {param.opts[0]} has no help text"
 
 
+def test_every_data_option_names_every_format_the_sources_read():
+    for command in COMMANDS:
+        for param in main.commands[command].params:
+            if param.name == "data":
+                assert all(kind in param.help for kind in ("JSONL", ".gz", ".zst", "Parquet", "folder")), command
+
+
 def _harvest(tmp_path, config_text: str, *flags: str):
     config = tmp_path / "run.toml"
     config.write_text(config_text)
@@ -120,6 +127,14 @@ def test_config_tables_of_other_commands_are_skipped_and_unknown_tables_refused(
     assert result.exit_code == 2 and "[trian] is neither a dflash command's table" in result.output, result.output
     result = _train_options(tmp_path, '[train]\nshards = "s"\nmax_stepz = 3\n')
     assert result.exit_code == 2 and "[train] max_stepz" in result.output, result.output
+
+
+def test_config_top_level_keys_of_other_commands_serve_those_and_unknown_ones_are_refused(tmp_path):
+    # One file for the whole chain: harvest's keys at top level, train's own under [train].
+    chain = 'model = "m"\ndata = "d.jsonl"\ntoken-budget = 8\nshards = "s"\n[train]\nout = "r"\n'
+    assert _train_options(tmp_path, chain) == {"store": "s", "out": "r"}
+    result = _train_options(tmp_path, chain + "tokn-budget = 8\n")
+    assert result.exit_code == 2 and "unknown keys" in result.output and "tokn-budget" in result.output
 
 
 def test_config_values_of_the_wrong_type_are_named(tmp_path):

@@ -413,3 +413,14 @@ def test_openai_list_content_is_its_text_parts_joined_and_other_parts_are_refuse
         load_documents(
             DataConfig(_jsonl(tmp_path, {"messages": [{**listed[0], "content": [image]}, listed[1]]})), tokenizer_path
         )
+
+
+def test_a_truncated_chat_then_dropped_is_said_to_be_dropped(tmp_path, tokenizer_path, caplog):
+    messages = [{"role": "user", "content": "Please read this. " * 30}, {"role": "assistant", "content": "Done."}]
+    path = _jsonl(tmp_path, {"text": "short one"}, {"messages": messages})
+    with caplog.at_level("WARNING", logger="dflash"):
+        documents, stats = load_documents(DataConfig(path, max_length=32, overflow="truncate"), tokenizer_path)
+    assert [d.doc_id for d in documents] == [0] and stats.truncated_dropped == 1
+    log = " ".join(record.getMessage() for record in caplog.records)
+    assert "keeping" not in log and "document 1 alone lost" in log and "then dropped" in log
+    assert "1 truncated document(s)" in log and "were then dropped whole" in log

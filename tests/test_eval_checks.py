@@ -170,3 +170,31 @@ def test_a_full_disk_under_the_report_is_one_line_and_the_last_report_stays_whol
     resumed = CliRunner().invoke(main, args + ["--resume"])
     assert resumed.exit_code == 0, resumed.output
     assert [p["index"] for p in json.loads(report.read_text())["prompts"]] == [0, 1]
+
+
+def test_a_prompt_ending_in_a_tool_turn_is_skipped_with_a_count(tiny_target, caplog):
+    tool_call = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+    called = [
+        {"role": "user", "content": "Call a tool."},
+        {"role": "assistant", "content": "", "tool_calls": [tool_call]},
+        {"role": "tool", "content": "42"},
+    ]
+    prompts = [{"text": "def add(a, b):"}, {"messages": called}, {"text": "The fox"}]
+    cfg = EvalConfig(str(tiny_target("qwen3")), prompts, num_prompts=2, max_new_tokens=2, device="cpu", prompt_lookup=2)
+    with caplog.at_level("WARNING", logger="dflash"):
+        report = evaluate(cfg)
+    assert len(report.prompts) == 2
+    assert "skipping 1 prompt(s) that do not end with a user turn for the target to answer (prompt 2)" in caplog.text
+
+
+def test_an_eval_past_the_targets_positions_is_refused_before_decoding(tiny_target):
+    cfg = EvalConfig(str(tiny_target("qwen3")), PROMPTS, max_new_tokens=5000, device="cpu", prompt_lookup=2)
+    with pytest.raises(DflashError, match="past the target's max_position_embeddings 4096; pass --max-new-tokens"):
+        evaluate(cfg)
+
+
+def test_per_prompt_headers_never_run_together(tiny_target):
+    cfg = EvalConfig(str(tiny_target("qwen3")), PROMPTS, max_new_tokens=2, device="cpu", prompt_lookup=2)
+    header, row = evaluate(cfg).prompt_table().splitlines()
+    assert "prompt-lookup tau, speedup  prompt-lookup-generate tau, speedup" in header
+    assert len(header) == len(row)

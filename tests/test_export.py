@@ -105,6 +105,32 @@ def test_a_failed_export_leaves_the_earlier_one_whole(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
 
 
+def test_what_a_killed_export_left_is_cleared_by_the_next_one_never_a_live_ones(tmp_path):
+    from dflash.export import is_export
+    from dflash.locks import FileLock
+
+    cfg = small_config()
+    out = export_drafter(drafter(cfg, seed=0), cfg, tmp_path / "d")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    # Killed between moving the earlier export aside and renaming the new one in: the next export puts it back
+    # (and, without --force, refuses to replace it), dropping the partial folder.
+    out.rename(tmp_path / ".d.old-4000001")
+    (tmp_path / ".d.tmp-4000001").mkdir()
+    (tmp_path / ".d.tmp-4000001" / "model.safetensors").write_bytes(b"cut short")
+    with pytest.raises(DflashError, match="holds an earlier drafter export; pass --force"):
+        export_drafter(drafter(cfg, seed=1), cfg, out, replace_export=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+    # A live export of the same folder holds its lock: its temporary folder is left alone, the second one refused.
+    (tmp_path / ".d.tmp-4000002").mkdir()
+    with FileLock(tmp_path / ".d.export-lock", str, remove=True):
+        with pytest.raises(DflashError, match="is being exported by process"):
+            export_drafter(drafter(cfg, seed=1), cfg, out)
+        assert (tmp_path / ".d.tmp-4000002").is_dir()
+    export_drafter(drafter(cfg, seed=1), cfg, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"] and is_export(out)
+
+
 def test_export_cli_refuses_before_reading_the_run(tmp_path):
     run = tmp_path / "run"
     run.mkdir()

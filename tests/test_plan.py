@@ -1,5 +1,9 @@
 """`dflash plan`: its counts against a real harvest of the same data, its sampling error against the truth."""
 
+import json
+import re
+from dataclasses import replace
+
 import pytest
 from click.testing import CliRunner
 
@@ -7,7 +11,7 @@ from cli.main import main
 from dflash import store
 from dflash.config import HarvestConfig
 from dflash.harvest import run_harvest
-from dflash.plan import estimate_data, mode_bytes
+from dflash.plan import estimate_data, mode_bytes, plan_report
 from dflash.tiny import CORPUS
 
 BUDGET = 256
@@ -123,3 +127,18 @@ def test_bad_options_are_one_line_naming_the_problem_and_the_fix(model, tmp_path
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
     assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "s").exists()
+
+
+def test_a_padded_stores_size_on_disk_counts_its_padding_as_zeros(model, tmp_path):
+    text = " ".join(CORPUS.read_text().splitlines()[:3])  # one document, most of its row left as padding
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"text": text}) + "\n")
+    cfg = HarvestConfig(model=model, data=str(data), out=str(tmp_path / "s"), token_budget=2048, workers=1)
+    assert estimate_data(cfg, None).padding > 0.6
+    report = plan_report(cfg, None, epochs=1, draft_layers=1, block_size=16)
+    units = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9}
+    sizes = re.search(r"needs ([\d.]+) (\w+) raw, ~([\d.]+) (\w+) on disk", report).groups()
+    raw, on_disk = (float(sizes[i]) * units[sizes[i + 1]] for i in (0, 2))
+    run_harvest(replace(cfg, device="cpu"))
+    stored = sum(f.stat().st_size for f in (tmp_path / "s").rglob("*") if f.is_file())
+    assert stored < 0.5 * raw and 0.8 < on_disk / stored < 1.5, (raw, on_disk, stored)
