@@ -77,9 +77,14 @@ def start_processes(procs: int, args: list[str]) -> list[subprocess.Popen]:
 
 
 def run_processes(procs: int, args: list[str]) -> list[str]:
-    """Run the launch to its end; every process must succeed. Returns their outputs."""
-    started = start_processes(procs, args)
-    outputs = [p.communicate(timeout=600)[0] for p in started]
+    """Run the launch to its end; every process must succeed. Returns their outputs. A launch whose port was taken
+    between `_free_port` and rank 0's bind (another program on the machine) is started once more on another port;
+    what it wrote is resumed, as after any stop."""
+    for attempt in range(2):
+        started = start_processes(procs, args)
+        outputs = [p.communicate(timeout=600)[0] for p in started]
+        if attempt or not any("address already in use" in output.lower() for output in outputs):
+            break
     for rank, (process, output) in enumerate(zip(started, outputs)):
         assert process.returncode == 0, f"rank {rank}:\n{output[-4000:]}"
     return outputs
