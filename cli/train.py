@@ -24,7 +24,7 @@ def train(**options):
     to OUT/drafter at the end. One run at a time owns OUT. Ctrl-C or SIGTERM saves a checkpoint after the
     current step and stops; the same command with --resume continues the run.
     """
-    from dflash.train import run_training
+    from dflash.train_run import run_training
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:

@@ -226,7 +226,7 @@ def test_a_drafter_trained_on_a_compact_store_exports_a_standard_one(harvest, ti
     from dflash.config import TrainConfig
     from dflash.export import load_drafter
     from dflash.target_files import load_embedding_and_head
-    from dflash.train import run_training
+    from dflash.train_run import run_training
 
     path = harvest(**encoding)
     run = tmp_path / "run"

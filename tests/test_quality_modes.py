@@ -140,14 +140,14 @@ def test_several_trained_drafters_in_one_run(tiny_target, tmp_path):
     """{name: folder} drafters: one evaluate run reports each under its name, each as evaluated alone."""
     import dflash.evaluate as evaluation
     from dflash.config import EvalConfig
+    from dflash.eval_drafters import untrained_drafter
     from dflash.export import export_drafter
     from dflash.target import load_target
 
     target_path = tiny_target("qwen3_5")
     target, tokenizer = load_target(target_path, "cpu", "float32")
     folders = [
-        str(export_drafter(*evaluation.untrained_drafter(target, tokenizer, 4, seed=s), tmp_path / f"d{s}"))
-        for s in (1, 2)
+        str(export_drafter(*untrained_drafter(target, tokenizer, 4, seed=s), tmp_path / f"d{s}")) for s in (1, 2)
     ]
     prompts = [{"prompt": "def add(a, b):\n    return"}, {"prompt": "for i in range(10):\n"}]
     settings = dict(model=target_path, device="cpu", seed=0, max_new_tokens=8, min_prompts=1)

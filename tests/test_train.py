@@ -34,7 +34,8 @@ from dflash.metrics import visible_pairs
 from dflash.store import Store
 from dflash.target_files import load_embedding_and_head
 from dflash.tiny import CORPUS
-from dflash.train import Trainer, init_distributed, mask_function, run_training
+from dflash.train import Trainer, init_distributed, mask_function
+from dflash.train_run import run_training
 
 ROOT = Path(__file__).resolve().parent.parent
 B = 4  # block size of these tests: 3 drafted tokens fit the features of the tiny target (5 layers x 64)
@@ -1132,12 +1133,12 @@ def test_a_damaged_row_on_one_of_two_ranks_stops_both_with_a_checkpoint(store, t
 
 
 def test_an_interrupt_before_the_first_step_is_one_line(store, tmp_path, monkeypatch):
-    import dflash.train
+    import dflash.train_run
 
     def interrupted(cfg):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(dflash.train, "run_training", interrupted)
+    monkeypatch.setattr(dflash.train_run, "run_training", interrupted)
     result = _train_cli(store, tmp_path / "run")
     assert result.exit_code == 130 and "Traceback" not in result.output, result.output
     assert "interrupted without a new checkpoint" in result.output and "--resume" in result.output
