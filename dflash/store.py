@@ -50,6 +50,12 @@ from dflash.bookkeeping import (  # noqa: F401  (re-exported: dflash.store is wh
 )
 from dflash.locks import LOCK_FILE  # noqa: F401
 from dflash.manifest import FORMAT_VERSION, FeatureSpec  # noqa: F401
+from dflash.store_folder import (  # noqa: F401  (re-exported)
+    check_folder,
+    check_writable,
+    nearest_existing,
+    part_lock,
+)
 from dflash.store_reader import (  # noqa: F401  (re-exported)
     BF16,
     CHUNK_BYTES,
@@ -86,14 +92,10 @@ from dflash.store_writer import (  # noqa: F401  (re-exported)
     PartContent,
     PartSpec,
     PartWriter,
-    check_folder,
-    check_writable,
     create_part_arrays,
     create_store,
     finalize,
-    nearest_existing,
     new_manifest,
-    part_lock,
     record_self_check,
     write_document_sources,
     write_projection,
