@@ -165,18 +165,18 @@ def check_teacher(method: methods.Method, store: Store, path: str) -> dict:
     return store.teacher_layout
 
 
-def teacher_kind(fields: dict) -> str | None:
-    """The kind of teacher arrays among a step's buffers (`hidden`, `topk`), None without."""
-    if "teacher_hidden" in fields:
-        return "hidden"
-    return "topk" if "teacher_ids" in fields else None
-
-
 def check_step_memory(
-    cfg: TrainConfig, dcfg: DrafterConfig, method, fields: dict, anchors: int, lifted_width: int, device
+    cfg: TrainConfig,
+    dcfg: DrafterConfig,
+    method,
+    fields: dict,
+    anchors: int,
+    lifted_width: int,
+    device,
+    teacher: str | None = None,
 ) -> int:
     """The estimated peak bytes of a step (dflash.memory), refused before anything is built when the device has
-    less (unless --ignore-memory-estimate)."""
+    less (unless --ignore-memory-estimate); `teacher`: the kind of teacher arrays the method trains from."""
     T = fields["input_ids"][0][0]
     shape = memory.StepShape(
         rows=cfg.rows_per_step,
@@ -188,7 +188,7 @@ def check_step_memory(
         parameters=memory.parameter_count(method.model_cls, dcfg),
         lifted_width=lifted_width,
         cuda=device.type == "cuda",
-        teacher=teacher_kind(fields),
+        teacher=teacher,
     )
     available = None if cfg.ignore_memory_estimate else memory.available_memory(device)
     if available is not None and device.type == "cpu":  # the ranks of one host share its memory
