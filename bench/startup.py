@@ -136,7 +136,8 @@ def measure(path: Path, target: Path) -> dict:
     from dflash import reader
     from dflash.metrics import MetricsLog
     from dflash.store import Store
-    from dflash.train import Trainer, init_distributed
+    from dflash.train import Trainer
+    from dflash.train_setup import init_distributed
 
     torch.set_num_threads(1)
     out = Path(tempfile.mkdtemp(prefix="dflash-startup-run-"))

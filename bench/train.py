@@ -96,7 +96,8 @@ from dflash.harvest import RowEncoder, store_bits
 from dflash.manifest import FeatureSpec, Manifest, SubspaceSpec, TargetSpec, TokenizerSpec, teacher_spec
 from dflash.metrics import MetricsLog
 from dflash.target import default_layer_ids
-from dflash.train import Env, Trainer, init_distributed
+from dflash.train import Trainer
+from dflash.train_setup import Env, init_distributed
 
 WINDOW = (10, 50)  # steps whose records the summary uses (the "steps 10-50")
 

@@ -34,8 +34,9 @@ from dflash.metrics import visible_pairs
 from dflash.store import Store
 from dflash.target_files import load_embedding_and_head
 from dflash.tiny import CORPUS
-from dflash.train import Trainer, init_distributed, mask_function
+from dflash.train import Trainer, mask_function
 from dflash.train_run import run_training
+from dflash.train_setup import init_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 B = 4  # block size of these tests: 3 drafted tokens fit the features of the tiny target (5 layers x 64)
