@@ -92,9 +92,9 @@ class DSparkConfig(DrafterConfig):
     def loss_logit_copies(self, teacher: str | None) -> float:
         # Fitted to bench/train.py's drafter b (12288 tokens, 2048 anchors, default chunk): 32.6 GB peak with a
         # top-k teacher and 40.8 GB with the hidden one, where the rest of the formula gives 23.2 GB; the backward
-        # holds p, its sign and grad z of a chunk, and with `hidden` the teacher's logits and p_t too (measured
-        # before the loss's joint [head, W2] matmul, which trades a [c, V] one-hot for a [V, H + r] copy: within
-        # 1.5 GB of it; docs/training.md, "Memory").
+        # holds p, its sign and grad z of a chunk, and with `hidden` the teacher's logits and p_t too (docs/training.md,
+        # "Memory"). Measured with the two products of `_logits` apart, as they are again (and a [c, V] one-hot in
+        # the backward, a scatter since); the joint [head, W2] matmul tried between measured 34.8 GB (top-k).
         return 8.65 if teacher == "hidden" else 4.6
 
     def extra_keys(self) -> list[str]:
@@ -173,10 +173,11 @@ def _topk_differences(p: Tensor, target: tuple, math_dtype) -> tuple[Tensor, Ten
     return top - probs.to(math_dtype), (1 - top.sum(-1)) - tail.to(math_dtype), ids
 
 
-def _joint(hidden: Tensor, previous: Tensor, head: Tensor, w2: Tensor, mm_dtype) -> tuple[Tensor, Tensor]:
-    """[h, e] [N, H + r] and [head, W2] [V, H + r]: z = head h + W2 e as one matmul, so that no second [c, V]
-    product is written and added per chunk."""
-    return torch.cat([hidden, previous], dim=1).to(mm_dtype), torch.cat([head, w2], dim=1).to(mm_dtype)
+def _logits(hidden: Tensor, previous: Tensor, head: Tensor, w2: Tensor) -> Tensor:
+    """z = head h + W2 e of a chunk [c, V]: W2's product accumulates into the head's in place (addmm_), so that no
+    second [c, V] product is written, and no [V, H + r] copy of the two weights is made (a joint matmul over
+    [h, e] costs 1.4 GB more at V = 248320 and measured no faster: docs/benchmarks.md, issue 23)."""
+    return (hidden @ head.T).addmm_(previous, w2.T)
 
 
 class _MarkovHeadLoss(torch.autograd.Function):
@@ -186,13 +187,12 @@ class _MarkovHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, previous, head, w2, labels, chunk_size, mm_dtype, *teacher):
-        x, weight = _joint(hidden, previous, head, w2, mm_dtype)
-        head = head.to(mm_dtype)
+        h, e, head, w2_mm = (t.to(mm_dtype) for t in (hidden, previous, head, w2))
         math_dtype = torch.promote_types(mm_dtype, torch.float32)
         ces, distances, corrects = [], [], []
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
-            z = (x[rows] @ weight.T).to(math_dtype)
+            z = _logits(h[rows], e[rows], head, w2_mm).to(math_dtype)
             lse = z.logsumexp(dim=-1)
             ces.append(lse - z.gather(1, labels[rows, None])[:, 0])
             corrects.append(z.argmax(dim=-1) == labels[rows])
@@ -209,21 +209,19 @@ class _MarkovHeadLoss(torch.autograd.Function):
         hidden, previous, head, w2, labels, *teacher = ctx.saved_tensors
         mm_dtype = ctx.mm_dtype
         math_dtype = torch.promote_types(mm_dtype, torch.float32)
-        x, weight = _joint(hidden, previous, head, w2, mm_dtype)
-        H = hidden.shape[1]
+        h, e, head_mm, w2_mm = (t.to(mm_dtype) for t in (hidden, previous, head, w2))
         grad_hidden, grad_previous, grad_w2 = torch.empty_like(hidden), torch.empty_like(previous), torch.zeros_like(w2)
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
-            p = torch.softmax((x[rows] @ weight.T).to(math_dtype), dim=-1)
+            p = torch.softmax(_logits(h[rows], e[rows], head_mm, w2_mm).to(math_dtype), dim=-1)
             sign = _distance_sign(p, _teacher_chunk(teacher, rows, head, math_dtype), math_dtype)
             # dCE/dz = p - onehot; dL1/dz = p * (s - <p, s>) with s = sign(p - t)
             g_ce = grad_ce[rows, None].to(math_dtype)
             grad_z = g_ce * p + grad_distance[rows, None].to(math_dtype) * p * (sign - (p * sign).sum(-1, keepdim=True))
             grad_z = grad_z.scatter_add_(1, labels[rows, None], -g_ce).to(mm_dtype)
-            grad_x = grad_z @ weight
-            grad_hidden[rows] = grad_x[:, :H].to(hidden.dtype)
-            grad_previous[rows] = grad_x[:, H:].to(previous.dtype)
-            grad_w2 += (grad_z.T @ x[rows, H:]).to(w2.dtype)
+            grad_hidden[rows] = (grad_z @ head_mm).to(hidden.dtype)
+            grad_previous[rows] = (grad_z @ w2_mm).to(previous.dtype)
+            grad_w2 += (grad_z.T @ e[rows]).to(w2.dtype)
         return grad_hidden, grad_previous, None, grad_w2, None, None, None, *(None for _ in teacher)
 
 
