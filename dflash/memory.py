@@ -130,7 +130,7 @@ def check_memory(dcfg: DrafterConfig, shape: StepShape, available: int | None, d
     usable = None if available is None else available if device.type == "cuda" else int(available * CPU_USABLE)
     if usable is None or need <= usable:
         return need
-    fitting = next((a for a in range(shape.anchors - 1, 0, -1) if _total(dcfg, shape, a) <= usable), None)
+    fitting = fitting_anchors(dcfg, shape, usable)
     largest = sorted(parts.items(), key=lambda kv: -kv[1])[:3]
     detail = ", ".join(f"{name} {_size(n)}" for name, n in largest)
     where = (
@@ -146,5 +146,12 @@ def check_memory(dcfg: DrafterConfig, shape: StepShape, available: int | None, d
     )
 
 
-def _total(dcfg: DrafterConfig, shape: StepShape, anchors: int) -> int:
-    return sum(step_memory(dcfg, dataclasses.replace(shape, anchors=anchors)).values())
+def fitting_anchors(dcfg: DrafterConfig, shape: StepShape, usable: int) -> int | None:
+    """The most anchors per row, up to `shape.anchors`, whose step is estimated within `usable` bytes (None: not
+    even one)."""
+    total = lambda anchors: sum(step_memory(dcfg, dataclasses.replace(shape, anchors=anchors)).values())  # noqa: E731
+    low, high = 0, shape.anchors  # the estimate grows with the anchors: bisect for the last that fits
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if total(mid) <= usable else (low, mid - 1)
+    return low or None

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash.config import HarvestConfig
+from dflash import loss, memory, methods
+from dflash.config import HarvestConfig, TrainConfig
 from dflash.data import load_documents
 from dflash.drafter import DrafterConfig
 from dflash.errors import DflashError
@@ -34,8 +35,10 @@ from dflash.packing import PartPlan
 from dflash.parallel import checkpoint_bytes
 from dflash.store import nearest_existing
 from dflash.target_files import checkpoint_file, load_config, tensor_files
+from dflash.train_setup import ANCHORS_PER_3072
 
 H200_PEAK = 792e12
+H200_MEMORY = 139 * 2**30  # what one H200 lends a process (docs/benchmarks.md)
 # What the benchmarks measured on one H200 (docs/benchmarks.md): the harvest's dense MFU end to end at full depth
 # of the 27B-like target (bf16 store; the compact one ran at 58.8 %), and the 4B-class drafter's train step MFU.
 HARVEST_MFU = 0.563
@@ -238,10 +241,44 @@ def plan_report(cfg: HarvestConfig, sample: int | None, epochs: int, draft_layer
         f"of a {draft_layers}-layer drafter: {flops_per_token / 1e9:.2f} GFLOP per context token (docs/training.md, "
         f"anchors 512 per 3072 tokens, attention over half a mean document), at the {TRAIN_MFU:.1%} MFU "
         f"bench/train.py measured ({train_tok_s:,.0f} tok/s)",
+        _memory_line(config, layers, draft_layers, block_size, cfg.token_budget, raw, chosen_encoding),
         "These are estimates: the rates are one H200's on the benchmarks' shapes; the codec fractions are the "
         "largest the benchmarks measured (a small trained target, random-weight large ones).",
     ]
     return "\n".join(lines)
+
+
+def _memory_line(config, layers, draft_layers: int, block_size: int, token_budget: int, row_raw: int, encoding) -> str:
+    """The default method's train step memory at train's default anchors for this token budget, and the anchors that
+    fit one H200: long rows need fewer anchors than the default, which grows with the row."""
+    method = methods.get(TrainConfig.method)
+    dcfg = method.config_cls.from_target_config(config, layers, 0, num_layers=draft_layers, block_size=block_size)
+    anchors = max(1, round(token_budget * ANCHORS_PER_3072 / 3072))
+    shape = memory.StepShape(
+        rows=1,
+        micro_batches=1,
+        token_budget=token_budget,
+        anchors=anchors,
+        loss_chunk=loss.default_chunk_size(dcfg.vocab_size),
+        stored_bytes_per_row=row_raw,
+        parameters=memory.parameter_count(method.model_cls, dcfg),
+        lifted_width=encoding.width if encoding.subspace is not None else 0,
+        cuda=True,
+    )
+    need = sum(memory.step_memory(dcfg, shape).values())
+    fitting = memory.fitting_anchors(dcfg, shape, H200_MEMORY)
+    verdict = (
+        "fits"
+        if fitting == anchors
+        else f"does not fit: --anchors {fitting} does"
+        if fitting
+        else "does not fit even at --anchors 1"
+    )
+    return (
+        f"memory     a train step of the {draft_layers}-layer {method.name} drafter (train's default method) on one "
+        f"row with {anchors} anchors (train's default for {token_budget} tokens): ~{_size(need)} on a GPU "
+        f"(dflash.memory, docs/training.md 'Memory'); an H200's 139 GiB: {verdict}"
+    )
 
 
 def _teacher_line(teacher: TeacherSpec | None, hidden_size: int, tokens: float) -> str:

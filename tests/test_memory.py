@@ -7,7 +7,7 @@ import torch
 
 from dflash import methods
 from dflash.errors import DflashError
-from dflash.memory import StepShape, check_memory, parameter_count, step_memory
+from dflash.memory import StepShape, check_memory, fitting_anchors, parameter_count, step_memory
 
 
 def drafter(hidden: int, heads: int, ffn: int, method: str = "dflash"):
@@ -110,3 +110,13 @@ def test_on_the_cpu_only_nine_tenths_of_the_available_memory_count():
     assert check_memory(dcfg, shape, round(need / 0.9) + 1, torch.device("cpu")) == need
     with pytest.raises(DflashError, match=r"MemAvailable; 90% of it counts\): --anchors \d+ fits \(128 now\)"):
         check_memory(dcfg, shape, need, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("method", ["dflash", "dflash2"])
+def test_the_anchors_that_fit_are_the_last_of_a_brute_force_scan(method):
+    dcfg = drafter(*B, method=method)
+    shape = gpu_shape(dcfg, 65536, anchors=600)
+    totals = [sum(step_memory(dcfg, dataclasses.replace(shape, anchors=a)).values()) for a in range(1, 601)]
+    for usable in (totals[0] - 1, totals[0], totals[137], (totals[299] + totals[300]) // 2, totals[-1], 10**15):
+        scanned = max((a for a, need in enumerate(totals, start=1) if need <= usable), default=None)
+        assert fitting_anchors(dcfg, shape, usable) == scanned

@@ -142,3 +142,35 @@ def test_a_padded_stores_size_on_disk_counts_its_padding_as_zeros(model, tmp_pat
     run_harvest(replace(cfg, device="cpu"))
     stored = sum(f.stat().st_size for f in (tmp_path / "s").rglob("*") if f.is_file())
     assert stored < 0.5 * raw and 0.8 < on_disk / stored < 1.5, (raw, on_disk, stored)
+
+
+def test_plan_prints_the_train_steps_memory_and_the_anchors_that_fit(model, tmp_path, monkeypatch):
+    """Train's default anchors grow with the row: plan says whether they fit an H200, and else which count does."""
+    import dflash.plan as plan
+    from dflash.harvest import check_options, feature_encoding, tapped_layers
+
+    cfg = HarvestConfig(model=model, data=[str(CORPUS)], out=str(tmp_path / "s"), token_budget=BUDGET, workers=1)
+    default = round(BUDGET * 512 / 3072)
+    fits = re.search(r"with (\d+) anchors .*: ~[\d.,]+ \w+ on a GPU .*: fits$", plan_report(cfg, None, 1, 2, 16), re.M)
+    assert fits and int(fits.group(1)) == default
+    # on a GPU with the memory the estimate gives half the default anchors, the line names the most that fit
+    config = plan.load_config(model)
+    layers = tapped_layers(check_options(cfg), config.get_text_config().num_hidden_layers)
+    encoding = feature_encoding(cfg, len(layers), len(layers) * config.get_text_config().hidden_size)
+    row_raw = mode_bytes(encoding, BUDGET)[0]
+    method = plan.methods.get("dflash2")
+    dcfg = method.config_cls.from_target_config(config, layers, 0, num_layers=2, block_size=16)
+    chunk, params = plan.loss.default_chunk_size(dcfg.vocab_size), plan.memory.parameter_count(method.model_cls, dcfg)
+    totals = {
+        a: sum(
+            plan.memory.step_memory(
+                dcfg, plan.memory.StepShape(1, 1, BUDGET, a, chunk, row_raw, params, 0, True)
+            ).values()
+        )
+        for a in range(1, default + 1)
+    }
+    monkeypatch.setattr(plan, "H200_MEMORY", totals[default // 2])
+    line = plan._memory_line(config, layers, 2, 16, BUDGET, row_raw, encoding)
+    assert line.endswith(
+        f"does not fit: --anchors {max(a for a, t in totals.items() if t <= totals[default // 2])} does"
+    )
