@@ -10,8 +10,10 @@ In a group only rank 0, the leader, runs the command's logic, reads the data and
 followers, mirror its collective steps. Before loading the target and before each forward the leader announces
 the step on a CPU (gloo) channel, so that announcing never waits for the GPU; a forward's token ids follow on
 the group's device backend. A follower runs each step as announced and leaves when the leader says stop (the
-harvest). A command whose every process can run the same steps on the split target's replicated outputs (eval,
-regenerate) splits one target over the whole launch instead (`open_group(..., whole_launch=True)`).
+harvest). A command whose every process can run the same steps on the split target's replicated outputs needs
+no announcing: its followers run the same code as the leader. Eval does so in each group, over the group's share
+of the prompts (dflash.eval_shares merges the shares); regenerate splits one target over the whole launch
+(`open_group(..., whole_launch=True)`).
 """
 
 import contextlib
@@ -111,7 +113,11 @@ class Group:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)  # NCCL binds the group's communicator to the current device
-        store = dist.PrefixStore(f"dflash-tp-group-{layout.group}/", next(dist.rendezvous("env://"))[0])
+        # The launch's store (torchrun's): the groups' worlds are set up on it, and an eval's groups hand their
+        # rows to the first process through it (dflash.eval_shares). One rendezvous per process: rank 0's would
+        # start a second server on the same port.
+        self.store = next(dist.rendezvous("env://"))[0]
+        store = dist.PrefixStore(f"dflash-tp-group-{layout.group}/", self.store)
         dist.init_process_group(
             backend,
             store=store,
@@ -174,8 +180,8 @@ class Group:
 
 def open_group(model: str, tensor_parallel: int, device: torch.device, whole_launch: bool = False) -> Group | None:
     """The refusals before `model` loads, then this process's group; None without a split. `whole_launch`: the
-    command splits one target over every process (eval, regenerate), which all run the same steps on its replicated outputs,
-    so that no step needs announcing."""
+    command splits one target over every process (regenerate), which all run the same steps on its replicated
+    outputs; a launch of several groups is refused."""
     check_weights_fit(model, tensor_parallel, device)
     if tensor_parallel == 1:
         return None

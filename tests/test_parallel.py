@@ -256,24 +256,58 @@ def test_weights_over_the_groups_gpu_memory_are_refused_naming_the_way_out(tiny_
 # ------------------------------------------------------------------------------------------------------ eval
 
 
+def eval_args(model, *extra: str) -> list[str]:
+    from dflash.tiny import PROMPTS
+
+    args = [*("-m", "cli", "eval", "--model", str(model), "--data", str(PROMPTS), "--untrained")]
+    args += [*("--max-new-tokens", "24", "--prompt-lookup", "4", "--device", "cpu", "--dtype", "float32")]
+    return [*args, *extra]
+
+
+def rounds(report: dict) -> list[dict]:
+    """Each prompt's runs, their timings left out."""
+    return [{name: {**run, "seconds": None} for name, run in p["runs"].items()} for p in report["prompts"]]
+
+
 def test_eval_split_over_two_processes_gives_the_single_process_rounds(tiny_target, tmp_path):
     """Every process runs the same evaluation on the split target's replicated outputs; the first one reports.
     float32: the split differs by ~1e-6, far below any logit gap the greedy choices could flip on."""
-    from dflash.tiny import PROMPTS
-
-    args = [*("-m", "cli", "eval", "--model", str(tiny_target("llama")), "--data", str(PROMPTS), "--untrained")]
-    args += [*("--num-prompts", "3", "--max-new-tokens", "24", "--prompt-lookup", "4", "--device", "cpu")]
-    args += ["--dtype", "float32"]
+    args = eval_args(tiny_target("llama"), "--num-prompts", "3")
     run_processes(1, [*args, "--json", str(tmp_path / "one.json")])
     outputs = run_processes(2, [*args, "--json", str(tmp_path / "split.json"), "--tensor-parallel", "2"])
     assert "report written to" in outputs[0] and "report written to" not in outputs[1]
+    one, split = (json.loads((tmp_path / name).read_text()) for name in ("one.json", "split.json"))
+    assert rounds(split) == rounds(one) and any(run["accepted"] for prompt in rounds(one) for run in prompt.values())
 
-    def rounds(path: Path) -> list[dict]:
-        prompts = json.loads(path.read_text())["prompts"]
-        return [{name: {**run, "seconds": None} for name, run in p["runs"].items()} for p in prompts]
 
-    one, split = rounds(tmp_path / "one.json"), rounds(tmp_path / "split.json")
-    assert split == one and any(run["accepted"] for prompt in one for run in prompt.values())
+def test_eval_of_two_groups_of_two_merges_the_single_process_report(tiny_target, tmp_path):
+    """4 processes = 2 groups x 2 over 5 prompts: group 0 evaluates prompts 0, 2, 4, group 1 prompts 1, 3 (uneven
+    shares); the first process merges every group's rows into the report one process writes, and nothing else is
+    left beside it. Resumed by another layout (2 groups on a 3-prompt report), the same rounds again."""
+    args = eval_args(tiny_target("llama"), "--num-prompts", "5")
+    run_processes(1, [*args, "--json", str(tmp_path / "one.json")])
+    groups = [*args, "--json", str(tmp_path / "groups.json"), "--tensor-parallel", "2"]
+    outputs = run_processes(4, groups)
+    assert "report written to" in outputs[0] and not any("report written to" in o for o in outputs[1:])
+    assert "eval: share 1 of 2, 2 of the 5 prompts, 2 to run" in outputs[2]
+    assert "eval: share 0 of 2, 3 of the 5 prompts, 3 to run" in outputs[0]
+    one, merged = (json.loads((tmp_path / name).read_text()) for name in ("one.json", "groups.json"))
+    assert [p["index"] for p in merged["prompts"]] == list(range(5))
+    assert [p["prompt_sha256"] for p in merged["prompts"]] == [p["prompt_sha256"] for p in one["prompts"]]
+    assert rounds(merged) == rounds(one) and any(run["accepted"] for prompt in rounds(one) for run in prompt.values())
+    for name, method in one["methods"].items():
+        got = merged["methods"][name]
+        for key in ("tau", "rounds", "new_tokens", "accepted_histogram", "mismatches", "first_mismatch"):
+            assert got[key] == method[key], (name, key)
+    assert merged["plain_tokens_per_s"] > 0 and set(merged) == set(one)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["groups.json", "one.json"]
+
+    # A 3-prompt report of one process, resumed to 5 prompts by the 2 groups: prompt 3 and 4 are left to run.
+    run_processes(1, [*eval_args(tiny_target("llama"), "--num-prompts", "3"), "--json", str(tmp_path / "r.json")])
+    resumed = run_processes(4, [*args, "--json", str(tmp_path / "r.json"), "--tensor-parallel", "2", "--resume"])
+    assert "eval: share 1 of 2, 2 of the 5 prompts, 1 to run" in resumed[2]
+    assert rounds(json.loads((tmp_path / "r.json").read_text())) == rounds(one)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["groups.json", "one.json", "r.json"]
 
 
 # ------------------------------------------------------------------------------------------------ regenerate
