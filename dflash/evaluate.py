@@ -11,6 +11,7 @@ cut at EOS like the public DFlash benchmark; the first token, from the prefill, 
 decoding's; a mismatch is reported with the plain target's top-2 logit gap there (a tiny gap is a numerical tie).
 """
 
+import contextlib
 import hashlib
 import logging
 import time
@@ -27,9 +28,9 @@ from dflash.decoding import Generation, generate_prompt_lookup, plain_decode, sp
 from dflash.device import local_device
 from dflash.errors import DflashError, describe_differences
 from dflash.eval_drafters import check_drafter_fits, drafter_and_config, drafter_label, drafter_names
-from dflash.eval_shares import GroupShares, merge_reports, share_of
+from dflash.eval_shares import merge_reports, share_of
 from dflash.export import read_drafter_config
-from dflash.parallel import GROUP_TIMEOUT, open_group
+from dflash.parallel import GroupShares, open_group
 from dflash.proposers import DecodingOptions, PromptLookupProposer, Proposer
 from dflash.regenerate import encode_prompt, eos_token_ids
 from dflash.target import load_target
@@ -330,12 +331,13 @@ def evaluate(
             raise ValueError("evaluate(share=...) with several tensor-parallel groups: each group runs its own share")
         layout = group.layout
         share = (layout.group, layout.groups)
-        shares = GroupShares(group.store, layout.group, layout.groups, layout.leader, GROUP_TIMEOUT)
+        shares = GroupShares(group, "eval")
     try:
         report = _evaluate(cfg, named, records, resume, on_prompt, progress, share or (0, 1), shares)
     except BaseException as exc:
-        if shares is not None:  # the first process waits on this group: tell it why it ends
-            shares.end(error=(str(exc).strip().splitlines() or [type(exc).__name__])[0][:500])
+        if shares is not None:  # the first process waits on this group: tell it why it ends (if it is still there)
+            with contextlib.suppress(Exception):
+                shares.end(error=(str(exc).strip().splitlines() or [type(exc).__name__])[0][:500])
         raise
     finally:
         if group is not None:
