@@ -304,7 +304,7 @@ def evaluate(
 
     Under torchrun with several tensor-parallel groups (G*T processes, `cfg.tensor_parallel` T), group g runs share
     (g, G) and the first process (global rank 0) returns the report of every prompt, having collected the other
-    groups' rows (dflash.eval_shares); `on_prompt` gets there every group's rows so far. `cfg.time_budget` and
+    groups' rows (dflash.parallel.GroupShares); `on_prompt` gets there every group's rows so far. `cfg.time_budget` and
     `cfg.min_prompts` count per group. The other processes return their own share's report.
     """
 
