@@ -1168,7 +1168,9 @@ def evaluate_all(
 
 
 def share_path(work: Path, name: str, share: tuple[int, int]) -> Path:
-    return work / f"{name}_{share[0]}of{share[1]}.json"
+    # "share": its rows carry the prompts' own indices (`evaluate(share=...)`); the files of earlier versions,
+    # numbered within the share, are not read.
+    return work / f"{name}_share{share[0]}of{share[1]}.json"
 
 
 def named_drafters(drafters: str | dict[str, str]) -> list[str] | dict[str, str]:
@@ -1178,15 +1180,15 @@ def named_drafters(drafters: str | dict[str, str]) -> list[str] | dict[str, str]
 
 
 def evaluate_share(runs: dict, share: tuple[int, int], work: Path, budget: float | None, **settings):
-    """One worker's share of each run: prompts share[0], share[0] + share[1], ...; its reports saved in `work`
-    after every prompt and resumed from there. The budget counts from the worker's start."""
+    """One worker's share of each run: prompts share[0], share[0] + share[1], ... (`evaluate`'s share); its
+    reports saved in `work` after every prompt and resumed from there. The budget counts from the worker's start."""
     from dflash.config import EvalConfig
     from dflash.evaluate import evaluate
     from dflash.store import write_json_atomic
 
     start = time.perf_counter()
     for name, (drafter, records, lookup) in runs.items():
-        path, subset = share_path(work, name, share), records[share[0] :: share[1]]
+        path, count = share_path(work, name, share), len(range(share[0], len(records), share[1]))
         earlier = json.loads(path.read_text()) if path.exists() else None
         if earlier:
             done = len(earlier["prompts"])
@@ -1194,36 +1196,36 @@ def evaluate_share(runs: dict, share: tuple[int, int], work: Path, budget: float
                 "eval %s: %s",
                 path.name,
                 f"all {done} prompts done by earlier calls"
-                if done == len(subset)
-                else f"going on after {done} of {len(subset)} prompts",
+                if done == count
+                else f"going on after {done} of {count} prompts",
             )
         left = None if budget is None or name == "eval_baseline" else max(0.0, budget - (time.perf_counter() - start))
         evaluate(
-            EvalConfig(data=subset, prompt_lookup=lookup, time_budget=left, **settings),
+            EvalConfig(data=records, prompt_lookup=lookup, time_budget=left, **settings),
             drafters=named_drafters(drafter),
             resume=earlier,
             on_prompt=lambda partial, path=path: write_json_atomic(path, asdict(partial)),
+            share=share,
         )
 
 
 def merge_shares(
     name: str, drafter: str | dict[str, str], records: list[dict], lookup: int, count: int, work: Path, settings: dict
 ):
-    """The workers' reports of one run as one report: rows renumbered to the prompts' own indices, then the whole
-    report rebuilt (totals, histogram, tau) by `evaluate` resuming from it with nothing left to run."""
+    """The workers' reports of one run as one report (`dflash.eval_shares.merge_reports`), then the whole report
+    rebuilt (totals, histogram, tau) by `evaluate` resuming from it with nothing left to run."""
     from dflash.config import EvalConfig
+    from dflash.eval_shares import merge_reports
     from dflash.evaluate import evaluate
 
-    paths = {w: share_path(work, name, (w, count)) for w in range(count)}
-    shares = {w: json.loads(path.read_text()) for w, path in paths.items() if path.exists()}
+    paths = [share_path(work, name, (w, count)) for w in range(count)]
+    shares = [json.loads(path.read_text()) for path in paths if path.exists()]
     if not shares:
         raise RuntimeError(f"no worker wrote a report of {name} in {work}")
-    rows = [{**row, "index": row["index"] * count + w} for w, share in shares.items() for row in share["prompts"]]
-    merged = {**next(iter(shares.values())), "prompts": rows}
     cfg = EvalConfig(
         data=records, prompt_lookup=lookup, time_budget=0.0, warmup=False, **{**settings, "min_prompts": 0}
     )
-    return evaluate(cfg, drafters=named_drafters(drafter), resume=merged)
+    return evaluate(cfg, drafters=named_drafters(drafter), resume=merge_reports(shares))
 
 
 def bar(report, complete: bool) -> dict:

@@ -351,8 +351,9 @@ class RegenerateConfig:
     device: str = option("auto", DEVICE_HELP)
     tensor_parallel: int = option(
         1,
-        "Under torchrun --nproc-per-node T, split the local target over the T processes (transformers' "
-        "tensor-parallel plan); each runs the same generation, the first writes the output.",
+        "Under torchrun, split the local target over groups of T processes (transformers' tensor-parallel plan); "
+        "--nproc-per-node G*T makes G groups, which take the batches in turn; the first process writes the output, "
+        "in prompt order.",
     )
     dtype: str = option("auto", DTYPE_HELP)
     experts: str = experts_option()
@@ -422,8 +423,9 @@ class EvalConfig:
     device: str = option("auto", DEVICE_HELP)
     tensor_parallel: int = option(
         1,
-        "Under torchrun --nproc-per-node T, split the target over the T processes (transformers' tensor-parallel "
-        "plan); each runs the same evaluation, the first writes the report.",
+        "Under torchrun, split the target over groups of T processes (transformers' tensor-parallel plan); "
+        "--nproc-per-node G*T makes G groups, group g evaluating prompts g, g+G, ...; the first process writes the "
+        "report of all of them.",
     )
     dtype: str = option("auto", DTYPE_HELP)
     experts: str = experts_option()

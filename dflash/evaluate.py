@@ -11,10 +11,11 @@ cut at EOS like the public DFlash benchmark; the first token, from the prefill, 
 decoding's; a mismatch is reported with the plain target's top-2 logit gap there (a tiny gap is a numerical tie).
 """
 
+import contextlib
 import hashlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -27,8 +28,9 @@ from dflash.decoding import Generation, generate_prompt_lookup, plain_decode, sp
 from dflash.device import local_device
 from dflash.errors import DflashError, describe_differences
 from dflash.eval_drafters import check_drafter_fits, drafter_and_config, drafter_label, drafter_names
+from dflash.eval_shares import merge_reports, share_of
 from dflash.export import read_drafter_config
-from dflash.parallel import open_group
+from dflash.parallel import GroupShares, open_group
 from dflash.proposers import DecodingOptions, PromptLookupProposer, Proposer
 from dflash.regenerate import encode_prompt, eos_token_ids
 from dflash.target import load_target
@@ -285,6 +287,7 @@ def evaluate(
     resume: dict | None = None,
     on_prompt=None,
     progress: bool = False,
+    share: tuple[int, int] | None = None,
 ) -> EvalReport:
     """Plain greedy decoding, then each method, prompt by prompt; tokens/s and speedups compare measurements of the
     same process (or, resumed, of the runs that made the report: same settings and device), and plain greedy is
@@ -296,7 +299,13 @@ def evaluate(
     compared with the first (`compare_drafters`). `cfg.data`: a JSONL path or a list of records as a prompt file holds them.
     `on_prompt(report)`: called after each prompt with the report so far (to save it). `resume`: an earlier,
     partial report of this evaluation as a JSON object: its prompts are not run again and count in the totals,
-    so that a long eval can be spread over several runs.
+    so that a long eval can be spread over several runs. `share`: (part, count), run only the prompts part,
+    part + count, ... (their rows keep their own indices: `merge_reports` merges the shares' reports).
+
+    Under torchrun with several tensor-parallel groups (G*T processes, `cfg.tensor_parallel` T), group g runs share
+    (g, G) and the first process (global rank 0) returns the report of every prompt, having collected the other
+    groups' rows (dflash.parallel.GroupShares); `on_prompt` gets there every group's rows so far. `cfg.time_budget` and
+    `cfg.min_prompts` count per group. The other processes return their own share's report.
     """
 
     if drafters is None:
@@ -315,12 +324,27 @@ def evaluate(
         if isinstance(drafter, (str, Path)) and drafter != "untrained":
             check_drafter_fits(read_drafter_config(drafter), text_config, None, str(drafter), str(cfg.model))
     records = _answerable_prompts(cfg.data)[: cfg.num_prompts]
-    group = open_group(cfg.model, cfg.tensor_parallel, local_device(cfg.device), whole_launch=True)
+    group = open_group(cfg.model, cfg.tensor_parallel, local_device(cfg.device))
+    shares = None
+    if group is not None and group.layout.groups > 1:
+        if share is not None:
+            raise ValueError("evaluate(share=...) with several tensor-parallel groups: each group runs its own share")
+        layout = group.layout
+        share = (layout.group, layout.groups)
+        shares = GroupShares(group, "eval")
     try:
-        return _evaluate(cfg, named, records, resume, on_prompt, progress)
+        report = _evaluate(cfg, named, records, resume, on_prompt, progress, share or (0, 1), shares)
+    except BaseException as exc:
+        if shares is not None:  # the first process waits on this group: tell it why it ends (if it is still there)
+            with contextlib.suppress(Exception):
+                shares.end(error=(str(exc).strip().splitlines() or [type(exc).__name__])[0][:500])
+        raise
     finally:
         if group is not None:
             group.close()
+    if shares is not None:
+        shares.end()
+    return report
 
 
 def _answerable_prompts(data) -> list[dict]:
@@ -340,8 +364,11 @@ def _answerable_prompts(data) -> list[dict]:
     return records
 
 
-def _evaluate(cfg: EvalConfig, named: dict, records: list, resume, on_prompt, progress: bool) -> EvalReport:
-    """`evaluate` once its inputs are checked (and the tensor-parallel group is set up)."""
+def _evaluate(
+    cfg: EvalConfig, named: dict, records: list, resume, on_prompt, progress: bool, share: tuple[int, int], shares
+) -> EvalReport:
+    """`evaluate` once its inputs are checked (and the tensor-parallel group is set up): the prompts of `share`;
+    `shares`, with several groups: their hand-off (GroupShares)."""
     from tqdm import tqdm
 
     drafters = list(named.values())
@@ -382,16 +409,31 @@ def _evaluate(cfg: EvalConfig, named: dict, records: list, resume, on_prompt, pr
             baseline=baseline_name(cfg.temperature),
         )
 
-    def in_order(rows: list[dict]) -> list[dict]:
-        return sorted(rows, key=lambda row: row["index"])
-
     def run_all(prompt: torch.Tensor, budget: int) -> tuple[Generation, dict[str, Run]]:
         plain = plain_decode(target, prompt, budget, eos_ids, cfg.temperature, generator)
         return plain, {name: m.run(target, prompt, budget, plain, eos_ids, generator) for name, m in methods.items()}
 
-    rows = _resumed_rows(resume, report([]), encoded) if resume else []
-    done = {row["index"] for row in rows}
-    todo = [i for i in range(len(encoded)) if i not in done]
+    empty = report([])
+    rows = _resumed_rows(resume, empty, encoded) if resume else []
+    done = {row["index"] for row in rows}  # every share's: each group resumes from the whole report
+    todo = [i for i in range(len(encoded)) if i not in done and share_of(i, share)]
+    collects = shares is not None and shares.collects
+    if share[1] > 1:
+        mine = sum(share_of(i, share) for i in range(len(encoded)))
+        logger.info("eval: share %d of %d, %d of the %d prompts, %d to run", *share, mine, len(encoded), len(todo))
+    theirs: list[dict] = []  # the first process of several groups: the other groups' rows
+
+    def take(new: list[dict]) -> None:
+        theirs.extend(_resumed_rows({**asdict(empty), "prompts": new}, empty, encoded))
+
+    def everyone() -> list[dict]:
+        return merge_reports([{"prompts": rows}, {"prompts": theirs}])["prompts"]
+
+    def saved(new: list[dict]) -> None:
+        take(new)
+        if on_prompt is not None:
+            on_prompt(report(everyone()))
+
     if cfg.warmup and todo:
         # First calls pay for allocations and kernel selection: keep them out of the timings.
         run_all(encoded[todo[0]], min(cfg.max_new_tokens, 8))
@@ -404,9 +446,17 @@ def _evaluate(cfg: EvalConfig, named: dict, records: list, resume, on_prompt, pr
         identity = {"prompt_tokens": encoded[index].numel(), "prompt_sha256": _token_hash(encoded[index])}
         rows.append({"index": index, **identity, "plain": plain_summary, "runs": runs})
         ran += 1
+        if shares is not None:
+            shares.post({**rows[-1], "runs": {name: asdict(run) for name, run in runs.items()}})
+        if collects:
+            take(shares.collect())
         if on_prompt is not None:
-            on_prompt(report(in_order(rows)))
-    return report(in_order(rows), compare=True)
+            on_prompt(report(everyone()))
+        if collects:
+            shares.check_failure()  # another group failed: stop here too, its rows and this one's are saved
+    if collects:
+        shares.wait(saved)
+    return report(everyone(), compare=True)
 
 
 def check_positions(encoded: list[torch.Tensor], max_new_tokens: int, text_config) -> None:

@@ -3,7 +3,7 @@ consecutive ranks, each holding one copy of the target split by transformers' ow
 
 Each group is its own torch.distributed world (one PrefixStore per group on torchrun's store): transformers
 builds its mesh over the whole default world (a `device_mesh` passed with a tp plan is replaced by one over
-every process), so a group is split over by making it the world. Groups never talk to each other: they share
+every process), so a group is split over by making it the world. Groups run no collective together: they share
 the data as single-process ranks do (data rank = the group's index, data world = the number of groups).
 
 In a group only rank 0, the leader, runs the command's logic, reads the data and writes; the other ranks, the
@@ -11,12 +11,16 @@ followers, mirror its collective steps. Before loading the target and before eac
 the step on a CPU (gloo) channel, so that announcing never waits for the GPU; a forward's token ids follow on
 the group's device backend. A follower runs each step as announced and leaves when the leader says stop (the
 harvest). A command whose every process can run the same steps on the split target's replicated outputs (eval,
-regenerate) splits one target over the whole launch instead (`open_group(..., whole_launch=True)`).
+regenerate) needs no announcing: its followers run the same code as the leader. With several groups such a
+command gives each group its share of the work, and the first process (global rank 0) collects the other groups'
+results through torchrun's store and alone writes the output (`GroupShares`).
 """
 
 import contextlib
+import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -111,7 +115,11 @@ class Group:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)  # NCCL binds the group's communicator to the current device
-        store = dist.PrefixStore(f"dflash-tp-group-{layout.group}/", next(dist.rendezvous("env://"))[0])
+        # The launch's store (torchrun's): the groups' worlds are set up on it, and an eval's groups hand their
+        # rows to the first process through it (dflash.eval_shares). One rendezvous per process: rank 0's would
+        # start a second server on the same port.
+        self.store = next(dist.rendezvous("env://"))[0]
+        store = dist.PrefixStore(f"dflash-tp-group-{layout.group}/", self.store)
         dist.init_process_group(
             backend,
             store=store,
@@ -172,19 +180,105 @@ class Group:
         dist.destroy_process_group()
 
 
-def open_group(model: str, tensor_parallel: int, device: torch.device, whole_launch: bool = False) -> Group | None:
-    """The refusals before `model` loads, then this process's group; None without a split. `whole_launch`: the
-    command splits one target over every process (eval, regenerate), which all run the same steps on its replicated outputs,
-    so that no step needs announcing."""
+def open_group(model: str, tensor_parallel: int, device: torch.device) -> Group | None:
+    """The refusals before `model` loads, then this process's group; None without a split."""
     check_weights_fit(model, tensor_parallel, device)
     if tensor_parallel == 1:
         return None
     check_tp_plan(model)
     layout = group_layout(tensor_parallel)
-    if whole_launch and layout.groups != 1:
-        raise DflashError(
-            f"--tensor-parallel {tensor_parallel} with {layout.groups * tensor_parallel} processes: this command "
-            f"splits one target over all of them; launch torchrun --nproc-per-node {tensor_parallel}"
-        )
     logger.info(layout.describe())
     return Group(layout, device)
+
+
+class GroupShares:
+    """Several groups of one launch, each on its share of a command's work (eval's prompts, regenerate's batches):
+    the leader of each group but the first posts each result (a JSON object) and then its end, and the first
+    process (global rank 0, which alone writes the output) collects them; before that it can tell every process a
+    value (regenerate's resume point).
+
+    Through torchrun's store, not through share files beside the output: the store is already there (the groups'
+    worlds are set up on it) and reaches every node of the launch; nothing is left behind to clean up or to go
+    stale after a success, a failure or a different layout next time; a group's failure reaches the first process
+    at once, as its message, instead of as a file it would wait on. The keys carry torchrun's restart count, so that
+    a restarted launch (the agent's store outlives its workers) reads none of an earlier attempt's."""
+
+    def __init__(self, group: Group, command: str):
+        layout = group.layout
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.store = dist.PrefixStore(f"dflash-{command}-shares-{restart}/", group.store)
+        self.group, self.groups, self.timeout = layout.group, layout.groups, GROUP_TIMEOUT
+        self.posts = layout.leader and layout.group > 0
+        self.collects = layout.leader and layout.group == 0
+        self.posted = 0
+        self.taken = {g: 0 for g in range(1, layout.groups)}  # the first process: results taken of each group
+        self.ended: set[int] = set()
+        self.failure: tuple[int, str] | None = None
+
+    def tell(self, value) -> None:
+        """The first process: a JSON value for every other process (`told`)."""
+        self.store.set("told", json.dumps(value))
+
+    def told(self):
+        """Any other process: the value the first one tells (waiting for it)."""
+        return json.loads(self.store.get("told"))
+
+    def post(self, result: dict) -> None:
+        """A result this group made (a JSON object); the leaders of other groups than the first only."""
+        if self.posts:
+            self.store.set(f"{self.group}/row{self.posted}", json.dumps(result))
+            self.posted += 1
+            self.store.add(f"{self.group}/rows", 1)
+
+    def end(self, error: str | None = None) -> None:
+        """This group's share is done (or failed with `error`): posted after its last result."""
+        if self.posts:
+            self.store.set(f"{self.group}/end", json.dumps({"rows": self.posted, "error": error}))
+
+    def collect(self) -> list[dict]:
+        """The first process takes the results posted since its last look. A group that failed is kept for
+        `check_failure`, once its results before the failure are taken."""
+        new = []
+        for g in sorted(set(self.taken) - self.ended):
+            ended = self.store.check([f"{g}/end"])  # before the count: an ended group's results are all counted
+            count = self.store.add(f"{g}/rows", 0)
+            while self.taken[g] < count:
+                key = f"{g}/row{self.taken[g]}"
+                new.append(json.loads(self.store.get(key)))
+                self.store.delete_key(key)  # taken: the store (torchrun's agent) need not hold every answer
+                self.taken[g] += 1
+            if ended:
+                self.ended.add(g)
+                error = json.loads(self.store.get(f"{g}/end"))["error"]
+                if error and self.failure is None:
+                    self.failure = (g, error)
+        return new
+
+    def check_failure(self) -> None:
+        """Raise the first failure of another group that `collect` saw."""
+        if self.failure is not None:
+            group, error = self.failure
+            raise DflashError(
+                f"tensor-parallel group {group} stopped ({error}); the output holds every group's work finished "
+                "before it: fix that and rerun the launch to go on after it (eval: with --resume)"
+            )
+
+    def wait(self, on_new) -> None:
+        """The first process, its own share done: collects until every group has ended, calling `on_new(results)`
+        with new results. A group that posts nothing for the group timeout is taken for gone."""
+        last = time.monotonic()
+        while True:
+            if new := self.collect():
+                last = time.monotonic()
+                on_new(new)
+            self.check_failure()
+            if len(self.ended) == len(self.taken):
+                return
+            if time.monotonic() - last > self.timeout.total_seconds():
+                missing = sorted(set(self.taken) - self.ended)
+                raise DflashError(
+                    f"tensor-parallel group(s) {missing} posted nothing for {self.timeout}: a process of theirs is "
+                    "gone or stuck; the output holds the work finished so far: rerun the launch to go on after it "
+                    "(eval: with --resume)"
+                )
+            time.sleep(0.2)

@@ -9,13 +9,17 @@ raw text. Output lines, in prompt order, are what `dflash harvest` reads:
 (with `--turns all`, every assistant turn of the prompt is the target's too, marked alike) and
 `{"prompt": prompt, "completion": response}` for text prompts (harvest puts the loss on the target's text only).
 
-Under torchrun, `--tensor-parallel T` splits the target over the T processes (dflash.parallel): every process
-runs the same generation on the split target's replicated logits (the same seeds: the same samples), and only
-the first reads the output's state, checks it and writes.
+Under torchrun, `--tensor-parallel T` splits the target over the T processes of each group (dflash.parallel):
+every process of a group runs the same generation on the split target's replicated logits (the same seeds: the
+same samples), and only the first process of the launch reads the output's state, checks it and writes. With
+several groups (G*T processes) they take the batches in turn and hand theirs to the first process, which
+appends them in prompt order: the output is the one a single process writes (`_answer`).
 
 Resuming: dflash.answers (the prompt and response records, the output's resume check and recorded settings,
 shared with `--server`, where dflash.remote asks a serving engine (vLLM, SGLang) for the answers instead).
 """
+
+import contextlib
 
 from dflash.answers import (
     RegenerateStats,
@@ -105,23 +109,40 @@ def regenerate(cfg: RegenerateConfig, progress: bool = True) -> RegenerateStats:
 
 def _regenerate_local(cfg: RegenerateConfig, progress: bool) -> RegenerateStats:
     from dflash.device import local_device
-    from dflash.parallel import open_group
+    from dflash.parallel import GroupShares, open_group
 
     records = load_prompts(cfg.data)
     out = output_path(cfg)
-    group = open_group(cfg.model, cfg.tensor_parallel, local_device(cfg.device), whole_launch=True)
+    group = open_group(cfg.model, cfg.tensor_parallel, local_device(cfg.device))
+    shares = GroupShares(group, "regenerate") if group is not None and group.layout.groups > 1 else None
     try:
-        return _answer(cfg, records, out, _resume_point(cfg, records, out, group), group, progress)
+        done = _resume_point(cfg, records, out, group, shares)
+        stats = _answer(cfg, records, out, done, group, shares, progress)
+    except BaseException as exc:
+        if shares is not None:  # the first process waits on this group: tell it why it ends (if it is still there)
+            with contextlib.suppress(Exception):
+                shares.end(error=(str(exc).strip().splitlines() or [type(exc).__name__])[0][:500])
+        raise
     finally:
         if group is not None:
             group.close()
+    if shares is not None:
+        shares.end()
+    return stats
 
 
-def _resume_point(cfg: RegenerateConfig, records: list[dict], out, group) -> int:
+def _resume_point(cfg: RegenerateConfig, records: list[dict], out, group, shares) -> int:
     """Prompts already answered in `out`, checked and counted by the process that writes (it may cut a partial
-    last line), then told to the others of its tensor-parallel group, which stop too when it refuses."""
+    last line), then told to the others of its tensor-parallel group, and through `shares` to the other groups'
+    leaders, which tell their followers; all stop too when it refuses."""
     if group is not None and not group.layout.leader:
         step = group.next_step()
+        if step[0] == "refused":
+            raise DflashError(f"the first process refused: {step[1]}")
+        return step[1]
+    if shares is not None and not shares.collects:  # the leader of another group
+        step = shares.told()
+        group.announce(*step)
         if step[0] == "refused":
             raise DflashError(f"the first process refused: {step[1]}")
         return step[1]
@@ -131,26 +152,50 @@ def _resume_point(cfg: RegenerateConfig, records: list[dict], out, group) -> int
     except DflashError as exc:
         if group is not None:
             group.announce("refused", str(exc))
+        if shares is not None:
+            shares.tell(["refused", str(exc)])
         raise
     if group is not None:
         group.announce("resume", done)
+    if shares is not None:
+        shares.tell(["resume", done])
     return done
 
 
-def _answer(cfg: RegenerateConfig, records: list[dict], out, done: int, group, progress: bool) -> RegenerateStats:
-    """Generate the answers after the first `done`, appending them to `out` (the first process of a group alone)."""
+def _answer(
+    cfg: RegenerateConfig, records: list[dict], out, done: int, group, shares, progress: bool
+) -> RegenerateStats:
+    """Generate the answers after the first `done`, appending them to `out` (the first process alone). Several
+    groups (`shares`) take the batches in turn, batch b of the run to group b % G, each batch the one a single
+    process makes (the same prompts, the same seed); the other groups' leaders post theirs to the first process,
+    which appends every batch in prompt order once those before it are there. A batch it holds waiting for an
+    earlier one is lost when it stops: a rerun answers it again."""
     import torch
     from tqdm import tqdm
 
     from dflash.target import load_target
 
-    writes = group is None or group.layout.leader
+    writes = group is None or (group.layout.leader and group.layout.group == 0)
     if done == len(records):
         return RegenerateStats(len(records), done, 0, *(output_counts(out) if writes else ()))
     model, tokenizer = load_target(cfg.model, cfg.device, cfg.dtype, cfg.tensor_parallel, cfg.experts)
     eos_ids = eos_token_ids(model, tokenizer)
     bar = tqdm(total=len(records), initial=done, unit="prompt", desc="regenerate", disable=not (progress and writes))
-    for start in range(done, len(records), cfg.batch_size):
+    starts = list(range(done, len(records), cfg.batch_size))
+    unwritten, ready = list(starts), {}  # the first process: the batches to append, in order; those answered
+
+    def write(start: int, answered: list[dict]) -> None:
+        ready[start] = answered
+        while unwritten and unwritten[0] in ready:
+            first = unwritten.pop(0)
+            append_lines(out, ready.pop(first))
+            bar.update(len(records[first : first + cfg.batch_size]))
+
+    def take(posted: list[dict]) -> None:
+        for batch in posted:
+            write(batch["start"], batch["records"])
+
+    for start in starts[shares.group :: shares.groups] if shares is not None else starts:
         batch = records[start : start + cfg.batch_size]
         # Seeded by position so that a resumed sampled run does not repeat the first run's random stream.
         torch.manual_seed(cfg.seed + start)
@@ -159,8 +204,14 @@ def _answer(cfg: RegenerateConfig, records: list[dict], out, done: int, group, p
             return generate_batch(model, tokenizer, [encode_prompt(tokenizer, p) for p in prompts], cfg, eos_ids)
 
         answered = answer_records(batch, cfg.turns, generate)
+        if shares is not None:
+            shares.post({"start": start, "records": answered})
         if writes:
-            append_lines(out, answered)
-        bar.update(len(batch))
+            write(start, answered)
+            if shares is not None:
+                take(shares.collect())
+                shares.check_failure()  # another group failed: stop here too, what is in order is written
+    if writes and shares is not None:
+        shares.wait(take)
     bar.close()
     return RegenerateStats(len(records), done, len(records) - done, *(output_counts(out) if writes else ()))

@@ -256,24 +256,105 @@ def test_weights_over_the_groups_gpu_memory_are_refused_naming_the_way_out(tiny_
 # ------------------------------------------------------------------------------------------------------ eval
 
 
+def eval_args(model, *extra: str) -> list[str]:
+    from dflash.tiny import PROMPTS
+
+    args = [*("-m", "cli", "eval", "--model", str(model), "--data", str(PROMPTS), "--untrained")]
+    args += [*("--max-new-tokens", "24", "--prompt-lookup", "4", "--device", "cpu", "--dtype", "float32")]
+    return [*args, *extra]
+
+
+def rounds(report: dict) -> list[dict]:
+    """Each prompt's runs, their timings left out."""
+    return [{name: {**run, "seconds": None} for name, run in p["runs"].items()} for p in report["prompts"]]
+
+
 def test_eval_split_over_two_processes_gives_the_single_process_rounds(tiny_target, tmp_path):
     """Every process runs the same evaluation on the split target's replicated outputs; the first one reports.
     float32: the split differs by ~1e-6, far below any logit gap the greedy choices could flip on."""
-    from dflash.tiny import PROMPTS
-
-    args = [*("-m", "cli", "eval", "--model", str(tiny_target("llama")), "--data", str(PROMPTS), "--untrained")]
-    args += [*("--num-prompts", "3", "--max-new-tokens", "24", "--prompt-lookup", "4", "--device", "cpu")]
-    args += ["--dtype", "float32"]
+    args = eval_args(tiny_target("llama"), "--num-prompts", "3")
     run_processes(1, [*args, "--json", str(tmp_path / "one.json")])
     outputs = run_processes(2, [*args, "--json", str(tmp_path / "split.json"), "--tensor-parallel", "2"])
     assert "report written to" in outputs[0] and "report written to" not in outputs[1]
+    one, split = (json.loads((tmp_path / name).read_text()) for name in ("one.json", "split.json"))
+    assert rounds(split) == rounds(one) and any(run["accepted"] for prompt in rounds(one) for run in prompt.values())
 
-    def rounds(path: Path) -> list[dict]:
-        prompts = json.loads(path.read_text())["prompts"]
-        return [{name: {**run, "seconds": None} for name, run in p["runs"].items()} for p in prompts]
 
-    one, split = rounds(tmp_path / "one.json"), rounds(tmp_path / "split.json")
-    assert split == one and any(run["accepted"] for prompt in one for run in prompt.values())
+def test_eval_of_two_groups_of_two_merges_the_single_process_report(tiny_target, tmp_path):
+    """4 processes = 2 groups x 2 over 5 prompts: group 0 evaluates prompts 0, 2, 4, group 1 prompts 1, 3 (uneven
+    shares); the first process merges every group's rows into the report one process writes, and nothing else is
+    left beside it. Resumed by another layout (2 groups on a 3-prompt report), the same rounds again."""
+    args = eval_args(tiny_target("llama"), "--num-prompts", "5")
+    run_processes(1, [*args, "--json", str(tmp_path / "one.json")])
+    groups = [*args, "--json", str(tmp_path / "groups.json"), "--tensor-parallel", "2"]
+    outputs = run_processes(4, groups)
+    assert "report written to" in outputs[0] and not any("report written to" in o for o in outputs[1:])
+    assert "eval: share 1 of 2, 2 of the 5 prompts, 2 to run" in outputs[2]
+    assert "eval: share 0 of 2, 3 of the 5 prompts, 3 to run" in outputs[0]
+    one, merged = (json.loads((tmp_path / name).read_text()) for name in ("one.json", "groups.json"))
+    assert [p["index"] for p in merged["prompts"]] == list(range(5))
+    assert [p["prompt_sha256"] for p in merged["prompts"]] == [p["prompt_sha256"] for p in one["prompts"]]
+    assert rounds(merged) == rounds(one) and any(run["accepted"] for prompt in rounds(one) for run in prompt.values())
+    for name, method in one["methods"].items():
+        got = merged["methods"][name]
+        for key in ("tau", "rounds", "new_tokens", "accepted_histogram", "mismatches", "first_mismatch"):
+            assert got[key] == method[key], (name, key)
+    assert merged["plain_tokens_per_s"] > 0 and set(merged) == set(one)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["groups.json", "one.json"]
+
+    # A 3-prompt report of one process, resumed to 5 prompts by the 2 groups: prompt 3 and 4 are left to run.
+    run_processes(1, [*eval_args(tiny_target("llama"), "--num-prompts", "3"), "--json", str(tmp_path / "r.json")])
+    resumed = run_processes(4, [*args, "--json", str(tmp_path / "r.json"), "--tensor-parallel", "2", "--resume"])
+    assert "eval: share 1 of 2, 2 of the 5 prompts, 1 to run" in resumed[2]
+    assert rounds(json.loads((tmp_path / "r.json").read_text())) == rounds(one)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["groups.json", "one.json", "r.json"]
+
+
+def test_a_world_that_groups_do_not_divide_is_refused_by_eval(tiny_target, monkeypatch):
+    from dflash.config import EvalConfig
+    from dflash.evaluate import evaluate
+    from dflash.tiny import PROMPTS
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    config = EvalConfig(str(tiny_target("llama")), str(PROMPTS), untrained=True, device="cpu", tensor_parallel=4)
+    with pytest.raises(DflashError, match=r"--tensor-parallel 4 does not divide the 6 processes: launch a multiple"):
+        evaluate(config)
+
+
+def test_shares_merge_in_prompt_order_and_a_prompt_in_two_is_refused():
+    from dflash.eval_shares import merge_reports, share_of
+
+    shares = [{"target": "t", "prompts": [{"index": i} for i in range(n, 5, 2)]} for n in (0, 1)]
+    assert [i for i in range(5) if share_of(i, (1, 2))] == [1, 3]
+    merged = merge_reports(shares)
+    assert merged["target"] == "t" and [row["index"] for row in merged["prompts"]] == [0, 1, 2, 3, 4]
+    with pytest.raises(DflashError, match=r"prompt 2 is in two shares of the eval \(reports 0 and 2\)"):
+        merge_reports([*shares, {"prompts": [{"index": 2}]}])
+
+
+def test_a_groups_failure_reaches_the_first_process_after_its_results(monkeypatch):
+    """GroupShares on one in-memory store: group 1's leader posts two results, then fails; the first process takes
+    both, then raises naming the group and its error."""
+    from types import SimpleNamespace
+
+    from dflash.parallel import GroupShares, Layout
+
+    store = torch.distributed.HashStore()
+    first, other = (GroupShares(SimpleNamespace(layout=Layout(2, g, 2, 0), store=store), "test") for g in (0, 1))
+    assert first.collects and not first.posts and other.posts and not other.collects
+    first.tell(["resume", 3])
+    assert other.told() == ["resume", 3]
+    other.post({"start": 3})
+    assert first.store.check(["1/row0"])
+    assert first.collect() == [{"start": 3}] and first.collect() == []
+    assert not first.store.check(["1/row0"])  # taken results leave the store
+    other.post({"start": 7})
+    other.end(error="out of memory")
+    taken = []
+    with pytest.raises(DflashError, match=r"tensor-parallel group 1 stopped \(out of memory\)"):
+        first.wait(taken.extend)
+    assert taken == [{"start": 7}]
 
 
 # ------------------------------------------------------------------------------------------------ regenerate
@@ -296,6 +377,36 @@ def test_regenerate_split_over_two_processes_writes_the_single_process_output(ti
     assert (tmp_path / "split.jsonl").read_text() == (tmp_path / "one.jsonl").read_text()
     resumed = run_processes(2, regenerate_args(model, tmp_path / "split.jsonl", "--tensor-parallel", "2"))
     assert "0 responses written" in resumed[0]
+
+
+def test_regenerate_of_two_groups_of_two_writes_the_single_process_output(tiny_target, tmp_path):
+    """4 processes = 2 groups x 2, 23 prompts in batches of 5: group 0 answers batches 0, 2, 4 (13 prompts), group
+    1 batches 1, 3 (10): the first process appends them in prompt order, the single-process output line for line.
+    Then an output of the first 10 prompts, resumed by the 2 groups, is completed into the same output."""
+    from dflash.tiny import PROMPTS
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(PROMPTS.read_text().splitlines()[:23]) + "\n")
+    model = tiny_target("llama")
+
+    def args(out: str, prompts: Path = data) -> list[str]:
+        return [*regenerate_args(model, tmp_path / out, "--batch-size", "5"), "--data", str(prompts)]
+
+    run_processes(1, args("one.jsonl"))
+    outputs = run_processes(4, [*args("groups.jsonl"), "--tensor-parallel", "2"])
+    assert "23 responses written" in outputs[0] and not any("responses written" in o for o in outputs[1:])
+    assert "rank 0 of group 1 (global ranks 2..3), its leader (it writes)" in outputs[2]
+    one = (tmp_path / "one.jsonl").read_text().splitlines()
+    assert len(one) == 23 and (tmp_path / "groups.jsonl").read_text().splitlines() == one
+
+    first = tmp_path / "first.jsonl"
+    first.write_text("\n".join(data.read_text().splitlines()[:10]) + "\n")
+    run_processes(1, args("resumed.jsonl", first))
+    resumed = run_processes(4, [*args("resumed.jsonl"), "--tensor-parallel", "2"])
+    assert "13 responses written, 10 already there" in resumed[0]
+    assert (tmp_path / "resumed.jsonl").read_text().splitlines() == one
+    leftovers = {p.name for p in tmp_path.iterdir()} - {"prompts.jsonl", "first.jsonl"}
+    assert leftovers == {f"{n}.jsonl{s}" for n in ("one", "groups", "resumed") for s in ("", ".settings.json")}
 
 
 def test_a_split_regenerate_stops_every_process_when_the_first_refuses(tiny_target, tmp_path):
