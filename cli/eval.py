@@ -29,7 +29,7 @@ def regenerate_command(**options):
     cfg = given(RegenerateConfig, options)
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the target's kernels
     stats = regenerate(cfg)
-    if not is_first_process(cfg.tensor_parallel):
+    if not is_first_process():
         return  # split over torchrun's processes, the first one reports
     click.echo(
         f"{cfg.out}: {stats.written} responses written, {stats.already_done} already there, {stats.prompts} prompts"
@@ -67,8 +67,8 @@ def eval_command(**options):
         raise DflashError(f"--json {json_path}: the folder {json_path.parent} does not exist; create it first")
     if json_path and not os.access(json_path.parent, os.W_OK | os.X_OK):
         raise DflashError(f"--json {json_path}: the folder {json_path.parent} is not writable; give another path")
-    # Split over torchrun's processes, every one runs the same evaluation: the first one reports.
-    reports = is_first_process(cfg.tensor_parallel)
+    # Under torchrun the processes share the prompts (dflash.evaluate): the first one reports.
+    reports = is_first_process()
     writes = json_path is not None and reports
     with report_lock(json_path) if writes else contextlib.nullcontext():
         if json_path and not cfg.resume and json_path.exists():

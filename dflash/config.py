@@ -353,7 +353,7 @@ class RegenerateConfig:
         1,
         "Under torchrun, split the local target over groups of T processes (transformers' tensor-parallel plan); "
         "--nproc-per-node G*T makes G groups, which take the batches in turn; the first process writes the output, "
-        "in prompt order.",
+        "in prompt order (T = 1 under torchrun: each process a group of one).",
     )
     dtype: str = option("auto", DTYPE_HELP)
     experts: str = experts_option()
@@ -425,7 +425,7 @@ class EvalConfig:
         1,
         "Under torchrun, split the target over groups of T processes (transformers' tensor-parallel plan); "
         "--nproc-per-node G*T makes G groups, group g evaluating prompts g, g+G, ...; the first process writes the "
-        "report of all of them.",
+        "report of all of them (T = 1 under torchrun: each process a group of one).",
     )
     dtype: str = option("auto", DTYPE_HELP)
     experts: str = experts_option()

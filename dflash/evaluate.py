@@ -324,7 +324,7 @@ def evaluate(
         if isinstance(drafter, (str, Path)) and drafter != "untrained":
             check_drafter_fits(read_drafter_config(drafter), text_config, None, str(drafter), str(cfg.model))
     records = _answerable_prompts(cfg.data)[: cfg.num_prompts]
-    group = open_group(cfg.model, cfg.tensor_parallel, local_device(cfg.device))
+    group = open_group(cfg.model, cfg.tensor_parallel, local_device(cfg.device), shares_work=True)
     shares = None
     if group is not None and group.layout.groups > 1:
         if share is not None:

@@ -71,10 +71,10 @@ def group_layout(tensor_parallel: int) -> Layout:
     return Layout(tensor_parallel, rank // tensor_parallel, world // tensor_parallel, rank % tensor_parallel)
 
 
-def is_first_process(tensor_parallel: int) -> bool:
-    """Whether this process writes a command's output when every process of the launch runs the same steps on one
-    split target (eval, regenerate): the first one does."""
-    return tensor_parallel == 1 or int(os.environ.get("RANK", 0)) == 0
+def is_first_process() -> bool:
+    """Whether this process writes the output of a command whose launch shares its work (eval, regenerate): the first
+    one does (global rank 0; a run outside torchrun is it)."""
+    return int(os.environ.get("RANK", 0)) == 0
 
 
 def check_tp_plan(model: str) -> None:
@@ -180,12 +180,15 @@ class Group:
         dist.destroy_process_group()
 
 
-def open_group(model: str, tensor_parallel: int, device: torch.device) -> Group | None:
-    """The refusals before `model` loads, then this process's group; None without a split."""
+def open_group(model: str, tensor_parallel: int, device: torch.device, shares_work: bool = False) -> Group | None:
+    """The refusals before `model` loads, then this process's group; None without one. `shares_work` (eval,
+    regenerate): under torchrun without a split each process is a group of one, so that the launch shares the
+    prompts through `GroupShares` as split groups do (the harvest shares its rows by rank instead)."""
     check_weights_fit(model, tensor_parallel, device)
-    if tensor_parallel == 1:
+    if tensor_parallel == 1 and not (shares_work and int(os.environ.get("WORLD_SIZE", 1)) > 1):
         return None
-    check_tp_plan(model)
+    if tensor_parallel > 1:
+        check_tp_plan(model)
     layout = group_layout(tensor_parallel)
     logger.info(layout.describe())
     return Group(layout, device)

@@ -113,7 +113,7 @@ def _regenerate_local(cfg: RegenerateConfig, progress: bool) -> RegenerateStats:
 
     records = load_prompts(cfg.data)
     out = output_path(cfg)
-    group = open_group(cfg.model, cfg.tensor_parallel, local_device(cfg.device))
+    group = open_group(cfg.model, cfg.tensor_parallel, local_device(cfg.device), shares_work=True)
     shares = GroupShares(group, "regenerate") if group is not None and group.layout.groups > 1 else None
     try:
         done = _resume_point(cfg, records, out, group, shares)

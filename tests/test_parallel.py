@@ -186,8 +186,9 @@ def test_a_killed_follower_leaves_a_store_that_resumes(tiny_target, tmp_path):
 
 
 def test_a_group_of_one_is_todays_path(tiny_target, data_file, tmp_path, monkeypatch):
-    """--tensor-parallel 1 (the default), even under torchrun: no process group, no announcing, no distributed
-    load; the harvest and regenerate of one process, as before the option existed."""
+    """--tensor-parallel 1 (the default): no process group, no announcing, no distributed load; the harvest's ranks
+    as before the option existed (under torchrun too), and regenerate's one process outside torchrun (under it, its
+    processes share the prompts as groups of one: test_eval_and_regenerate_without_a_split_share_...)."""
     from transformers import PreTrainedModel
 
     from dflash import parallel
@@ -211,6 +212,8 @@ def test_a_group_of_one_is_todays_path(tiny_target, data_file, tmp_path, monkeyp
     monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(recorded))
     model = tiny_target("qwen3_moe")
     run_harvest(HarvestConfig(model=str(model), data=str(data_file), out=str(tmp_path / "s"), **OPTIONS))
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("RANK")
     regenerate(RegenerateConfig(model=str(model), data=str(PROMPTS), out=str(tmp_path / "a.jsonl"), max_new_tokens=4))
     assert len(loads) == 2  # the harvest's target (its self-check reuses it) and regenerate's
     assert not any({"distributed_config", "tp_plan", "device_mesh"} & set(kwargs) for kwargs in loads)
@@ -407,6 +410,29 @@ def test_regenerate_of_two_groups_of_two_writes_the_single_process_output(tiny_t
     assert (tmp_path / "resumed.jsonl").read_text().splitlines() == one
     leftovers = {p.name for p in tmp_path.iterdir()} - {"prompts.jsonl", "first.jsonl"}
     assert leftovers == {f"{n}.jsonl{s}" for n in ("one", "groups", "resumed") for s in ("", ".settings.json")}
+
+
+def test_eval_and_regenerate_without_a_split_share_the_prompts_over_two_processes(tiny_target, tmp_path):
+    """Under torchrun with --tensor-parallel 1 each process is a group of one: 2 processes share the prompts and the
+    first writes what one process writes (the eval's rounds, regenerate's output line for line)."""
+    from dflash.tiny import PROMPTS
+
+    model = tiny_target("llama")
+    args = eval_args(model, "--num-prompts", "3")
+    run_processes(1, [*args, "--json", str(tmp_path / "one.json")])
+    outputs = run_processes(2, [*args, "--json", str(tmp_path / "two.json")])
+    assert "eval: share 1 of 2, 1 of the 3 prompts, 1 to run" in outputs[1]
+    assert "report written to" in outputs[0] and "report written to" not in outputs[1]
+    one, two = (json.loads((tmp_path / name).read_text()) for name in ("one.json", "two.json"))
+    assert rounds(two) == rounds(one) and [p["index"] for p in two["prompts"]] == [0, 1, 2]
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(PROMPTS.read_text().splitlines()[:7]) + "\n")
+    regen = lambda out: [*regenerate_args(model, tmp_path / out, "--batch-size", "3"), "--data", str(data)]  # noqa: E731
+    run_processes(1, regen("one.jsonl"))
+    outputs = run_processes(2, regen("two.jsonl"))
+    assert "7 responses written" in outputs[0] and "responses written" not in outputs[1]
+    assert (tmp_path / "two.jsonl").read_text().splitlines() == (tmp_path / "one.jsonl").read_text().splitlines()
 
 
 def test_a_split_regenerate_stops_every_process_when_the_first_refuses(tiny_target, tmp_path):
