@@ -1736,8 +1736,11 @@ def main(argv=None) -> int:
         mode_drafters = {m.method: run.results["modes"][m.name]["drafter"]["export"] for m in modes}
 
     # 7. eval: temperature 0 (with plain greedy's mismatch check and the baselines), then sampled if asked
-    def eval_stage(name: str, temperature: float):
-        budget = max(0.0, min(scale.eval_seconds, run.left() - 10))
+    sampled_eval = bool(modes and args.temperature)
+
+    def eval_stage(name: str, temperature: float, evals_left: int = 1):
+        # what is left is shared by the evals still to run: the greedy one must not leave the sampled one nothing
+        budget = max(0.0, min(scale.eval_seconds, (run.left() - 10) / evals_left))
         return run.stage(
             name,
             budget,
@@ -1756,7 +1759,7 @@ def main(argv=None) -> int:
             ),
         )
 
-    report, complete = eval_stage("eval", 0.0)
+    report, complete = eval_stage("eval", 0.0, evals_left=2 if sampled_eval else 1)
     run.results["eval"] = asdict(report)
     run.results["bar"] = bar(report, complete)
     if not complete:
@@ -1767,7 +1770,7 @@ def main(argv=None) -> int:
             work,
         )
     sampled = None
-    if modes and args.temperature:
+    if sampled_eval:
         name = f"eval_T{args.temperature:g}"
         sampled, sampled_complete = eval_stage(name, args.temperature)
         run.results[name] = asdict(sampled)
