@@ -52,6 +52,26 @@ def experts_option():
     return option("auto", EXPERTS_HELP, choices=["auto", *EXPERTS_IMPLEMENTATIONS])
 
 
+def expert_parallel_option():
+    return option(
+        False,
+        "With --tensor-parallel T > 1 and an MoE target: split the experts by transformers' expert-parallel plan "
+        "(each process holds 1/T of the experts whole, an all-reduce sums their outputs) instead of slicing every "
+        "expert by its tensor-parallel plan; the rest stays tensor-parallel (docs/harvest-parallel.md).",
+    )
+
+
+def check_expert_parallel(cfg) -> None:
+    """--expert-parallel splits the experts over a tensor-parallel group: refuse it without one."""
+    from dflash.errors import DflashError
+
+    if cfg.expert_parallel and cfg.tensor_parallel < 2:
+        raise DflashError(
+            "--expert-parallel splits an MoE target's experts over a tensor-parallel group: give --tensor-parallel T "
+            "(T > 1, under torchrun) with it, or drop --expert-parallel"
+        )
+
+
 @dataclass
 class HarvestConfig:
     model: str = option(help="Target checkpoint: a local transformers folder (or a hub name).")
@@ -83,6 +103,7 @@ class HarvestConfig:
         "Under torchrun, split the target over groups of this many processes (transformers' tensor-parallel plan); "
         "each group harvests one part of the store, as one process does without it.",
     )
+    expert_parallel: bool = expert_parallel_option()
     dtype: str = option(
         "bfloat16", "Target compute dtype (the store always holds bf16).", choices=["bfloat16", "float16", "float32"]
     )
@@ -355,6 +376,7 @@ class RegenerateConfig:
         "--nproc-per-node G*T makes G groups, which take the batches in turn; the first process writes the output, "
         "in prompt order (T = 1 under torchrun: each process a group of one).",
     )
+    expert_parallel: bool = expert_parallel_option()
     dtype: str = option("auto", DTYPE_HELP)
     experts: str = experts_option()
     server: str | None = option(None, "OpenAI-compatible server to generate through, e.g. http://localhost:8000.")
@@ -368,6 +390,7 @@ class RegenerateConfig:
 
         at_least = {"batch_size": 1, "max_new_tokens": 1, "temperature": 0, "top_k": 0, "concurrency": 1, "retries": 0}
         _check_generation(self, {**at_least, "tensor_parallel": 1})
+        check_expert_parallel(self)
         if not 0 < self.top_p <= 1:
             raise DflashError(f"--top-p must be in (0, 1], got {self.top_p}; give e.g. --top-p 0.95 (1 = off)")
         if self.data is None or self.out is None:
@@ -427,6 +450,7 @@ class EvalConfig:
         "--nproc-per-node G*T makes G groups, group g evaluating prompts g, g+G, ...; the first process writes the "
         "report of all of them (T = 1 under torchrun: each process a group of one).",
     )
+    expert_parallel: bool = expert_parallel_option()
     dtype: str = option("auto", DTYPE_HELP)
     experts: str = experts_option()
     json_path: str | None = option(
@@ -456,6 +480,7 @@ class EvalConfig:
             "tensor_parallel": 1,
         }
         _check_generation(self, at_least)
+        check_expert_parallel(self)
         self.drafter = [self.drafter] if isinstance(self.drafter, (str, Path)) else list(self.drafter)
         if self.drafter and self.untrained:
             raise DflashError("give either --drafter or --untrained, not both")

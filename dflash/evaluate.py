@@ -324,7 +324,9 @@ def evaluate(
         if isinstance(drafter, (str, Path)) and drafter != "untrained":
             check_drafter_fits(read_drafter_config(drafter), text_config, None, str(drafter), str(cfg.model))
     records = _answerable_prompts(cfg.data)[: cfg.num_prompts]
-    group = open_group(cfg.model, cfg.tensor_parallel, local_device(cfg.device), shares_work=True)
+    group = open_group(
+        cfg.model, cfg.tensor_parallel, local_device(cfg.device), shares_work=True, expert_parallel=cfg.expert_parallel
+    )
     shares = None
     if group is not None and group.layout.groups > 1:
         if share is not None:
@@ -373,7 +375,9 @@ def _evaluate(
 
     drafters = list(named.values())
     try:
-        target, tokenizer = load_target(cfg.model, cfg.device, cfg.dtype, cfg.tensor_parallel, cfg.experts)
+        target, tokenizer = load_target(
+            cfg.model, cfg.device, cfg.dtype, cfg.tensor_parallel, cfg.experts, cfg.expert_parallel
+        )
     except (OSError, ValueError, RuntimeError, KeyError) as exc:  # e.g. weights of other shapes than config.json's
         last = (str(exc).strip().splitlines() or [type(exc).__name__])[-1].strip()
         raise DflashError(

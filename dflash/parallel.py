@@ -1,5 +1,6 @@
 """Tensor-parallel groups: under torchrun, `--tensor-parallel T` splits the N processes into N/T groups of T
-consecutive ranks, each holding one copy of the target split by transformers' own tensor-parallel plan.
+consecutive ranks, each holding one copy of the target split by transformers' own tensor-parallel plan (with
+`--expert-parallel`, an MoE target's experts by its expert-parallel plan: dflash.target.split_options).
 
 Each group is its own torch.distributed world (one PrefixStore per group on torchrun's store): transformers
 builds its mesh over the whole default world (a `device_mesh` passed with a tp plan is replaced by one over
@@ -84,6 +85,23 @@ def check_tp_plan(model: str) -> None:
         raise DflashError(
             f"transformers has no tensor-parallel plan for the model type {text.model_type!r} of {model}: it cannot "
             "be split over GPUs; run it whole (no --tensor-parallel) on a device that holds it"
+        )
+
+
+def check_ep_plan(model: str, tensor_parallel: int) -> None:
+    """Refuse, before loading, --expert-parallel for a target that transformers has no expert-parallel plan for, or
+    whose experts the group's processes do not divide."""
+    text = load_config(model).get_text_config()
+    if not getattr(text, "base_model_ep_plan", None):
+        raise DflashError(
+            f"transformers has no expert-parallel plan for the model type {text.model_type!r} of {model} (not an "
+            "MoE, or one it does not split by expert): drop --expert-parallel, --tensor-parallel alone splits it"
+        )
+    experts = getattr(text, "num_experts", None) or getattr(text, "n_routed_experts", None)
+    if experts and experts % tensor_parallel:
+        raise DflashError(
+            f"--expert-parallel gives each of the {tensor_parallel} processes of a group a whole share of the "
+            f"{experts} experts of {model}: pick a --tensor-parallel that divides {experts}, or drop --expert-parallel"
         )
 
 
@@ -180,15 +198,21 @@ class Group:
         dist.destroy_process_group()
 
 
-def open_group(model: str, tensor_parallel: int, device: torch.device, shares_work: bool = False) -> Group | None:
+def open_group(
+    model: str, tensor_parallel: int, device: torch.device, shares_work: bool = False, expert_parallel: bool = False
+) -> Group | None:
     """The refusals before `model` loads, then this process's group; None without one. `shares_work` (eval,
     regenerate): under torchrun without a split each process is a group of one, so that the launch shares the
-    prompts through `GroupShares` as split groups do (the harvest shares its rows by rank instead)."""
+    prompts through `GroupShares` as split groups do (the harvest shares its rows by rank instead).
+    `expert_parallel` (with `tensor_parallel` above 1, which the configs check): the target's experts are split by
+    transformers' expert-parallel plan (dflash.target.split_options)."""
     check_weights_fit(model, tensor_parallel, device)
     if tensor_parallel == 1 and not (shares_work and int(os.environ.get("WORLD_SIZE", 1)) > 1):
         return None
     if tensor_parallel > 1:
         check_tp_plan(model)
+    if expert_parallel:
+        check_ep_plan(model, tensor_parallel)
     layout = group_layout(tensor_parallel)
     logger.info(layout.describe())
     return Group(layout, device)

@@ -113,7 +113,9 @@ def _regenerate_local(cfg: RegenerateConfig, progress: bool) -> RegenerateStats:
 
     records = load_prompts(cfg.data)
     out = output_path(cfg)
-    group = open_group(cfg.model, cfg.tensor_parallel, local_device(cfg.device), shares_work=True)
+    group = open_group(
+        cfg.model, cfg.tensor_parallel, local_device(cfg.device), shares_work=True, expert_parallel=cfg.expert_parallel
+    )
     shares = GroupShares(group, "regenerate") if group is not None and group.layout.groups > 1 else None
     try:
         done = _resume_point(cfg, records, out, group, shares)
@@ -178,7 +180,9 @@ def _answer(
     writes = group is None or (group.layout.leader and group.layout.group == 0)
     if done == len(records):
         return RegenerateStats(len(records), done, 0, *(output_counts(out) if writes else ()))
-    model, tokenizer = load_target(cfg.model, cfg.device, cfg.dtype, cfg.tensor_parallel, cfg.experts)
+    model, tokenizer = load_target(
+        cfg.model, cfg.device, cfg.dtype, cfg.tensor_parallel, cfg.experts, cfg.expert_parallel
+    )
     eos_ids = eos_token_ids(model, tokenizer)
     bar = tqdm(total=len(records), initial=done, unit="prompt", desc="regenerate", disable=not (progress and writes))
     starts = list(range(done, len(records), cfg.batch_size))

@@ -85,7 +85,8 @@ def _default_hint(num_layers: int) -> str:
 class TappedTarget:
     """Frozen, eval, only layers 0..max(layer_ids) kept (every layer with a teacher); features() concatenates the
     tapped layers' outputs. `teacher` ("topk" | "hidden" | None): also run the final norm (and load the LM head for
-    "topk", as `lm_head` [V, H]). `experts`: an MoE target's experts implementation (dflash.kernels)."""
+    "topk", as `lm_head` [V, H]). `experts`: an MoE target's experts implementation (dflash.kernels);
+    `expert_parallel`: split over a group, its experts by transformers' expert-parallel plan (`split_options`)."""
 
     def __init__(
         self,
@@ -96,6 +97,7 @@ class TappedTarget:
         allow_slow_kernels: bool = False,
         teacher: str | None = None,
         experts: str = "auto",
+        expert_parallel: bool = False,
         group: "Group | None" = None,
     ):
         check_experts(experts)
@@ -115,8 +117,13 @@ class TappedTarget:
         )
         keep = num_layers if teacher else max(layer_ids) + 1
         split = group.layout.size if group else 1
-        model = _load_truncated(path, text_config, keep, dtype, final_norm=teacher is not None, tensor_parallel=split)
-        self._attach(model, info, layer_ids, torch.device(device), dtype, allow_slow_kernels, experts, split)
+        expert_parallel = expert_parallel and split > 1
+        model = _load_truncated(
+            path, text_config, keep, dtype, teacher is not None, tensor_parallel=split, expert_parallel=expert_parallel
+        )
+        self._attach(
+            model, info, layer_ids, torch.device(device), dtype, allow_slow_kernels, experts, split, expert_parallel
+        )
         self.teacher, self.group = teacher, group
         if teacher == "topk" and (group is None or group.layout.leader):  # the leader alone encodes the teacher
             self.lm_head = load_head(path).to(self.device, dtype)
@@ -167,6 +174,7 @@ class TappedTarget:
         allow_slow_kernels: bool,
         experts: str,
         split: int = 1,
+        expert_parallel: bool = False,
     ):
         self.info, self.layer_ids, self.device, self.dtype = info, layer_ids, device, dtype
         # Before a long copy to the GPU: a refusal comes at once.
@@ -175,9 +183,7 @@ class TappedTarget:
         self.model = model.to(self.device)
         self._features = None
         self.teacher, self.lm_head, self.group = None, None, None
-        where = (
-            f"{self.device}, split over {split} processes by transformers' tensor-parallel plan" if split > 1 else ""
-        )
+        where = describe_split(self.device, split, model, expert_parallel)
         layers = self.model.layers
         for slot, layer_id in enumerate(self.layer_ids):
             layers[layer_id].register_forward_hook(partial(self._capture, slot))
@@ -188,7 +194,7 @@ class TappedTarget:
             self.layer_ids,
             info.num_layers,
             len(layers),
-            where or self.device,
+            where,
             weights,
             describe_kernels(self.kernels),
         )
@@ -260,17 +266,56 @@ def _from_pretrained(auto_class, path, declared: str | None, **options) -> torch
     return model
 
 
+def split_options(tensor_parallel: int, expert_parallel: bool = False) -> dict:
+    """`from_pretrained`'s arguments that split the target over the `tensor_parallel` processes of the
+    torch.distributed world (dflash.parallel.Group) when above 1: transformers' tensor-parallel plan, and with
+    `expert_parallel` its expert-parallel plan for the experts (`ep_size` = the group: each process holds 1/T of
+    the experts whole; its EP rules replace the TP rules on the experts, the rest stays tensor-parallel). With the
+    EP group the TP group, transformers' "auto" EP implementation runs AllReduceEP at inference: every process runs
+    its own experts on the whole batch, the routes to the others' masked, and an all-reduce sums the outputs
+    (transformers 5.24, distributed/expert_parallel.py)."""
+    from transformers.distributed import DistributedConfig
+
+    if tensor_parallel <= 1:
+        return {}
+    ep_size = tensor_parallel if expert_parallel else None
+    return {"distributed_config": DistributedConfig(tp_size=tensor_parallel, ep_size=ep_size)}
+
+
+def describe_split(device, tensor_parallel: int, model: torch.nn.Module, expert_parallel: bool = False) -> str:
+    """Where the target runs, for the log's target line: with `expert_parallel`, how many experts each process
+    holds (a DflashError if transformers split none)."""
+    if tensor_parallel <= 1:
+        return str(device)
+    how = "tensor-parallel plan"
+    if expert_parallel:
+        # transformers' `grouped_gemm` style marks the experts modules it splits and sets their local count
+        split = [m.num_experts for m in model.modules() if getattr(m, "_is_expert_parallel", False)]
+        if not split:
+            raise DflashError(
+                f"transformers split no experts of the target {type(model).__name__} by its expert-parallel plan; "
+                "drop --expert-parallel (--tensor-parallel alone splits the experts by the tensor-parallel plan)"
+            )
+        how += f", its experts by the expert-parallel plan ({split[0]} of {split[0] * tensor_parallel} per process)"
+    return f"{device}, split over {tensor_parallel} processes by transformers' {how}"
+
+
 def _load_truncated(
-    path: str, text_config, keep: int, dtype, final_norm: bool = False, tensor_parallel: int = 1
+    path: str,
+    text_config,
+    keep: int,
+    dtype,
+    final_norm: bool = False,
+    tensor_parallel: int = 1,
+    expert_parallel: bool = False,
 ) -> torch.nn.Module:
     """The base model (no LM head) with only its first `keep` layers loaded, its final norm removed unless asked
-    for (the teacher's hidden state is the final norm's output); split by transformers' tensor-parallel plan
-    over the `tensor_parallel` processes of the torch.distributed world (dflash.parallel.Group) when above 1."""
+    for (the teacher's hidden state is the final norm's output); split over the `tensor_parallel` processes of the
+    torch.distributed world when above 1 (`split_options`)."""
     from transformers import AutoModel
-    from transformers.distributed import DistributedConfig
     from transformers.utils import logging as hf_logging
 
-    split = {"distributed_config": DistributedConfig(tp_size=tensor_parallel)} if tensor_parallel > 1 else {}
+    split = split_options(tensor_parallel, expert_parallel)
 
     text_config.num_hidden_layers = keep
     if getattr(text_config, "layer_types", None) is not None:
@@ -311,28 +356,28 @@ def load_target(
     dtype: str | torch.dtype = "float32",
     tensor_parallel: int = 1,
     experts: str = "auto",
+    expert_parallel: bool = False,
 ):
-    """The full target (with LM head) for generation, frozen, and its tokenizer; split by transformers'
-    tensor-parallel plan over the `tensor_parallel` processes of the torch.distributed world when above 1;
-    `experts`: an MoE target's experts implementation (dflash.kernels)."""
+    """The full target (with LM head) for generation, frozen, and its tokenizer; split over the `tensor_parallel`
+    processes of the torch.distributed world when above 1, its experts too by the expert-parallel plan with
+    `expert_parallel` (`split_options`); `experts`: an MoE target's experts implementation (dflash.kernels)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.distributed import DistributedConfig
 
     if not (Path(path) / "config.json").is_file():
         raise DflashError(f"{path} is not a model folder (no config.json); pass the target's local folder")
     check_experts(experts)
     device = local_device(device)
-    split = {"distributed_config": DistributedConfig(tp_size=tensor_parallel)} if tensor_parallel > 1 else {}
+    expert_parallel = expert_parallel and tensor_parallel > 1
+    split = split_options(tensor_parallel, expert_parallel)
     dtype = resolve_dtype(dtype, device)
     model = _from_pretrained(AutoModelForCausalLM, path, quantization_method(load_config(path)), dtype=dtype, **split)
     kernels = select_kernels(model, device, allow_slow=True, generation=True, experts=experts)
     model = model.to(device).eval()
     model.requires_grad_(False)
-    where = f"{device}, split over {tensor_parallel} processes by transformers' tensor-parallel plan"
     logger.info(
         "target %s on %s; %skernels: %s",
         path,
-        where if tensor_parallel > 1 else device,
+        describe_split(device, tensor_parallel, model, expert_parallel),
         describe_weights(model, dtype),
         describe_kernels(kernels),
     )

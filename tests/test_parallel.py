@@ -137,6 +137,22 @@ def test_a_split_target_harvests_the_unsplit_store(arch, tiny_target, data_file,
     assert "tensor_parallel" not in split.manifest.options  # a launch detail: the store is as an unsplit one
 
 
+def test_an_expert_parallel_split_harvests_the_unsplit_store(tiny_target, data_file, tmp_path):
+    """--expert-parallel: each of the 2 processes holds 2 of the 4 experts whole (transformers' ep plan), the
+    attention stays tensor-parallel; the store is the unsplit one within the same tolerance."""
+    model = tiny_target("qwen3_moe")
+    one = harvest_in_process(model, data_file, tmp_path / "one")
+    args = harvest_args(model, data_file, tmp_path / "ep", tensor_parallel=2, expert_parallel=True)
+    outputs = run_processes(2, args)
+    split = "by transformers' tensor-parallel plan, its experts by the expert-parallel plan (2 of 4 per process)"
+    assert all(split in output for output in outputs)
+    largest, worst = feature_differences(tmp_path / "ep", one)
+    print(f"qwen3_moe: expert-parallel vs unsplit, largest |difference| {largest:.3g}, worst relative {worst:.3g}")
+    assert worst <= TOLERANCE
+    store_ = Store.open(tmp_path / "ep")
+    assert store_.self_check.passed and "expert_parallel" not in store_.manifest.options
+
+
 def test_two_groups_of_two_harvest_the_two_part_store(tiny_target, data_file, tmp_path):
     """4 processes = 2 groups x 2: the groups share the data as 2 unsplit ranks do; each writes its part."""
     model = tiny_target("llama")
@@ -243,6 +259,35 @@ def test_a_model_without_a_tp_plan_is_refused_naming_its_type(data_file, tmp_pat
     config = HarvestConfig(model=str(model), data=str(data_file), out=str(tmp_path / "s"), tensor_parallel=2, **OPTIONS)
     with pytest.raises(DflashError, match=r"no tensor-parallel plan for the model type 'stablelm'"):
         run_harvest(config)
+
+
+def test_expert_parallel_is_refused_without_a_split_or_an_ep_plan_before_loading(
+    tiny_target, data_file, tmp_path, monkeypatch
+):
+    from dflash.config import EvalConfig, RegenerateConfig
+
+    def harvest(model, **options):
+        config = HarvestConfig(model=str(model), data=str(data_file), out=str(tmp_path / "s"), **OPTIONS, **options)
+        run_harvest(config)
+
+    monkeypatch.setattr("dflash.parallel.Group", None)  # refused before any process group
+    without = r"--expert-parallel splits an MoE target's experts over a tensor-parallel group: give --tensor-parallel"
+    with pytest.raises(DflashError, match=without):
+        harvest(tiny_target("qwen3_moe"), expert_parallel=True)
+    with pytest.raises(DflashError, match=without):
+        EvalConfig("m", "p", untrained=True, expert_parallel=True)
+    with pytest.raises(DflashError, match=without):
+        RegenerateConfig(model="m", data="p", out="o", expert_parallel=True)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(
+        DflashError, match=r"no expert-parallel plan for the model type 'llama'.*drop --expert-parallel"
+    ):
+        harvest(tiny_target("llama"), tensor_parallel=2, expert_parallel=True)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(DflashError, match=r"the 4 experts .*: pick a --tensor-parallel that divides 4"):
+        harvest(tiny_target("qwen3_moe"), tensor_parallel=3, expert_parallel=True)
+    assert not (tmp_path / "s").exists()
 
 
 def test_weights_over_the_groups_gpu_memory_are_refused_naming_the_way_out(tiny_target, monkeypatch):
@@ -380,6 +425,17 @@ def test_regenerate_split_over_two_processes_writes_the_single_process_output(ti
     assert (tmp_path / "split.jsonl").read_text() == (tmp_path / "one.jsonl").read_text()
     resumed = run_processes(2, regenerate_args(model, tmp_path / "split.jsonl", "--tensor-parallel", "2"))
     assert "0 responses written" in resumed[0]
+
+
+def test_an_expert_parallel_regenerate_writes_the_single_process_output(tiny_target, tmp_path):
+    """float32, greedy: the experts split by transformers' ep plan, the full model (LM head too) loads and
+    generates as one process does."""
+    model = tiny_target("qwen3_moe")
+    run_processes(1, regenerate_args(model, tmp_path / "one.jsonl"))
+    split = ["--tensor-parallel", "2", "--expert-parallel"]
+    outputs = run_processes(2, regenerate_args(model, tmp_path / "ep.jsonl", *split))
+    assert "its experts by the expert-parallel plan (2 of 4 per process)" in outputs[0]
+    assert (tmp_path / "ep.jsonl").read_text() == (tmp_path / "one.jsonl").read_text()
 
 
 def test_regenerate_of_two_groups_of_two_writes_the_single_process_output(tiny_target, tmp_path):

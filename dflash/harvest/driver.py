@@ -61,7 +61,9 @@ def run_harvest(cfg: HarvestConfig) -> Path:
 
 def _harvest_in_layout(cfg: HarvestConfig) -> Path:
     """The harvest of one process, or this process's share of its tensor-parallel group's (dflash.parallel)."""
-    group = parallel.open_group(cfg.model, cfg.tensor_parallel, torch.device(cfg.device))
+    group = parallel.open_group(
+        cfg.model, cfg.tensor_parallel, torch.device(cfg.device), expert_parallel=cfg.expert_parallel
+    )
     if group is None:
         return _harvest(cfg, partial(_load_target, cfg, None))
     try:
@@ -78,6 +80,7 @@ def _harvest_in_layout(cfg: HarvestConfig) -> Path:
 def _load_target(cfg: HarvestConfig, group, layer_ids: list[int], teacher: str | None) -> TappedTarget:
     """The target of this process, split over its group when it has one (the followers load as announced)."""
     args = (cfg.model, layer_ids, cfg.device, DTYPES[cfg.dtype], cfg.allow_slow_kernels, teacher, cfg.experts)
+    args += (cfg.expert_parallel,)
     if group is not None:
         group.announce("load", *args)
     return TappedTarget(*args, group=group)

@@ -58,7 +58,8 @@ def harvest_header(cfg: HarvestConfig, fingerprint: dict, target: TappedTarget, 
     """harvest.json: everything the manifest states that no part's progress decides."""
     # How the processes were laid out, and the kernels, do not decide the content: a store may be resumed with
     # another layout.
-    options = {k: v for k, v in asdict(cfg).items() if k not in ("rank", "device", "tensor_parallel", "experts")}
+    launch = ("rank", "device", "tensor_parallel", "expert_parallel", "experts")
+    options = {k: v for k, v in asdict(cfg).items() if k not in launch}
     if teacher is None:
         del options["teacher"]  # a store without a teacher records what it did before the option existed
     header = store.new_manifest(

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash import features, manifest, parallel, sources, store, verify
-from dflash.config import HarvestConfig
+from dflash.config import HarvestConfig, check_expert_parallel
 from dflash.data import DataConfig
 from dflash.device import DTYPES, local_device
 from dflash.errors import DflashError
@@ -65,6 +65,7 @@ def check_options(cfg: HarvestConfig) -> HarvestConfig:
         raise DflashError(
             f"--tensor-parallel must be at least 1 (1: the target whole on each process), got {cfg.tensor_parallel}"
         )
+    check_expert_parallel(cfg)
     if cfg.forward_tokens < 1:
         raise DflashError(f"forward tokens must be positive, got {cfg.forward_tokens}")
     if cfg.dtype not in DTYPES:
