@@ -278,8 +278,15 @@ def split_options(tensor_parallel: int, expert_parallel: bool = False) -> dict:
 
     if tensor_parallel <= 1:
         return {}
-    ep_size = tensor_parallel if expert_parallel else None
-    return {"distributed_config": DistributedConfig(tp_size=tensor_parallel, ep_size=ep_size)}
+    if not expert_parallel:
+        return {"distributed_config": DistributedConfig(tp_size=tensor_parallel)}
+    try:
+        return {"distributed_config": DistributedConfig(tp_size=tensor_parallel, ep_size=tensor_parallel)}
+    except TypeError as exc:  # a transformers before DistributedConfig had ep_size
+        raise DflashError(
+            f"--expert-parallel needs a transformers whose DistributedConfig takes ep_size ({exc}); upgrade it "
+            "(5.24 is tested) or leave --expert-parallel out"
+        ) from exc
 
 
 def describe_split(device, tensor_parallel: int, model: torch.nn.Module, expert_parallel: bool = False) -> str:
