@@ -11,7 +11,6 @@ cut at EOS like the public DFlash benchmark; the first token, from the prefill, 
 decoding's; a mismatch is reported with the plain target's top-2 logit gap there (a tiny gap is a numerical tie).
 """
 
-import contextlib
 import hashlib
 import logging
 import time
@@ -30,7 +29,7 @@ from dflash.errors import DflashError, describe_differences
 from dflash.eval_drafters import check_drafter_fits, drafter_and_config, drafter_label, drafter_names
 from dflash.eval_shares import merge_reports, share_of
 from dflash.export import read_drafter_config
-from dflash.parallel import GroupShares, open_group
+from dflash.parallel import open_group, shared_work
 from dflash.proposers import DecodingOptions, PromptLookupProposer, Proposer
 from dflash.regenerate import encode_prompt, eos_token_ids
 from dflash.target import load_target
@@ -327,25 +326,14 @@ def evaluate(
     group = open_group(
         cfg.model, cfg.tensor_parallel, local_device(cfg.device), shares_work=True, expert_parallel=cfg.expert_parallel
     )
-    shares = None
-    if group is not None and group.layout.groups > 1:
-        if share is not None:
-            raise ValueError("evaluate(share=...) with several tensor-parallel groups: each group runs its own share")
-        layout = group.layout
-        share = (layout.group, layout.groups)
-        shares = GroupShares(group, "eval")
-    try:
+    with shared_work(group, "eval") as shares:
+        if shares is not None:
+            if share is not None:
+                raise ValueError(
+                    "evaluate(share=...) with several tensor-parallel groups: each group runs its own share"
+                )
+            share = (group.layout.group, group.layout.groups)
         report = _evaluate(cfg, named, records, resume, on_prompt, progress, share or (0, 1), shares)
-    except BaseException as exc:
-        if shares is not None:  # the first process waits on this group: tell it why it ends (if it is still there)
-            with contextlib.suppress(Exception):
-                shares.end(error=(str(exc).strip().splitlines() or [type(exc).__name__])[0][:500])
-        raise
-    finally:
-        if group is not None:
-            group.close()
-    if shares is not None:
-        shares.end()
     return report
 
 

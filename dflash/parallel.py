@@ -309,3 +309,23 @@ class GroupShares:
                     "(eval: with --resume)"
                 )
             time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def shared_work(group: Group | None, command: str):
+    """The block of a command whose launch shares its work (eval, regenerate), given this process's group: yields
+    its GroupShares with several groups (None otherwise). A failure in the block is told to the first process, which
+    waits on this group, before it propagates; the group is closed either way, and a success ends the share."""
+    shares = GroupShares(group, command) if group is not None and group.layout.groups > 1 else None
+    try:
+        yield shares
+    except BaseException as exc:
+        if shares is not None:  # the first process may be gone already: telling it must not hide `exc`
+            with contextlib.suppress(Exception):
+                shares.end(error=(str(exc).strip().splitlines() or [type(exc).__name__])[0][:500])
+        raise
+    finally:
+        if group is not None:
+            group.close()
+    if shares is not None:
+        shares.end()

@@ -19,8 +19,6 @@ Resuming: dflash.answers (the prompt and response records, the output's resume c
 shared with `--server`, where dflash.remote asks a serving engine (vLLM, SGLang) for the answers instead).
 """
 
-import contextlib
-
 from dflash.answers import (
     RegenerateStats,
     answer_records,
@@ -109,27 +107,16 @@ def regenerate(cfg: RegenerateConfig, progress: bool = True) -> RegenerateStats:
 
 def _regenerate_local(cfg: RegenerateConfig, progress: bool) -> RegenerateStats:
     from dflash.device import local_device
-    from dflash.parallel import GroupShares, open_group
+    from dflash.parallel import open_group, shared_work
 
     records = load_prompts(cfg.data)
     out = output_path(cfg)
     group = open_group(
         cfg.model, cfg.tensor_parallel, local_device(cfg.device), shares_work=True, expert_parallel=cfg.expert_parallel
     )
-    shares = GroupShares(group, "regenerate") if group is not None and group.layout.groups > 1 else None
-    try:
+    with shared_work(group, "regenerate") as shares:
         done = _resume_point(cfg, records, out, group, shares)
         stats = _answer(cfg, records, out, done, group, shares, progress)
-    except BaseException as exc:
-        if shares is not None:  # the first process waits on this group: tell it why it ends (if it is still there)
-            with contextlib.suppress(Exception):
-                shares.end(error=(str(exc).strip().splitlines() or [type(exc).__name__])[0][:500])
-        raise
-    finally:
-        if group is not None:
-            group.close()
-    if shares is not None:
-        shares.end()
     return stats
 
 
