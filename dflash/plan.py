@@ -35,7 +35,7 @@ from dflash.packing import PartPlan
 from dflash.parallel import checkpoint_bytes
 from dflash.store import nearest_existing
 from dflash.target_files import checkpoint_file, load_config, tensor_files
-from dflash.train_setup import ANCHORS_PER_3072
+from dflash.train_setup import default_anchors
 
 H200_PEAK = 792e12
 H200_MEMORY = 139 * 2**30  # what one H200 lends a process (docs/benchmarks.md)
@@ -224,7 +224,7 @@ def plan_report(cfg: HarvestConfig, sample: int | None, epochs: int, draft_layer
     )
     hours = data.tokens / harvest_tok_s / 3600
     drafter = DrafterConfig.from_target_config(config, layers, 0, num_layers=draft_layers, block_size=block_size)
-    anchors = max(1, round(cfg.token_budget * 512 / 3072))
+    anchors = default_anchors(cfg.token_budget)
     drafted = anchors * block_size
     pairs = drafted * (min(data.mean_document, cfg.token_budget) / 2 + block_size)
     flops_per_token = (
@@ -253,7 +253,7 @@ def _memory_line(config, layers, draft_layers: int, block_size: int, token_budge
     fit one H200: long rows need fewer anchors than the default, which grows with the row."""
     method = methods.get(TrainConfig.method)
     dcfg = method.config_cls.from_target_config(config, layers, 0, num_layers=draft_layers, block_size=block_size)
-    anchors = max(1, round(token_budget * ANCHORS_PER_3072 / 3072))
+    anchors = default_anchors(token_budget)
     shape = memory.StepShape(
         rows=1,
         micro_batches=1,

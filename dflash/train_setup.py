@@ -136,7 +136,12 @@ def drafter_config(cfg: TrainConfig, store: Store, target_path: str) -> DrafterC
 
 
 def anchors_per_row(cfg: TrainConfig, token_budget: int) -> int:
-    return cfg.anchors or max(1, round(token_budget * ANCHORS_PER_3072 / 3072))
+    return cfg.anchors or default_anchors(token_budget)
+
+
+def default_anchors(token_budget: int) -> int:
+    """Train's anchors per row without --anchors: the paper's density, scaled to the store's token budget."""
+    return max(1, round(token_budget * ANCHORS_PER_3072 / 3072))
 
 
 def load_frozen(path: str, manifest: Manifest) -> tuple[torch.Tensor, torch.Tensor]:
