@@ -23,6 +23,8 @@ import math
 
 import torch
 
+from dflash.topk import vocab_top_k
+
 E4M3_MAX = 448.0
 LOGITS_BYTES = 512 << 20  # float32 logits of one chunk of tokens in next_token_top_k
 SCALE_MIN, SCALE_MAX = -127, 127  # the int8 exponents a scale may take
@@ -109,7 +111,7 @@ def next_token_top_k(final: torch.Tensor, lm_head: torch.Tensor, k: int) -> tupl
     for h in final.split(chunk):
         logp = torch.nn.functional.linear(h, lm_head).float()
         logp -= logp.logsumexp(-1, keepdim=True)
-        top, index = logp.topk(k, -1)
+        top, index = vocab_top_k(logp, k)
         probs.append(top.exp())
         ids.append(index)
         tails.append(logp.scatter_(-1, index, float("-inf")).logsumexp(-1).exp())

@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dflash.topk import vocab_top_k
+
 
 def _matmul_dtype(hidden: Tensor) -> torch.dtype:
     """The autocast dtype when autocast is on for hidden's device (bf16 on GPU), else hidden's own dtype."""
@@ -38,7 +40,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
             losses.append(lse - logits.gather(1, label)[:, 0].to(math_dtype))
             corrects.append(logits.argmax(dim=-1) == labels[rows])
             if top_k:
-                candidates.append(logits.topk(top_k, dim=-1).indices)
+                candidates.append(vocab_top_k(logits, top_k)[1])
             if need_grad:
                 # dCE_i/d logits = softmax_i - onehot_i, then through the head to hidden; backward scales each row
                 # by its CE's upstream gradient, so any weighting of the CEs (even one computed from them) is exact.

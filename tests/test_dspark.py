@@ -139,7 +139,8 @@ def objective_reference(model, hidden, head, labels, weights, S, kind, teacher, 
 
 @pytest.mark.parametrize("kind", ["hidden", "topk"])
 @pytest.mark.parametrize("position_weights", ["decay", "dpace"])
-def test_objective_and_its_gradients_equal_the_float64_reference(kind, position_weights):
+@pytest.mark.parametrize("loss_chunk", [4, 16])  # cut to whole blocks of 3 (3, 15): D-PACE weighs a block at once
+def test_objective_and_its_gradients_equal_the_float64_reference(kind, position_weights, loss_chunk):
     cfg = dspark_config()
     model = dspark_drafter(cfg, seed=2)
     S = cfg.span
@@ -152,7 +153,7 @@ def test_objective_and_its_gradients_equal_the_float64_reference(kind, position_
     weights.view(-1, S)[:, 0] = 0
     weights[6] = 0
     teacher, full = teacher_of(kind, N, cfg, g, head)
-    options = ObjectiveOptions(position_weights=position_weights, loss_chunk=7)
+    options = ObjectiveOptions(position_weights=position_weights, loss_chunk=loss_chunk)
     got = objective(model, hidden, head, labels, weights, S, options, teacher)
     got.loss_sum.backward()
     grads = {"hidden": hidden.grad.clone()} | {
@@ -183,14 +184,17 @@ def test_markov_head_loss_terms_equal_the_reference_and_l1_is_twice_tv():
     head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g, dtype=torch.float64)
     w2 = torch.randn(cfg.vocab_size, cfg.markov_rank, generator=g, dtype=torch.float64)
     labels = torch.randint(0, cfg.vocab_size, (N,), generator=g)
+    weights = torch.rand(N, generator=g, dtype=torch.float64)
     teacher, full = teacher_of("hidden", N, cfg, g, head)
-    ce, distance, correct = markov_head_loss(hidden, previous, head, w2, labels, teacher, chunk_size=4)
+    total, ce, distance, correct, w = markov_head_loss(hidden, previous, head, w2, labels, weights, teacher, chunk_size=4)
     z = hidden @ head.T + previous @ w2.T
     p = torch.softmax(z, dim=-1)
     torch.testing.assert_close(ce, F.cross_entropy(z, labels, reduction="none"))
     tv = 1 - torch.minimum(p, full).sum(-1)  # speculators' form of the same distance
     torch.testing.assert_close(distance, 2 * tv)
     assert torch.equal(correct, z.argmax(-1) == labels)
+    assert torch.equal(w, weights)
+    torch.testing.assert_close(total, (weights * (0.1 * ce + 0.9 * distance)).sum())
 
 
 def test_without_a_teacher_the_objective_names_the_harvest_option():

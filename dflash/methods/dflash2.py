@@ -27,6 +27,7 @@ from dflash.drafter import INIT_STD, DFlashDrafter, DrafterConfig, Layer, acc_dt
 from dflash.errors import DflashError
 from dflash.methods.base import Method, Objective
 from dflash.proposers import DFlashProposer, Draft
+from dflash.topk import vocab_top_k
 
 
 @dataclass(kw_only=True)
@@ -263,8 +264,8 @@ class DFlash2Proposer(DFlashProposer):
         unary = self.head(hidden * cfg.output_multiplier).to(acc_dtype(hidden.dtype))
         if cfg.final_logit_softcapping is not None:
             unary = cfg.final_logit_softcapping * torch.tanh(unary / cfg.final_logit_softcapping)
-        top = unary.topk(cfg.selector_top_k, dim=-1)
-        lattice = self.drafter.candidate_selector.lattice(hidden, top.values, anchor, top.indices)
+        values, candidates = vocab_top_k(unary, cfg.selector_top_k)  # the top-K the trainer takes
+        lattice = self.drafter.candidate_selector.lattice(hidden, values, anchor, candidates)
         # The walk: slot 0's rows all hold the anchor; each next row is the candidate chosen at the slot before.
         row, picks, probs = torch.zeros((), dtype=torch.long, device=hidden.device), [], []
         for scores in lattice:
@@ -276,10 +277,10 @@ class DFlash2Proposer(DFlashProposer):
                 row = torch.multinomial(q, 1, generator=generator)[0]
                 probs.append(q)
             picks.append(row)
-        tokens = top.indices.gather(1, torch.stack(picks)[:, None])[:, 0]
+        tokens = candidates.gather(1, torch.stack(picks)[:, None])[:, 0]
         if not probs:
             return Draft(tokens)
-        q = torch.zeros_like(unary).scatter_(1, top.indices, torch.stack(probs))  # the K-way q, 0 elsewhere
+        q = torch.zeros_like(unary).scatter_(1, candidates, torch.stack(probs))  # the K-way q, 0 elsewhere
         return Draft(tokens, q)
 
 

@@ -90,12 +90,11 @@ class DSparkConfig(DrafterConfig):
         return markov + (2 * self.confidence_width if self.enable_confidence_head else 0)
 
     def loss_logit_copies(self, teacher: str | None) -> float:
-        # Fitted to bench/train.py's drafter b (12288 tokens, 2048 anchors, default chunk): 32.6 GB peak with a
-        # top-k teacher and 40.8 GB with the hidden one, where the rest of the formula gives 23.2 GB; the backward
-        # holds p, its sign and grad z of a chunk, and with `hidden` the teacher's logits and p_t too (docs/training.md,
-        # "Memory"). Measured with the two products of `_logits` apart, as they are again (and a [c, V] one-hot in
-        # the backward, a scatter since); the joint [head, W2] matmul tried between measured 34.8 GB (top-k).
-        return 8.65 if teacher == "hidden" else 4.6
+        # Fitted to bench/train.py's drafter b (12288 tokens, 2048 anchors, default chunk): 32.1 GB peak with a
+        # top-k teacher and 32.9 GB with the hidden one, where the rest of the formula gives 23.1 GB; a chunk's
+        # forward holds z, p, the sign and grad z at once, and with `hidden` the teacher's p_t (docs/training.md,
+        # "Memory"; measured 2026-12-02 after the loss stopped recomputing the logits in its backward).
+        return 4.8 if teacher == "hidden" else 4.4
 
     def extra_keys(self) -> list[str]:
         keys = ["markov_head.markov_w1.weight", "markov_head.markov_w2.weight"]
@@ -181,58 +180,67 @@ def _logits(hidden: Tensor, previous: Tensor, head: Tensor, w2: Tensor) -> Tenso
 
 
 class _MarkovHeadLoss(torch.autograd.Function):
-    """Per position, under the logits z = head h + W2 e (chunked: [N x V] never exists): the CE of the label, the
-    L1 distance of softmax(z) to the teacher, and whether argmax z is the label. Backward recomputes each chunk's
-    logits: the gradient through L1 needs the upstream gradient of every row before W2's can be summed."""
+    """The weighted loss sum_i w_i (0.1 CE_i + 0.9 L1_i) under the logits z = head h + W2 e, chunked ([N x V] never
+    exists), with per position the CE, the L1 distance of softmax(z) to the teacher, whether argmax z is the label
+    and the weight w. Each row's weight is known in the forward (the trainer's, or D-PACE's from the CEs of its own
+    block: a chunk holds whole blocks), so a chunk's gradient with respect to its logits is known as soon as they
+    are, and goes at once through the head to hidden, through W2 to e and into W2's gradient: the logits are made
+    once, and backward only scales the three gradients by the loss's upstream one."""
 
     @staticmethod
-    def forward(ctx, hidden, previous, head, w2, labels, chunk_size, mm_dtype, *teacher):
+    def forward(ctx, hidden, previous, head, w2, labels, weights, kind, span, chunk_size, mm_dtype, need_grad, *teacher):
         h, e, head, w2_mm = (t.to(mm_dtype) for t in (hidden, previous, head, w2))
         math_dtype = torch.promote_types(mm_dtype, torch.float32)
-        ces, distances, corrects = [], [], []
+        ces, distances, corrects, ws = [], [], [], []
+        grad_hidden, grad_previous, grad_w2 = torch.empty_like(hidden), torch.empty_like(previous), torch.zeros_like(w2)
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
+            label = labels[rows, None]
             z = _logits(h[rows], e[rows], head, w2_mm).to(math_dtype)
             lse = z.logsumexp(dim=-1)
-            ces.append(lse - z.gather(1, labels[rows, None])[:, 0])
-            corrects.append(z.argmax(dim=-1) == labels[rows])
+            ce = lse - z.gather(1, label)[:, 0]
             p = (z - lse[:, None]).exp()
-            distances.append(_distance(p, _teacher_chunk(teacher, rows, head, math_dtype), math_dtype))
-        ctx.save_for_backward(hidden, previous, head, w2, labels, *teacher)
-        ctx.chunk_size, ctx.mm_dtype = chunk_size, mm_dtype
-        correct = torch.cat(corrects)
-        ctx.mark_non_differentiable(correct)
-        return torch.cat(ces), torch.cat(distances), correct
+            target = _teacher_chunk(teacher, rows, head, math_dtype)
+            w = loss.position_weights(kind, ce, weights[rows], span).to(math_dtype)
+            ces.append(ce)
+            distances.append(_distance(p, target, math_dtype))
+            corrects.append(z.argmax(dim=-1) == labels[rows])
+            ws.append(w)
+            if need_grad:
+                # dCE/dz = p - onehot; dL1/dz = p * (s - <p, s>) with s = sign(p - t)
+                sign = _distance_sign(p, target, math_dtype)
+                ce_part, distance_part = (CE_WEIGHT * w)[:, None], (DISTANCE_WEIGHT * w)[:, None]
+                grad_z = ce_part * p + distance_part * p * (sign - (p * sign).sum(-1, keepdim=True))
+                grad_z = grad_z.scatter_add_(1, label, -ce_part).to(mm_dtype)
+                grad_hidden[rows] = (grad_z @ head).to(hidden.dtype)
+                grad_previous[rows] = (grad_z @ w2_mm).to(previous.dtype)
+                grad_w2 += (grad_z.T @ e[rows]).to(w2.dtype)
+        ce, distance, correct, w = torch.cat(ces), torch.cat(distances), torch.cat(corrects), torch.cat(ws)
+        if need_grad:
+            ctx.save_for_backward(grad_hidden, grad_previous, grad_w2)
+        ctx.mark_non_differentiable(ce, distance, correct, w)
+        return (w * (CE_WEIGHT * ce + DISTANCE_WEIGHT * distance)).sum(), ce, distance, correct, w
 
     @staticmethod
-    def backward(ctx, grad_ce, grad_distance, _):
-        hidden, previous, head, w2, labels, *teacher = ctx.saved_tensors
-        mm_dtype = ctx.mm_dtype
-        math_dtype = torch.promote_types(mm_dtype, torch.float32)
-        h, e, head_mm, w2_mm = (t.to(mm_dtype) for t in (hidden, previous, head, w2))
-        grad_hidden, grad_previous, grad_w2 = torch.empty_like(hidden), torch.empty_like(previous), torch.zeros_like(w2)
-        for start in range(0, hidden.shape[0], ctx.chunk_size):
-            rows = slice(start, start + ctx.chunk_size)
-            p = torch.softmax(_logits(h[rows], e[rows], head_mm, w2_mm).to(math_dtype), dim=-1)
-            sign = _distance_sign(p, _teacher_chunk(teacher, rows, head, math_dtype), math_dtype)
-            # dCE/dz = p - onehot; dL1/dz = p * (s - <p, s>) with s = sign(p - t)
-            g_ce = grad_ce[rows, None].to(math_dtype)
-            grad_z = g_ce * p + grad_distance[rows, None].to(math_dtype) * p * (sign - (p * sign).sum(-1, keepdim=True))
-            grad_z = grad_z.scatter_add_(1, labels[rows, None], -g_ce).to(mm_dtype)
-            grad_hidden[rows] = (grad_z @ head_mm).to(hidden.dtype)
-            grad_previous[rows] = (grad_z @ w2_mm).to(previous.dtype)
-            grad_w2 += (grad_z.T @ e[rows]).to(w2.dtype)
-        return grad_hidden, grad_previous, None, grad_w2, None, None, None, *(None for _ in teacher)
+    def backward(ctx, grad_total, *_):
+        grad_hidden, grad_previous, grad_w2 = (g * grad_total.to(g.dtype) for g in ctx.saved_tensors)
+        return grad_hidden, grad_previous, None, grad_w2, *(None for _ in ctx.needs_input_grad[4:])
 
 
-def markov_head_loss(hidden, previous, head, w2, labels, teacher: dict, chunk_size=None):
-    """(CE [N], L1 distance to the teacher [N], correct [N] bool) of the Markov logits head h + W2 e; teacher: the
-    per-position teacher arrays (teacher_hidden [N, H], or teacher_ids / teacher_probs [N, K] and teacher_tail [N])."""
-    chunk_size = chunk_size or max(1, loss.default_chunk_size(head.shape[0]) // 2)  # backward holds ~4 [c, V]
-    kind = "hidden" if "teacher_hidden" in teacher else "topk"
-    arrays = (teacher[name] for name in TEACHER_ORDER[kind])
+def markov_head_loss(hidden, previous, head, w2, labels, weights, teacher: dict, kind="decay", span=1, chunk_size=None):
+    """The Markov logits head h + W2 e against labels and teacher: (the weighted loss sum_i w_i (0.1 CE_i + 0.9 L1_i)
+    [], and per position CE [N], L1 distance to the teacher [N], correct [N] bool, weight w [N]), differentiable
+    through the first only. weights [N]: the trainer's; kind: loss.POSITION_WEIGHTS, over blocks of `span` rows;
+    teacher: the per-position teacher arrays (teacher_hidden [N, H], or teacher_ids / teacher_probs [N, K] and
+    teacher_tail [N])."""
+    chunk_size = chunk_size or max(1, loss.default_chunk_size(head.shape[0]) // 2)  # a chunk holds ~4 [c, V]
+    chunk_size = max(span, chunk_size - chunk_size % span)  # whole blocks: D-PACE weighs a block from its own CEs
+    need_grad = torch.is_grad_enabled() and (hidden.requires_grad or previous.requires_grad or w2.requires_grad)
+    source = "hidden" if "teacher_hidden" in teacher else "topk"
+    arrays = (teacher[name] for name in TEACHER_ORDER[source])
     return _MarkovHeadLoss.apply(
-        hidden, previous, head, w2, labels.long(), chunk_size, loss._matmul_dtype(hidden), *arrays
+        hidden, previous, head, w2, labels.long(), weights, kind, span, chunk_size, loss._matmul_dtype(hidden),
+        need_grad, *arrays,
     )
 
 
@@ -243,17 +251,17 @@ def objective(model, hidden, head, labels, weights, span, options, teacher=None)
             "or --teacher topk:K"
         )
     previous = model.markov_head.markov_w1(labels.roll(1))  # slot k's previous token is slot k - 1's label
-    ce, distance, correct = markov_head_loss(
-        hidden, previous, head, model.markov_head.markov_w2.weight, labels, teacher, options.loss_chunk
+    total, ce, distance, correct, w = markov_head_loss(
+        hidden, previous, head, model.markov_head.markov_w2.weight, labels, weights, teacher,
+        options.position_weights, span, options.loss_chunk,
     )
-    w = loss.position_weights(options.position_weights, ce, weights, span)
-    terms = CE_WEIGHT * ce + DISTANCE_WEIGHT * distance
+    terms = w * (CE_WEIGHT * ce + DISTANCE_WEIGHT * distance)
     if model.confidence_head is not None:
-        accepted = (1 - distance.detach() / 2).clamp(0, 1)  # 1 - TV: the chance that verification accepts
+        accepted = (1 - distance / 2).clamp(0, 1)  # 1 - TV: the chance that verification accepts
         logits = model.confidence_head(hidden, previous)
-        terms = terms + CONFIDENCE_WEIGHT * F.binary_cross_entropy_with_logits(logits, accepted, reduction="none")
-    terms = w * terms
-    return Objective(terms.sum(), terms.detach(), correct)
+        confidence = w * F.binary_cross_entropy_with_logits(logits, accepted, reduction="none")
+        total, terms = total + confidence.sum(), terms + confidence.detach()
+    return Objective(total, terms, correct)
 
 
 # ---------------------------------------------------------------------------------------------- decoding
