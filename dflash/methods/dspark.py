@@ -188,11 +188,15 @@ class _MarkovHeadLoss(torch.autograd.Function):
     once, and backward only scales the three gradients by the loss's upstream one."""
 
     @staticmethod
-    def forward(ctx, hidden, previous, head, w2, labels, weights, kind, span, chunk_size, mm_dtype, need_grad, *teacher):
+    def forward(
+        ctx, hidden, previous, head, w2, labels, weights, kind, span, chunk_size, mm_dtype, need_grad, *teacher
+    ):
         h, e, head, w2_mm = (t.to(mm_dtype) for t in (hidden, previous, head, w2))
         math_dtype = torch.promote_types(mm_dtype, torch.float32)
         ces, distances, corrects, ws = [], [], [], []
-        grad_hidden, grad_previous, grad_w2 = torch.empty_like(hidden), torch.empty_like(previous), torch.zeros_like(w2)
+        if need_grad:  # not in validation steps
+            grad_hidden, grad_previous = torch.empty_like(hidden), torch.empty_like(previous)
+            grad_w2 = torch.zeros_like(w2)
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             label = labels[rows, None]
@@ -238,10 +242,8 @@ def markov_head_loss(hidden, previous, head, w2, labels, weights, teacher: dict,
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or previous.requires_grad or w2.requires_grad)
     source = "hidden" if "teacher_hidden" in teacher else "topk"
     arrays = (teacher[name] for name in TEACHER_ORDER[source])
-    return _MarkovHeadLoss.apply(
-        hidden, previous, head, w2, labels.long(), weights, kind, span, chunk_size, loss._matmul_dtype(hidden),
-        need_grad, *arrays,
-    )
+    settings = (kind, span, chunk_size, loss._matmul_dtype(hidden), need_grad)
+    return _MarkovHeadLoss.apply(hidden, previous, head, w2, labels.long(), weights, *settings, *arrays)
 
 
 def objective(model, hidden, head, labels, weights, span, options, teacher=None) -> Objective:
@@ -251,9 +253,9 @@ def objective(model, hidden, head, labels, weights, span, options, teacher=None)
             "or --teacher topk:K"
         )
     previous = model.markov_head.markov_w1(labels.roll(1))  # slot k's previous token is slot k - 1's label
+    w2, kind = model.markov_head.markov_w2.weight, options.position_weights
     total, ce, distance, correct, w = markov_head_loss(
-        hidden, previous, head, model.markov_head.markov_w2.weight, labels, weights, teacher,
-        options.position_weights, span, options.loss_chunk,
+        hidden, previous, head, w2, labels, weights, teacher, kind, span, options.loss_chunk
     )
     terms = w * (CE_WEIGHT * ce + DISTANCE_WEIGHT * distance)
     if model.confidence_head is not None:
