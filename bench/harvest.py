@@ -11,7 +11,7 @@ ids, 3072 tokens each (DFlash's max length; --doc-length), packed 4 to a 12288-t
 
     python bench/harvest.py --layers 64 --groups 16         # full depth: the bar (a 34 GB store on disk)
     python bench/harvest.py --layers 8 --groups 6           # truncated depth: where writing becomes the limit
-    python bench/harvest.py --target moe --layers 8 --groups 6                   # the MoE harvest against its bare forward
+    python bench/harvest.py --target moe --layers 8 --groups 32  # the MoE harvest against its bare forward (~23 GB on disk)
     python bench/harvest.py --target moe --layers 8 --groups 2 --experts eager   # transformers' slow experts path
     python bench/harvest.py --tiny                          # toy shapes on the CPU: checks the script
     python bench/harvest.py --tiny --target moe             # the MoE one on the CPU (tiny Qwen3-Next)

@@ -54,6 +54,7 @@ from dflash.train_setup import (
 )
 
 logger = logging.getLogger("dflash")
+LONG_ROW = 32768  # tokens per row from which the measured long-row kernel option is suggested
 
 # ---------------------------------------------------------------------------------------------- schedule
 
@@ -163,6 +164,13 @@ class Trainer:
         with torch.device(self.device):
             self.model = self.method.model_cls(self.dcfg)
         self.model.set_attention_kernel_options(cfg.attention_kernel_options)
+        if self.cuda and not cfg.attention_kernel_options and T >= LONG_ROW:
+            logger.info(
+                "rows of %d tokens: --attention-kernel-option bwd_num_warps=8 trained rows of %d tokens 1.23x faster "
+                'on an H200 (docs/training.md, "Attention kernels")',
+                T,
+                LONG_ROW,
+            )
         self.params = [p for p in self.model.parameters()]
         self.flat_grad = self._flat_grad()
         self.step_t = torch.zeros((), dtype=torch.int64, device=self.device)
