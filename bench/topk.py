@@ -9,23 +9,20 @@ values equal torch.topk's (they must: vocab_top_k is exact; ids may differ among
 """
 
 import argparse
-import time
+import sys
+from pathlib import Path
 
 import torch
 
-from dflash.topk import vocab_top_k
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repository's dflash
+
+from bench.harvest import timed  # noqa: E402
+from dflash.topk import vocab_top_k  # noqa: E402
 
 
-def timed(fn, reps: int, device: torch.device) -> float:
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return 1000 * (time.perf_counter() - start) / reps
+def ms_per_call(fn, reps: int, device: torch.device) -> float:
+    fn()  # warm-up (and the compile of a compiled way)
+    return 1000 * timed(lambda: [fn() for _ in range(reps)], device) / reps
 
 
 def main():
@@ -50,8 +47,8 @@ def main():
 
     print(f"{args.rows} x {args.vocab} {str(dtype).removeprefix('torch.')} logits, k = {args.k}, {device}")
     print("| way | ms per call | values equal torch.topk's |\n|---|---|---|")
-    print(f"| LM-head matmul that makes them | {timed(lambda: hidden @ head.T, args.reps, device):.3f} | - |")
-    print(f"| torch.topk | {timed(lambda: logits.topk(args.k, dim=-1), args.reps, device):.3f} | yes |")
+    print(f"| LM-head matmul that makes them | {ms_per_call(lambda: hidden @ head.T, args.reps, device):.3f} | - |")
+    print(f"| torch.topk | {ms_per_call(lambda: logits.topk(args.k, dim=-1), args.reps, device):.3f} | yes |")
     for segment in (int(s) for s in args.segments.split(",")):
         ways = {"eager": lambda s=segment: vocab_top_k(logits, args.k, s)}
         if device.type == "cuda":
@@ -59,7 +56,7 @@ def main():
         for how, fn in ways.items():
             same = torch.equal(fn()[0], reference)
             print(
-                f"| vocab_top_k, segment {segment}, {how} | {timed(fn, args.reps, device):.3f} | {'yes' if same else 'NO'} |"
+                f"| vocab_top_k, segment {segment}, {how} | {ms_per_call(fn, args.reps, device):.3f} | {'yes' if same else 'NO'} |"
             )
 
 
