@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dflash.topk import vocab_top_k
+from dflash.topk import vocab_reductions
 
 
 def _matmul_dtype(hidden: Tensor) -> torch.dtype:
@@ -36,11 +36,13 @@ class _HeadCrossEntropy(torch.autograd.Function):
             logits = hidden[rows].to(mm_dtype) @ head.T
             label = labels[rows, None]
             # Each use upcasts on its own, so that compiled, no fp32 copy of the logits is ever written.
-            lse = logits.to(math_dtype).logsumexp(dim=-1)
+            if top_k:  # one pass over the logits for all three (vocab_reductions)
+                lse, argmax, _, top = vocab_reductions(logits, top_k, math_dtype)
+                candidates.append(top)
+            else:
+                lse, argmax = logits.to(math_dtype).logsumexp(dim=-1), logits.argmax(dim=-1)
             losses.append(lse - logits.gather(1, label)[:, 0].to(math_dtype))
-            corrects.append(logits.argmax(dim=-1) == labels[rows])
-            if top_k:
-                candidates.append(vocab_top_k(logits, top_k)[1])
+            corrects.append(argmax == labels[rows])
             if need_grad:
                 # dCE_i/d logits = softmax_i - onehot_i, then through the head to hidden; backward scales each row
                 # by its CE's upstream gradient, so any weighting of the CEs (even one computed from them) is exact.

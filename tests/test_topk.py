@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dflash.topk import vocab_top_k
+from dflash.topk import vocab_reductions, vocab_top_k
 
 
 def sorted_reference(x, k):
@@ -41,3 +41,28 @@ def test_the_top_values_all_in_one_segment():
     values, ids = vocab_top_k(x, 4, segment=8)
     assert values.tolist() == [[4.0, 3.0, 2.0, 1.0]] * 2
     assert ids.tolist() == [[40, 41, 42, 43]] * 2
+
+
+@pytest.mark.parametrize("vocab", [64, 100, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reductions_equal_float64_logsumexp_first_argmax_and_top_k(vocab, dtype):
+    g = torch.Generator().manual_seed(vocab)
+    x = (3 * torch.randn(41, vocab, generator=g)).to(dtype)
+    x[5] = x[5].round()  # many ties at the maximum: the first index must win, as torch.argmax's
+    x[6, : vocab // 2] = x[6].max() + 1  # the maximum tied across whole segments
+    reduced = vocab_reductions(x, 5, torch.float32, segment=16)
+    torch.testing.assert_close(reduced.lse.double(), x.double().logsumexp(-1), rtol=1e-6, atol=1e-6)
+    first_max = torch.tensor([row.tolist().index(max(row.tolist())) for row in x.float()])
+    assert torch.equal(reduced.argmax, first_max)
+    assert torch.equal(reduced.values, sorted_reference(x, 5))
+    assert torch.equal(x.gather(1, reduced.ids), reduced.values)
+
+
+def test_reductions_with_the_maximum_in_the_remainder_columns():
+    x = torch.zeros(3, 100)
+    x[0, 97] = 5.0  # only in the columns past the last whole segment
+    x[1, [10, 98]] = 5.0  # in a segment and in the remainder: the segment's index is first
+    x[2, 99] = -1.0
+    reduced = vocab_reductions(x, 4, torch.float64, segment=16)
+    assert reduced.argmax.tolist() == [97, 10, 0]
+    torch.testing.assert_close(reduced.lse, x.double().logsumexp(-1))

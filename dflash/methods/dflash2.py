@@ -139,16 +139,19 @@ class DynamicBlockConv(nn.Module):
         return self._conv(y, self.base_kernel[1], dynamic)
 
     def _conv(self, x: Tensor, base: Tensor, dynamic: Tensor) -> Tensor:
-        """sum over taps o of (base[o] + dynamic[t, o, group of c]) * x[t - o], zero where t - o leaves the block."""
+        """sum over taps o of (base[o] + dynamic[t, o, group of c]) * x[t - o], zero where t - o leaves the block.
+
+        Channels are viewed as [groups, group_size] so that a group's coefficient broadcasts over its channels: its
+        gradient is then a plain sum over them (repeat_interleave's would be an index_add)."""
         R, Q, H = x.shape
-        B = self.block_size
-        blocks = x.view(R, Q // B, B, H)
-        coefficients = base + dynamic.repeat_interleave(self.group_size, dim=-1)  # [R, Q, K, H]
-        coefficients = coefficients.view(R, Q // B, B, self.taps, H).to(x.dtype)
-        out = blocks * coefficients[..., 0, :]
-        for o in range(1, self.taps):
-            shifted = torch.nn.functional.pad(blocks[:, :, : B - o], (0, 0, o, 0))  # x[t - o], zeros before the block
-            out = out + shifted * coefficients[..., o, :]
+        B, K, G = self.block_size, self.taps, H // self.group_size
+        blocks = x.view(R, Q // B, B, G, self.group_size)
+        dynamic = dynamic.view(R, Q // B, B, K, G, 1)
+        base = base.view(K, G, self.group_size)
+        out = blocks * (base[0] + dynamic[..., 0, :, :]).to(x.dtype)
+        for o in range(1, K):
+            shifted = torch.nn.functional.pad(blocks[:, :, : B - o], (0, 0, 0, 0, o, 0))  # x[t - o], 0 before the block
+            out = out + shifted * (base[o] + dynamic[..., o, :, :]).to(x.dtype)
         return out.view(R, Q, H)
 
 
