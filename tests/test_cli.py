@@ -217,3 +217,28 @@ def test_inspect_takes_a_config_file(tmp_path):
     config.write_text("[inspect]\nverfy = true\n")
     result = CliRunner().invoke(main, ["inspect", "--config", str(config), str(tmp_path / "no-store")])
     assert result.exit_code != 0 and "verfy" in result.output, result.output
+
+
+@pytest.mark.parametrize("world_size", ["1", "2"])
+def test_the_entry_point_exits_with_the_commands_status_inside_a_launch_too(tmp_path, world_size):
+    """Inside a torchrun launch (WORLD_SIZE > 1) `python -m cli` ends by os._exit: the status and the output are
+    still the command's, for a success and for a refused input alike."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from dflash import __version__
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "WORLD_SIZE": world_size, "PYTHONPATH": str(root)}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "cli", *args], env=env, cwd=root, capture_output=True, text=True)
+
+    version = run("--version")
+    assert version.returncode == 0 and __version__ in version.stdout
+    refused = run("inspect", str(tmp_path / "missing"))
+    assert refused.returncode == 2 and "error:" in refused.stderr
+    unknown = run("no-such-command")
+    assert unknown.returncode == 2 and "no-such-command" in unknown.stderr
