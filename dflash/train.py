@@ -54,7 +54,17 @@ from dflash.train_setup import (
 )
 
 logger = logging.getLogger("dflash")
-LONG_ROW = 32768  # tokens per row from which the measured long-row kernel option is suggested
+# flex_attention's options on CUDA when --attention-kernel-option gives none: the backward on 8 warps (half the dK /
+# dV accumulator registers per thread at head_dim 256) was faster for both bench drafters at 4 x 3072 and at long
+# rows on the H200 (docs/benchmarks.md, "Long rows"); torch's own choice is bwd_num_warps=4.
+CUDA_KERNEL_OPTIONS = {"bwd_num_warps": 8}
+
+
+def attention_kernel_options(given: dict, cuda: bool) -> dict:
+    """The drafter's flex_attention options: the flags' when given, else the measured CUDA default (the CPU's
+    flex_attention evaluates the mask densely and takes none)."""
+    return dict(given) if given else dict(CUDA_KERNEL_OPTIONS) if cuda else {}
+
 
 # ---------------------------------------------------------------------------------------------- schedule
 
@@ -163,14 +173,11 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         with torch.device(self.device):
             self.model = self.method.model_cls(self.dcfg)
-        self.model.set_attention_kernel_options(cfg.attention_kernel_options)
-        if self.cuda and not cfg.attention_kernel_options and T >= LONG_ROW:
-            logger.info(
-                "rows of %d tokens: --attention-kernel-option bwd_num_warps=8 trained rows of %d tokens 1.23x faster "
-                'on an H200 (docs/training.md, "Attention kernels")',
-                T,
-                LONG_ROW,
-            )
+        kernel_options = attention_kernel_options(cfg.attention_kernel_options, self.cuda)
+        self.model.set_attention_kernel_options(kernel_options)
+        if self.cuda:
+            given = "--attention-kernel-option" if cfg.attention_kernel_options else "the CUDA default"
+            logger.info("attention kernel options (%s): %s", given, kernel_options)
         self.params = [p for p in self.model.parameters()]
         self.flat_grad = self._flat_grad()
         self.step_t = torch.zeros((), dtype=torch.int64, device=self.device)

@@ -400,6 +400,17 @@ def test_kernel_options_and_mask_tiles_reach_the_step_and_keep_the_curve(store, 
     assert fingerprint(cfg, 1) == fingerprint(config(store, tmp_path / "tuned", max_steps=3), 1)
 
 
+def test_the_flags_kernel_options_win_over_the_cuda_default():
+    from dflash.train import CUDA_KERNEL_OPTIONS, attention_kernel_options
+
+    assert attention_kernel_options({}, cuda=True) == CUDA_KERNEL_OPTIONS == {"bwd_num_warps": 8}
+    assert attention_kernel_options({"bwd_num_warps": 4}, cuda=True) == {"bwd_num_warps": 4}
+    assert attention_kernel_options({}, cuda=False) == {}
+    chosen = attention_kernel_options({}, cuda=True)
+    chosen["USE_TMA"] = True  # a caller's copy: the default stays as measured
+    assert CUDA_KERNEL_OPTIONS == {"bwd_num_warps": 8}
+
+
 def test_resume_with_other_options_names_them(store, tmp_path):
     run_training(config(store, tmp_path / "run", max_steps=2))
     with pytest.raises(DflashError, match=r"lr: checkpoint 0.0006, now 0.001.*max_steps"):
