@@ -21,11 +21,13 @@ Multi-GPU scaling: one process per GPU under torchrun (NCCL; gloo on the CPU), n
 
 Attention kernels (issue 24): --flex-options times each drafter once per set of flex_attention kernel options
 (TrainConfig.attention_kernel_options; the key "mask_tile_size" sets TrainConfig.mask_tile_size instead), one table
-row each. `sweep` is FLEX_SWEEP below, candidates for head_dim 256 on the H200 from torch 2.13's sm90 tables:
+row each. `sweep` is FLEX_SWEEP below, candidates for head_dim 256 on the H200 from torch 2.13's sm90 tables; a set
+replaces the trainer's default whole, so each candidate past `torch` is the default with one thing changed:
     default             the trainer's on CUDA (dflash.train.CUDA_KERNEL_OPTIONS): torch's tiles, the backward on 8 warps
     torch               torch's choice: forward 64 x 32, 3 stages, 4 warps; backward 64 x 64 x 64 x 64, 2 stages, 4 warps
-    bwd-1stage-8warps   1 stage, 8 warps (what torch takes on sm100 past head_dim 192)
-    bwd-32x64-3stages   BLOCK_M1 32, N1 64, M2 64, N2 32, 3 stages (torch's max-autotune pattern (M, N, N, M))
+    bwd-1stage-8warps   the backward in 1 stage (what torch takes on sm100 past head_dim 192)
+    bwd-32x64-3stages   backward BLOCK_M1 32, N1 64, M2 64, N2 32, 3 stages (torch's max-autotune pattern (M, N, N, M))
+    fwd-8warps          the forward on 8 warps too
     tma                 USE_TMA (Hopper's tensor memory accelerator for the loads)
     tile64              BlockMask tiles of 64 instead of 128 (more of the sparse mask skipped)
 Each set compiles the step anew; keep a call under the 10-minute limit with fewer steps:
@@ -96,7 +98,7 @@ from dflash.harvest import RowEncoder, store_bits
 from dflash.manifest import FeatureSpec, Manifest, SubspaceSpec, TargetSpec, TokenizerSpec, teacher_spec
 from dflash.metrics import MetricsLog
 from dflash.target import default_layer_ids
-from dflash.train import Trainer
+from dflash.train import CUDA_KERNEL_OPTIONS, Trainer
 from dflash.train_setup import Env, init_distributed
 
 WINDOW = (10, 50)  # steps whose records the summary uses (the issue's "steps 10-50")
@@ -134,15 +136,17 @@ def parse_row_shapes(text: str) -> list[dict]:
 FLEX_SWEEP = {
     "default": {},
     "torch": {"bwd_num_warps": 4},
-    "bwd-1stage-8warps": {"bwd_num_stages": 1, "bwd_num_warps": 8},
+    "bwd-1stage-8warps": {**CUDA_KERNEL_OPTIONS, "bwd_num_stages": 1},
     "bwd-32x64-3stages": {
+        **CUDA_KERNEL_OPTIONS,
         "bwd_BLOCK_M1": 32,
         "bwd_BLOCK_N1": 64,
         "bwd_BLOCK_M2": 64,
         "bwd_BLOCK_N2": 32,
         "bwd_num_stages": 3,
     },
-    "tma": {"USE_TMA": True},
+    "fwd-8warps": {**CUDA_KERNEL_OPTIONS, "fwd_num_warps": 8},
+    "tma": {**CUDA_KERNEL_OPTIONS, "USE_TMA": True},
     "tile64": {"mask_tile_size": 64},
 }
 
