@@ -507,3 +507,18 @@ def test_regenerate_through_a_server_is_not_split():
 
     with pytest.raises(DflashError, match=r"--tensor-parallel splits a local target"):
         RegenerateConfig(data="p", out="o", server="http://localhost:8000", tensor_parallel=2)
+
+
+def test_a_tensor_parallel_group_of_one_is_the_unsplit_path(tiny_target, monkeypatch):
+    """`--tensor-parallel 1` opens no group: one process, and the ranks of a torchrun harvest, run the unsplit code
+    (no process group, no announcements); only eval and regenerate under torchrun make groups of one to share
+    their prompts."""
+    from dflash.parallel import open_group
+
+    model = str(tiny_target("llama"))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert open_group(model, 1, torch.device("cpu")) is None
+    assert open_group(model, 1, torch.device("cpu"), shares_work=True) is None
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert open_group(model, 1, torch.device("cpu")) is None
+    assert not torch.distributed.is_initialized()
