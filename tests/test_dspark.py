@@ -199,6 +199,33 @@ def test_markov_head_loss_terms_equal_the_reference_and_l1_is_twice_tv():
     torch.testing.assert_close(total, (weights * (0.1 * ce + 0.9 * distance)).sum())
 
 
+def test_top_k_gradient_equals_autograd_of_the_reference_with_the_label_inside_and_outside_the_k():
+    """The top-K path writes its gradient as one row-scaled pass plus K + 1 exact values; the label among the K
+    (where both corrections meet) and outside them, each for half of the rows."""
+    cfg = dspark_config()
+    g = torch.Generator().manual_seed(8)
+    N = 10
+    hidden = torch.randn(N, cfg.hidden_size, generator=g, dtype=torch.float64, requires_grad=True)
+    previous = torch.randn(N, cfg.markov_rank, generator=g, dtype=torch.float64, requires_grad=True)
+    head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g, dtype=torch.float64)
+    w2 = torch.randn(cfg.vocab_size, cfg.markov_rank, generator=g, dtype=torch.float64, requires_grad=True)
+    weights = torch.rand(N, generator=g, dtype=torch.float64) + 0.1
+    teacher, _ = teacher_of("topk", N, cfg, g, head)
+    ids = teacher["teacher_ids"].long()
+    outside = [next(v for v in range(cfg.vocab_size) if v not in ids[n]) for n in range(N)]
+    labels = torch.tensor([int(ids[n, n % 4]) if n % 2 else outside[n] for n in range(N)])
+    total, *_ = markov_head_loss(hidden, previous, head, w2, labels, weights, teacher, chunk_size=4)
+    got = torch.autograd.grad(total, (hidden, previous, w2))
+    z = hidden @ head.T + previous @ w2.T
+    ce = F.cross_entropy(z, labels, reduction="none")
+    distance = distance_reference(torch.softmax(z, dim=-1), "topk", teacher, None)
+    want_total = (weights * (0.1 * ce + 0.9 * distance)).sum()
+    want = torch.autograd.grad(want_total, (hidden, previous, w2))
+    torch.testing.assert_close(total, want_total)
+    for name, a, b in zip(("hidden", "previous", "w2"), got, want, strict=True):
+        torch.testing.assert_close(a, b, msg=name)
+
+
 def test_without_a_teacher_the_objective_names_the_harvest_option():
     cfg = dspark_config()
     with pytest.raises(DflashError, match="--teacher"):

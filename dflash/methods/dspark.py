@@ -148,28 +148,46 @@ def _teacher_chunk(teacher: tuple, rows: slice, head: Tensor, math_dtype) -> Ten
     return tuple(values[rows] for values in teacher)
 
 
-def _distance(p: Tensor, target, math_dtype) -> Tensor:
-    """L1 [c] between p [c, V] and the teacher (topk: over its K tokens and the rest as one outcome)."""
+def _distance_and_gradient(z, lse, label, target, ce_part, distance_part, need_grad):
+    """L1 [c] between p = softmax(z) and the teacher, and (if need_grad) the gradient [c, V] of the chunk's loss
+    ce_part * CE + distance_part * L1 with respect to z, in z's dtype:
+        grad_z = p * (ce_part + distance_part * (s - <p, s>)) - ce_part * onehot(label),  s = sign(p - t)."""
     if isinstance(target, Tensor):
-        return (p - target).abs().sum(-1)
-    top_diff, rest_diff, _ = _topk_differences(p, target, math_dtype)
-    return top_diff.abs().sum(-1) + rest_diff.abs()
+        p = (z.to(lse.dtype) - lse[:, None]).exp()
+        sign = (p - target).sign()
+        distance = (p - target).abs().sum(-1)
+        if not need_grad:
+            return distance, None
+        grad = p * (ce_part + distance_part * (sign - (p * sign).sum(-1, keepdim=True)))
+        return distance, grad.scatter_add_(1, label, -ce_part).to(z.dtype)
+    return _topk_distance_and_gradient(z, lse, label, target, ce_part, distance_part, need_grad)
 
 
-def _distance_sign(p: Tensor, target, math_dtype) -> Tensor:
-    """The sign s [c, V] of p - t at every token, which the gradient of `_distance` needs (backward only)."""
-    if isinstance(target, Tensor):
-        return (p - target).sign()
-    top_diff, rest_diff, ids = _topk_differences(p, target, math_dtype)
-    return rest_diff.sign()[:, None].expand_as(p).scatter(1, ids, top_diff.sign())
-
-
-def _topk_differences(p: Tensor, target: tuple, math_dtype) -> tuple[Tensor, Tensor, Tensor]:
-    """p - t on the teacher's K tokens [c, K], on the rest lumped [c], and the K ids (int64)."""
+def _topk_distance_and_gradient(z, lse, label, target, ce_part, distance_part, need_grad):
+    """The same against a top-K teacher, over its K tokens and the rest as one outcome. Off the K ids s is the
+    rest's sign, one value per row, so <p, s> and the distance need only the K gathered probabilities, and the
+    gradient is one pass over z (a row scale times exp(z - lse)) with its K + 1 exact values written over it."""
     ids, probs, tail = target
     ids = ids.long()
-    top = p.gather(1, ids)
-    return top - probs.to(math_dtype), (1 - top.sum(-1)) - tail.to(math_dtype), ids
+    p_top = (z.gather(1, ids).to(lse.dtype) - lse[:, None]).exp()
+    top_diff = p_top - probs.to(lse.dtype)
+    rest_mass = 1 - p_top.sum(-1)
+    rest_diff = rest_mass - tail.to(lse.dtype)
+    distance = top_diff.abs().sum(-1) + rest_diff.abs()
+    if not need_grad:
+        return distance, None
+    s_top, s_rest = top_diff.sign(), rest_diff.sign()[:, None]
+    p_dot_s = s_rest * rest_mass[:, None] + (p_top * s_top).sum(-1, keepdim=True)
+
+    def scale(sign):
+        return ce_part + distance_part * (sign - p_dot_s)
+
+    grad = (scale(s_rest) * (z.to(lse.dtype) - lse[:, None]).exp()).to(z.dtype)
+    grad.scatter_(1, ids, (p_top * scale(s_top)).to(z.dtype))
+    is_label = ids == label
+    s_label = torch.where(is_label.any(-1, keepdim=True), (s_top * is_label).sum(-1, keepdim=True), s_rest)
+    p_label = (z.gather(1, label).to(lse.dtype) - lse[:, None]).exp()
+    return distance, grad.scatter_(1, label, (p_label * scale(s_label) - ce_part).to(z.dtype))
 
 
 def _logits(hidden: Tensor, previous: Tensor, head: Tensor, w2: Tensor) -> Tensor:
@@ -200,22 +218,18 @@ class _MarkovHeadLoss(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             label = labels[rows, None]
-            z = _logits(h[rows], e[rows], head, w2_mm).to(math_dtype)
-            lse = z.logsumexp(dim=-1)
-            ce = lse - z.gather(1, label)[:, 0]
-            p = (z - lse[:, None]).exp()
-            target = _teacher_chunk(teacher, rows, head, math_dtype)
+            z = _logits(h[rows], e[rows], head, w2_mm)  # stays in mm_dtype: every pass below reads it once
+            lse = z.to(math_dtype).logsumexp(dim=-1)
+            ce = lse - z.gather(1, label)[:, 0].to(math_dtype)
             w = loss.position_weights(kind, ce, weights[rows], span).to(math_dtype)
+            ce_part, distance_part = (CE_WEIGHT * w)[:, None], (DISTANCE_WEIGHT * w)[:, None]
+            target = _teacher_chunk(teacher, rows, head, math_dtype)
+            distance, grad_z = _distance_and_gradient(z, lse, label, target, ce_part, distance_part, need_grad)
             ces.append(ce)
-            distances.append(_distance(p, target, math_dtype))
+            distances.append(distance)
             corrects.append(z.argmax(dim=-1) == labels[rows])
             ws.append(w)
             if need_grad:
-                # dCE/dz = p - onehot; dL1/dz = p * (s - <p, s>) with s = sign(p - t)
-                sign = _distance_sign(p, target, math_dtype)
-                ce_part, distance_part = (CE_WEIGHT * w)[:, None], (DISTANCE_WEIGHT * w)[:, None]
-                grad_z = ce_part * p + distance_part * p * (sign - (p * sign).sum(-1, keepdim=True))
-                grad_z = grad_z.scatter_add_(1, label, -ce_part).to(mm_dtype)
                 grad_hidden[rows] = (grad_z @ head).to(hidden.dtype)
                 grad_previous[rows] = (grad_z @ w2_mm).to(previous.dtype)
                 grad_w2 += (grad_z.T @ e[rows]).to(w2.dtype)
