@@ -56,8 +56,10 @@ from dflash.train_setup import (
 logger = logging.getLogger("dflash")
 # flex_attention's options on CUDA when --attention-kernel-option gives none: the backward on 8 warps (half the dK /
 # dV accumulator registers per thread at head_dim 256) was faster for both bench drafters at 4 x 3072 and at long
-# rows on the H200 (docs/benchmarks.md, "Long rows"); torch's own choice is bwd_num_warps=4.
-CUDA_KERNEL_OPTIONS = {"bwd_num_warps": 8}
+# rows on the H200, and TMA loads on top of it faster at 1 x 32768 and the same at 4 x 3072 (docs/benchmarks.md,
+# "Long rows"); torch's own choice is bwd_num_warps=4 without TMA. torch turns USE_TMA off where the device or the
+# tensors cannot use it (before Hopper), so the default is safe on every CUDA GPU.
+CUDA_KERNEL_OPTIONS = {"bwd_num_warps": 8, "USE_TMA": True}
 
 
 def attention_kernel_options(given: dict, cuda: bool) -> dict:

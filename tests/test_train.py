@@ -403,12 +403,12 @@ def test_kernel_options_and_mask_tiles_reach_the_step_and_keep_the_curve(store, 
 def test_the_flags_kernel_options_win_over_the_cuda_default():
     from dflash.train import CUDA_KERNEL_OPTIONS, attention_kernel_options
 
-    assert attention_kernel_options({}, cuda=True) == CUDA_KERNEL_OPTIONS == {"bwd_num_warps": 8}
+    assert attention_kernel_options({}, cuda=True) == CUDA_KERNEL_OPTIONS == {"bwd_num_warps": 8, "USE_TMA": True}
     assert attention_kernel_options({"bwd_num_warps": 4}, cuda=True) == {"bwd_num_warps": 4}
     assert attention_kernel_options({}, cuda=False) == {}
     chosen = attention_kernel_options({}, cuda=True)
-    chosen["USE_TMA"] = True  # a caller's copy: the default stays as measured
-    assert CUDA_KERNEL_OPTIONS == {"bwd_num_warps": 8}
+    chosen["USE_TMA"] = False  # a caller's copy: the default stays as measured
+    assert CUDA_KERNEL_OPTIONS == {"bwd_num_warps": 8, "USE_TMA": True}
 
 
 def test_resume_with_other_options_names_them(store, tmp_path):

@@ -90,11 +90,11 @@ class DSparkConfig(DrafterConfig):
         return markov + (2 * self.confidence_width if self.enable_confidence_head else 0)
 
     def loss_logit_copies(self, teacher: str | None) -> float:
-        # Fitted to bench/train.py's drafter b (12288 tokens, 2048 anchors, default chunk): 32.1 GB peak with a
-        # top-k teacher and 32.9 GB with the hidden one, where the rest of the formula gives 23.1 GB; a chunk's
-        # forward holds z, p, the sign and grad z at once, and with `hidden` the teacher's p_t (docs/training.md,
-        # "Memory"; measured 2026-12-02 after the loss stopped recomputing the logits in its backward).
-        return 4.8 if teacher == "hidden" else 4.4
+        # Fitted to bench/train.py's drafter b (12288 tokens, 2048 anchors, default chunk): 30.8 GB peak with a
+        # top-k teacher (2026-12-03, the one-pass gradient: z and grad z in bf16 and inductor's fused temporaries)
+        # and 32.9 GB with the hidden one (2026-12-02: z, p, the sign and grad z at once, and the teacher's p_t),
+        # where the rest of the formula gives 23.1 GB (docs/training.md, "Memory").
+        return 4.8 if teacher == "hidden" else 3.8
 
     def extra_keys(self) -> list[str]:
         keys = ["markov_head.markov_w1.weight", "markov_head.markov_w2.weight"]
