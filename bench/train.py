@@ -36,6 +36,7 @@ Each set compiles the step anew; keep a call under the 10-minute limit with fewe
     python3 bench/train.py --drafter b --flex-options sweep --steps 30 --ungraphed-steps 3 --json $OUT/flex.json
     python3 bench/train.py --drafter b --row-shapes 1x32768:2048 --flex-options '{};{"bwd_num_warps": 4}'
     python3 bench/train.py --drafter b --row-shapes 1x32768:2048 --methods dflash,dflash-window2048,dflash2,dflash2-full
+    python3 bench/train.py --drafter a --methods dflash,dflash-recompute    # --recompute mlp: its peak and its cost
     python bench/train.py --tiny --flex-options sweep --steps 3      # the same on the CPU (options have no effect)
 
 The data is written through the real store writer (`PartWriter`, random bf16 features, random token ids,

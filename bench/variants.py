@@ -14,6 +14,8 @@ METHOD_VARIANTS = {
     "dflash-window512": {"method": "dflash", "drafter_overrides": {"sliding_window": 512}},
     "dflash-window2048": {"method": "dflash", "drafter_overrides": {"sliding_window": 2048}},
     "dflash2-full": {"method": "dflash2", "drafter_overrides": {"sliding_window": None}},
+    # Memory for time (issue 24): each layer's MLP run again in the backward (TrainConfig.recompute).
+    "dflash-recompute": {"method": "dflash", "recompute": "mlp"},
     # DSpark trains from a store harvested with a teacher (the `teacher` key: the harvest's --teacher)
     "dspark-topk": {"method": "dspark", "teacher": "topk:32"},
     "dspark-hidden": {"method": "dspark", "teacher": "hidden"},

@@ -50,6 +50,7 @@ RESUMABLE_CHANGES = {
     "cuda_graph",
     "attention_kernel_options",
     "mask_tile_size",
+    "recompute",
     "peak_tflops",
     "tensorboard",
     "prefetch",

@@ -156,6 +156,9 @@ EXPORT_DTYPES = ["bfloat16", "float32"]
 # the lists equal).
 DRAFTER_METHODS = ("dflash", "dflash2", "dspark")
 POSITION_WEIGHTS = ("decay", "dpace")
+# What the train step's backward recomputes instead of keeping: nothing, or each drafter layer's MLP, which then
+# keeps only its input, where the compiled step otherwise keeps gate, up and their SwiGLU product.
+RECOMPUTE = ("none", "mlp")
 
 
 @dataclass
@@ -245,6 +248,13 @@ class TrainConfig:
         "only): speed only, docs/training.md.",
         factory=dict,
         flag="--attention-kernel-option",
+    )
+    recompute: str = option(
+        "none",
+        "What the backward recomputes instead of keeping: none, or mlp (each layer's MLP keeps only its input: "
+        "about 3 x FFN width x 2 bytes less per block token and layer, for two more matmuls per layer). Memory for "
+        "speed; the values are unchanged.",
+        choices=list(RECOMPUTE),
     )
     mask_tile_size: int = option(
         128,

@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, FlexKernelOptions, create_mask, flex_attention
+from torch.utils.checkpoint import checkpoint
 
+from dflash.config import RECOMPUTE
 from dflash.errors import DflashError
 
 INIT_STD = 0.02  # Qwen3's initializer_range; the public drafters were initialised the same way
@@ -343,8 +345,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.recompute = False  # see DFlashDrafter.set_recompute
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self.swiglu, x, use_reentrant=False)
+        return self.swiglu(x)
+
+    def swiglu(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -383,6 +391,14 @@ class DFlashDrafter(nn.Module):
         for module in self.modules():
             if isinstance(module, Attention):
                 module.kernel_options = dict(options) if options else None
+
+    def set_recompute(self, mode: str) -> None:
+        """What the backward recomputes (RECOMPUTE): memory for time, the values unchanged."""
+        if mode not in RECOMPUTE:
+            raise DflashError(f"--recompute {mode!r} is not one of {', '.join(RECOMPUTE)}")
+        for module in self.modules():
+            if isinstance(module, MLP):
+                module.recompute = mode == "mlp"
 
     def forward(
         self,

@@ -53,6 +53,7 @@ class StepShape:
     lifted_width: int  # k of a subspace store's lift (0 without one)
     cuda: bool
     teacher: str | None = None  # the teacher kind the method trains from (`hidden`, `topk`), None without
+    recompute: str = "none"  # TrainConfig.recompute
 
 
 def parameter_count(model_cls, dcfg: DrafterConfig) -> int:
@@ -77,6 +78,10 @@ def step_memory(dcfg: DrafterConfig, shape: StepShape) -> dict[str, int]:
     # A method's own copies are measured on the GPU; the eager CPU step keeps more of everything, in proportion
     method_copies = dcfg.method_activation_copies() * c.block / GPU.block
     block_copies = c.block * (H + dcfg.intermediate_size + q_width) + method_copies * H
+    F = dcfg.intermediate_size
+    recomputed = shape.recompute == "mlp"
+    if recomputed:  # the MLP keeps its input only: off go what the step keeps of it (docs/training.md, "Memory")
+        block_copies -= 3 * F + H if shape.cuda else 4 * F
     parts = {
         # fp32 weights, the flat fp32 gradient, AdamW's two moments; bf16 copies of the weights under autocast
         "weights and optimizer": shape.parameters * (16 + (2 if shape.cuda else 0)),
@@ -93,6 +98,7 @@ def step_memory(dcfg: DrafterConfig, shape: StepShape) -> dict[str, int]:
             * dcfg.loss_logit_copies(shape.teacher)
         ),
         "dense attention mask": round(R * Q * (T + Q) * c.mask),
+        "recomputed MLP": round(R * Q * 3 * F * e) if recomputed else 0,  # one layer's, during its backward
     }
     return parts
 

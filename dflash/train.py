@@ -177,6 +177,9 @@ class Trainer:
             self.model = self.method.model_cls(self.dcfg)
         kernel_options = attention_kernel_options(cfg.attention_kernel_options, self.cuda)
         self.model.set_attention_kernel_options(kernel_options)
+        self.model.set_recompute(cfg.recompute)
+        if cfg.recompute != "none":
+            logger.info("the backward recomputes each drafter layer's MLP (--recompute %s)", cfg.recompute)
         if self.cuda:
             given = "--attention-kernel-option" if cfg.attention_kernel_options else "the CUDA default"
             logger.info("attention kernel options (%s): %s", given, kernel_options)

@@ -194,6 +194,7 @@ def check_step_memory(
         lifted_width=lifted_width,
         cuda=device.type == "cuda",
         teacher=teacher,
+        recompute=cfg.recompute,
     )
     available = None if cfg.ignore_memory_estimate else memory.available_memory(device)
     if available is not None and device.type == "cpu":  # the ranks of one host share its memory

@@ -195,6 +195,33 @@ def test_compiled_fullgraph_forward_and_backward_match_eager():
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-9, atol=1e-9, msg=n)
 
 
+def gradients(model, cfg, compiled=False):
+    embeds, features, q_pos, ctx_pos, anchors, valid, doc_ids = training_batch(cfg)
+    dense = dense_block_mask(anchors, valid, doc_ids, cfg.block_size)[:, None]
+    run = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
+    model.zero_grad()
+    run(embeds, features, q_pos, ctx_pos, dense).square().sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_recomputing_the_mlp_keeps_every_gradient(compiled):
+    """--recompute mlp runs each MLP again in the backward (non-reentrant checkpoint): the same gradients, eager and
+    compiled; an unknown mode is refused."""
+    cfg = small_config()
+    model = make_drafter(cfg)
+    kept = gradients(model, cfg)
+    model.set_recompute("mlp")
+    assert all(layer.mlp.recompute for layer in model.layers)
+    recomputed = gradients(model, cfg, compiled)
+    for name, grad in kept.items():
+        torch.testing.assert_close(recomputed[name], grad, rtol=1e-12, atol=1e-12, msg=name)
+    model.set_recompute("none")
+    assert not any(layer.mlp.recompute for layer in model.layers)
+    with pytest.raises(DflashError, match="--recompute 'layer' is not one of none, mlp"):
+        model.set_recompute("layer")
+
+
 def test_export_load_round_trip(tmp_path):
     cfg = small_config()
     model = make_drafter(cfg)

@@ -1,11 +1,18 @@
-"""The step's memory estimate (dflash.memory) against the peaks measured on one H200, and its refusal."""
+"""The step's memory estimate (dflash.memory) against the peaks measured on one H200, what --recompute takes off it
+(counted from the compiled graph), and its refusal."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
+from test_drafter import small_config
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from dflash import methods
+from dflash.drafter import MLP, RMSNorm
 from dflash.errors import DflashError
 from dflash.memory import StepShape, check_memory, fitting_anchors, parameter_count, step_memory
 
@@ -120,3 +127,47 @@ def test_the_anchors_that_fit_are_the_last_of_a_brute_force_scan(method):
     for usable in (totals[0] - 1, totals[0], totals[137], (totals[299] + totals[300]) // 2, totals[-1], 10**15):
         scanned = max((a for a, need in enumerate(totals, start=1) if need <= usable), default=None)
         assert fitting_anchors(dcfg, shape, usable) == scanned
+
+
+def activations_kept_by_the_compiled_mlp(recompute: bool, tokens: int = 80) -> list[int]:
+    """The widths of the activations of `tokens` rows that the compiled step keeps for the backward of
+    x + mlp(norm(x)) under bf16 autocast: the forward graph's extra outputs after inductor's partitioner (min-cut),
+    on the CPU."""
+    cfg = small_config()
+    kept = []
+
+    def forward_compiler(gm, _):
+        outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        shapes = [tuple(o.meta["val"].shape) for o in outputs[1:]]
+        kept.extend(s[-1] for s in shapes if s[-1] > 1 and math.prod(s[:-1]) == tokens)  # not rsqrt's [.., 1]
+        return make_boxed_func(gm.forward)
+
+    norm, mlp = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps), MLP(cfg)
+    mlp.recompute = recompute
+
+    def block(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return x + mlp(norm(x))
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=forward_compiler, partition_fn=min_cut_rematerialization_partition)
+    x = torch.randn(2, tokens // 2, cfg.hidden_size, requires_grad=True)
+    torch.compile(block, backend=backend, fullgraph=True)(x).sum().backward()
+    return sorted(kept)
+
+
+def test_recompute_mlp_drops_what_the_formula_takes_off():
+    """The formula's `3 F + H` of --recompute mlp: without it the compiled step keeps the normed input (H), gate, up
+    and their product (F each) besides the layer's input; with it the layer's input alone (the MLP runs again from
+    it)."""
+    H, F = small_config().hidden_size, small_config().intermediate_size
+    assert H != F
+    assert activations_kept_by_the_compiled_mlp(False) == sorted([H, H, F, F, F])  # x, norm(x), gate, up, product
+    assert activations_kept_by_the_compiled_mlp(True) == [H]  # x
+    dcfg = drafter(*A)
+    shape = gpu_shape(dcfg, 12288)
+    full, recomputed = step_memory(dcfg, shape), step_memory(dcfg, dataclasses.replace(shape, recompute="mlp"))
+    Q, L = 2048 * 16, dcfg.num_layers
+    kept_less = full["block activations"] - recomputed["block activations"]
+    assert kept_less == pytest.approx(Q * L * (3 * dcfg.intermediate_size + dcfg.hidden_size) * 2, abs=1)
+    assert recomputed["recomputed MLP"] == Q * 3 * dcfg.intermediate_size * 2 and full["recomputed MLP"] == 0

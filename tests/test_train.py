@@ -400,6 +400,17 @@ def test_kernel_options_and_mask_tiles_reach_the_step_and_keep_the_curve(store, 
     assert fingerprint(cfg, 1) == fingerprint(config(store, tmp_path / "tuned", max_steps=3), 1)
 
 
+def test_recomputing_the_mlp_keeps_the_curve_and_may_change_on_resume(store, tmp_path):
+    """--recompute mlp trades memory for time only: the same losses and gradient norms, bit for bit on the CPU."""
+    kept = run_training(config(store, tmp_path / "kept", max_steps=3))["records"]
+    recomputed_cfg = config(store, tmp_path / "recomputed", max_steps=3, recompute="mlp")
+    assert Trainer(recomputed_cfg, init_distributed("cpu")).model.layers[0].mlp.recompute
+    recomputed = run_training(recomputed_cfg)["records"]
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in recomputed] == [r[key] for r in kept]
+    assert fingerprint(recomputed_cfg, 1) == fingerprint(config(store, tmp_path / "recomputed", max_steps=3), 1)
+
+
 def test_the_flags_kernel_options_win_over_the_cuda_default():
     from dflash.train import CUDA_KERNEL_OPTIONS, attention_kernel_options
 
