@@ -329,14 +329,17 @@ def test_validation_time_counts_in_no_training_step(store, tmp_path, monkeypatch
 # ---------------------------------------------------------------------------------------------- compile, resume
 
 
-@pytest.mark.parametrize("method", ["dflash", "dflash2", "dspark-topk"])
-def test_compiled_step_matches_eager_without_recompiles(method, store_for, tmp_path):
+@pytest.mark.parametrize(
+    "method, recompute", [("dflash", "none"), ("dflash2", "none"), ("dspark-topk", "none"), ("dflash2", "mlp")]
+)
+def test_compiled_step_matches_eager_without_recompiles(method, recompute, store_for, tmp_path):
     """20 steps over different rows: compiled drafter + objective agree with eager, and nothing recompiles after
-    warmup (a recompile would raise), validation's windows included. The BlockMask builder stays eager on the
-    CPU (see Trainer.__init__)."""
+    warmup (a recompile would raise), validation's windows included; with --recompute mlp compiled against eager
+    without it. The BlockMask builder stays eager on the CPU (see Trainer.__init__)."""
     options, store = METHOD_OPTIONS[method], store_for(method)
     eager = run_training(config(store, tmp_path / "eager", max_steps=20, compile=False, **options))
-    compiled = run_training(config(store, tmp_path / "compiled", max_steps=20, compile=True, **options))
+    compiled_cfg = config(store, tmp_path / "compiled", max_steps=20, compile=True, recompute=recompute, **options)
+    compiled = run_training(compiled_cfg)
     assert [r["recompiles"] for r in compiled["records"]] == [0] * 20
     for key, rtol in (("loss", 1e-5), ("grad_norm", 1e-4)):
         np.testing.assert_allclose([r[key] for r in compiled["records"]], [r[key] for r in eager["records"]], rtol=rtol)
