@@ -154,8 +154,8 @@ def _distance_and_gradient(z, lse, label, target, ce_part, distance_part, need_g
         grad_z = p * (ce_part + distance_part * (s - <p, s>)) - ce_part * onehot(label),  s = sign(p - t)."""
     if isinstance(target, Tensor):
         p = (z.to(lse.dtype) - lse[:, None]).exp()
-        sign = (p - target).sign()
-        distance = (p - target).abs().sum(-1)
+        diff = p - target
+        sign, distance = diff.sign(), diff.abs().sum(-1)
         if not need_grad:
             return distance, None
         grad = p * (ce_part + distance_part * (sign - (p * sign).sum(-1, keepdim=True)))
