@@ -31,7 +31,7 @@ def products(h, e, head, w2, grad_z, joint_weight) -> dict:
     grads = torch.cat([grad_z @ head, grad_z @ w2], dim=1)
     return {
         "z = h @ head.T": (lambda: h @ head.T, c * H * V, None),
-        "z += e @ W2.T (addmm_)": (lambda: (h @ head.T).addmm_(e, w2.T), c * (H + r) * V, None),
+        "z = h @ head.T, then += e @ W2.T (addmm_)": (lambda: (h @ head.T).addmm_(e, w2.T), c * (H + r) * V, None),
         "z = [h, e] @ [head, W2].T (joint)": (lambda: joint_input @ joint_weight.T, c * (H + r) * V, logits),
         "grad h = grad z @ head": (lambda: grad_z @ head, c * V * H, None),
         "grad e = grad z @ W2": (lambda: grad_z @ w2, c * V * r, None),

@@ -77,8 +77,8 @@ def step_memory(dcfg: DrafterConfig, shape: StepShape) -> dict[str, int]:
     q_width, kv_width = dcfg.num_attention_heads * dcfg.head_dim, dcfg.num_key_value_heads * dcfg.head_dim
     # A method's own copies are measured on the GPU; the eager CPU step keeps more of everything, in proportion
     method_copies = dcfg.method_activation_copies() * c.block / GPU.block
-    block_copies = c.block * (H + dcfg.intermediate_size + q_width) + method_copies * H
     F = dcfg.intermediate_size
+    block_copies = c.block * (H + F + q_width) + method_copies * H
     recomputed = shape.recompute == "mlp"
     if recomputed:  # the MLP keeps its input only: off go what the step keeps of it (docs/training.md, "Memory")
         block_copies -= 3 * F + H if shape.cuda else 4 * F

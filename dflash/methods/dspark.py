@@ -148,7 +148,7 @@ def _teacher_chunk(teacher: tuple, rows: slice, head: Tensor, math_dtype) -> Ten
     return tuple(values[rows] for values in teacher)
 
 
-def _distance_and_gradient(z, lse, label, target, ce_part, distance_part, need_grad):
+def _distance_and_gradient(z, lse, ce, label, target, ce_part, distance_part, need_grad):
     """L1 [c] between p = softmax(z) and the teacher, and (if need_grad) the gradient [c, V] of the chunk's loss
     ce_part * CE + distance_part * L1 with respect to z, in z's dtype:
         grad_z = p * (ce_part + distance_part * (s - <p, s>)) - ce_part * onehot(label),  s = sign(p - t)."""
@@ -160,10 +160,10 @@ def _distance_and_gradient(z, lse, label, target, ce_part, distance_part, need_g
             return distance, None
         grad = p * (ce_part + distance_part * (sign - (p * sign).sum(-1, keepdim=True)))
         return distance, grad.scatter_add_(1, label, -ce_part).to(z.dtype)
-    return _topk_distance_and_gradient(z, lse, label, target, ce_part, distance_part, need_grad)
+    return _topk_distance_and_gradient(z, lse, ce, label, target, ce_part, distance_part, need_grad)
 
 
-def _topk_distance_and_gradient(z, lse, label, target, ce_part, distance_part, need_grad):
+def _topk_distance_and_gradient(z, lse, ce, label, target, ce_part, distance_part, need_grad):
     """The same against a top-K teacher, over its K tokens and the rest as one outcome. Off the K ids s is the
     rest's sign, one value per row, so <p, s> and the distance need only the K gathered probabilities, and the
     gradient is one pass over z (a row scale times exp(z - lse)) with its K + 1 exact values written over it."""
@@ -186,7 +186,7 @@ def _topk_distance_and_gradient(z, lse, label, target, ce_part, distance_part, n
     grad.scatter_(1, ids, (p_top * scale(s_top)).to(z.dtype))
     is_label = ids == label
     s_label = torch.where(is_label.any(-1, keepdim=True), (s_top * is_label).sum(-1, keepdim=True), s_rest)
-    p_label = (z.gather(1, label).to(lse.dtype) - lse[:, None]).exp()
+    p_label = (-ce).exp()[:, None]  # CE = lse - z[label]
     return distance, grad.scatter_(1, label, (p_label * scale(s_label) - ce_part).to(z.dtype))
 
 
@@ -224,7 +224,7 @@ class _MarkovHeadLoss(torch.autograd.Function):
             w = loss.position_weights(kind, ce, weights[rows], span).to(math_dtype)
             ce_part, distance_part = (CE_WEIGHT * w)[:, None], (DISTANCE_WEIGHT * w)[:, None]
             target = _teacher_chunk(teacher, rows, head, math_dtype)
-            distance, grad_z = _distance_and_gradient(z, lse, label, target, ce_part, distance_part, need_grad)
+            distance, grad_z = _distance_and_gradient(z, lse, ce, label, target, ce_part, distance_part, need_grad)
             ces.append(ce)
             distances.append(distance)
             corrects.append(z.argmax(dim=-1) == labels[rows])
