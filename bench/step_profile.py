@@ -26,7 +26,7 @@ PARTS = (
     ("fused", ("triton_",)),
     ("copy / fill", ("memcpy", "memset", "copy_", "fill_")),
 )
-MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm")
 PEAK_TFLOPS = 792.0  # bf16 8192^3 matmul on the H200 (shared/DEVICE.md)
 
 
@@ -39,27 +39,45 @@ def part_of(name: str) -> str:
 
 
 def _matmul_flops(op: str, shapes: list) -> float:
-    """FLOPs of one call from its input shapes: mm [M,K]x[K,N]; addmm (bias, [M,K], [K,N]); bmm [B,M,K]x[B,K,N]."""
-    a, b = (shapes[1], shapes[2]) if op == "aten::addmm" else (shapes[0], shapes[1])
+    """FLOPs of one call from its input shapes: mm [M,K]x[K,N]; addmm(_) (bias, [M,K], [K,N]); bmm [B,M,K]x[B,K,N]."""
+    a, b = (shapes[1], shapes[2]) if op.startswith("aten::addmm") else (shapes[0], shapes[1])
     if len(a) < 2 or len(b) < 2:
         return 0.0
     batch = a[0] if op == "aten::bmm" else 1
     return 2.0 * batch * a[-2] * a[-1] * b[-1]
 
 
-def _matmul_split(prof, vocab: int, steps: int, cuda: bool) -> dict:
-    """{"LM head" | "drafter": {"ms": per step, "tflops": achieved}} from the matmul operators' shapes."""
-    out = {}
+def _matmul_calls(prof, steps: int, cuda: bool) -> list[dict]:
+    """Every matmul operator by input shapes: its kernels' own time per step (self time: an operator nested in
+    another, as inductor's extern calls can be, is not counted twice) and achieved TFLOP/s, largest first."""
+    calls = []
     for evt in prof.key_averages(group_by_input_shape=True):
         if evt.key not in MATMUL_OPS or not evt.input_shapes:
             continue
-        dims = [d for shape in evt.input_shapes for d in shape]
-        side = out.setdefault("LM head" if vocab in dims else "drafter", {"us": 0.0, "flops": 0.0})
-        side["us"] += evt.device_time_total if cuda else evt.cpu_time_total
-        side["flops"] += _matmul_flops(evt.key, evt.input_shapes) * evt.count
-    return {
-        name: {"ms": s["us"] / 1000 / steps, "tflops": s["flops"] / max(s["us"], 1e-9) / 1e6} for name, s in out.items()
-    }
+        us = evt.self_device_time_total if cuda else evt.self_cpu_time_total
+        flops = _matmul_flops(evt.key, evt.input_shapes) * evt.count
+        calls.append(
+            {
+                "op": evt.key,
+                "shapes": [list(shape) for shape in evt.input_shapes if shape],
+                "calls": evt.count / steps,
+                "ms": us / 1000 / steps,
+                "tflops": flops / max(us, 1e-9) / 1e6,
+            }
+        )
+    return sorted(calls, key=lambda c: -c["ms"])
+
+
+def _matmul_split(calls: list[dict], vocab: int) -> dict:
+    """{"LM head" | "drafter": {"ms": per step, "tflops": achieved}}: a call with a dimension equal to the
+    vocabulary is the LM head's (DSpark: every product over the vocabulary)."""
+    out = {}
+    for c in calls:
+        dims = [d for shape in c["shapes"] for d in shape]
+        side = out.setdefault("LM head" if vocab in dims else "drafter", {"ms": 0.0, "flops": 0.0})
+        side["ms"] += c["ms"]
+        side["flops"] += c["tflops"] * c["ms"] * 1e9
+    return {name: {"ms": s["ms"], "tflops": s["flops"] / max(s["ms"], 1e-9) / 1e9} for name, s in out.items()}
 
 
 def _annotation(evt) -> bool:
@@ -90,11 +108,13 @@ def profile_step(step_fn, steps: int, vocab: int, device: torch.device) -> dict:
     for name, ms in kernels.items():
         parts[part_of(name)] = parts.get(part_of(name), 0.0) + ms
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
+    calls = _matmul_calls(prof, steps, cuda)
     return {
         "steps": steps,
         "total_ms": sum(kernels.values()),
         "parts": dict(sorted(parts.items(), key=lambda kv: -kv[1])),
-        "matmuls": _matmul_split(prof, vocab, steps, cuda),
+        "matmuls": _matmul_split(calls, vocab),
+        "matmul_calls": calls[:12],
         "top_kernels": [{"name": n[:120], "ms": ms, "part": part_of(n)} for n, ms in top],
     }
 
@@ -116,4 +136,9 @@ def profile_table(label: str, p: dict) -> str:
         )
     lines += ["", "| kernel | part | ms per step |", "|---|---|---|"]
     lines += [f"| `{k['name']}` | {k['part']} | {k['ms']:.2f} |" for k in p["top_kernels"]]
+    lines += ["", "| matmul | input shapes | calls per step | ms per step | TFLOP/s |", "|---|---|---|---|---|"]
+    lines += [
+        f"| `{c['op']}` | {' x '.join(str(s) for s in c['shapes'])} | {c['calls']:g} | {c['ms']:.2f} | {c['tflops']:.0f} |"
+        for c in p.get("matmul_calls", [])
+    ]
     return "\n".join(lines)

@@ -13,7 +13,14 @@ from dflash import blocks, loss
 from dflash.decoding import accept_sampled
 from dflash.errors import DflashError
 from dflash.methods import ObjectiveOptions
-from dflash.methods.dspark import DSparkConfig, DSparkDrafter, DSparkProposer, markov_head_loss, objective
+from dflash.methods.dspark import (
+    DSparkConfig,
+    DSparkDrafter,
+    DSparkProposer,
+    _chunk_size,
+    markov_head_loss,
+    objective,
+)
 from dflash.proposers import DecodingOptions
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -134,7 +141,9 @@ def objective_reference(model, hidden, head, labels, weights, S, kind, teacher, 
     bce = -(target * F.logsigmoid(c) + (1 - target) * F.logsigmoid(-c))
     w = weights if position_weights == "decay" else loss.dpace_weights(ce.detach(), weights > 0, S).double()
     total = (w * (0.1 * ce + 0.9 * distance + 1.0 * bce)).sum()
-    return total, z.argmax(-1) == labels, ce, distance
+    correct = z.argmax(-1) == labels
+    correct.view(-1, S)[:, 0] = False  # slot 0 (the anchor's own label) is never drafted
+    return total, correct, ce, distance
 
 
 @pytest.mark.parametrize("kind", ["hidden", "topk"])
@@ -224,6 +233,17 @@ def test_top_k_gradient_equals_autograd_of_the_reference_with_the_label_inside_a
     torch.testing.assert_close(total, want_total)
     for name, a, b in zip(("hidden", "previous", "w2"), got, want, strict=True):
         torch.testing.assert_close(a, b, msg=name)
+
+
+@pytest.mark.parametrize(
+    "rows, target, block", [(14336, 1024, 7), (14336, 1022, 7), (20, 4, 3), (15, 16, 3), (9, 1, 1)]
+)
+def test_loss_chunks_are_whole_blocks_of_even_size_within_the_target(rows, target, block):
+    size = _chunk_size(rows, target, block)
+    count = -(-rows // size)
+    assert size % block == 0 and size <= max(block, target - target % block)
+    assert count == -(-rows // max(block, target - target % block))  # no more chunks than the target's cut makes
+    assert rows - (count - 1) * size > size - count * block  # even: the last is short by under a block per chunk
 
 
 def test_without_a_teacher_the_objective_names_the_harvest_option():

@@ -190,11 +190,12 @@ def _topk_distance_and_gradient(z, lse, ce, label, target, ce_part, distance_par
     return distance, grad.scatter_(1, label, (p_label * scale(s_label) - ce_part).to(z.dtype))
 
 
-def _logits(hidden: Tensor, previous: Tensor, head: Tensor, w2: Tensor) -> Tensor:
-    """z = head h + W2 e of a chunk [c, V]: W2's product accumulates into the head's in place (addmm_), so that no
-    second [c, V] product is written, and no [V, H + r] copy of the two weights is made (a joint matmul over
-    [h, e] costs 1.4 GB more at V = 248320 and measured no faster: docs/benchmarks.md, issue 23)."""
-    return (hidden @ head.T).addmm_(previous, w2.T)
+def _chunk_size(rows: int, target: int, block: int) -> int:
+    """Whole blocks, at most `target` rows (or one block), and chunks of even size: no last chunk of a few rows
+    that reads the whole [V, H] head for them."""
+    blocks, most = -(-rows // block), max(1, target // block)
+    count = -(-blocks // most)
+    return -(-blocks // count) * block
 
 
 class _MarkovHeadLoss(torch.autograd.Function):
@@ -210,6 +211,10 @@ class _MarkovHeadLoss(torch.autograd.Function):
         ctx, hidden, previous, head, w2, labels, weights, kind, span, chunk_size, mm_dtype, need_grad, *teacher
     ):
         h, e, head, w2_mm = (t.to(mm_dtype) for t in (hidden, previous, head, w2))
+        # z = head h + W2 e as one product over [h, e] and [head, W2]: its r extra columns cost a tenth of the head's
+        # product, where W2's product added into the head's (addmm) moved the [c, V] logits twice more, at 192
+        # TFLOP/s (10.9 ms of a 231 ms step: docs/benchmarks.md, "Drafter methods").
+        joint_input, joint_weight = torch.cat([h, e], dim=1), torch.cat([head, w2_mm], dim=1)  # [N, H + r], [V, H + r]
         math_dtype = torch.promote_types(mm_dtype, torch.float32)
         ces, distances, corrects, ws = [], [], [], []
         if need_grad:  # not in validation steps
@@ -218,7 +223,7 @@ class _MarkovHeadLoss(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             label = labels[rows, None]
-            z = _logits(h[rows], e[rows], head, w2_mm)  # stays in mm_dtype: every pass below reads it once
+            z = joint_input[rows] @ joint_weight.T  # stays in mm_dtype: every pass below reads it once
             lse = z.to(math_dtype).logsumexp(dim=-1)
             ce = lse - z.gather(1, label)[:, 0].to(math_dtype)
             w = loss.position_weights(kind, ce, weights[rows], span).to(math_dtype)
@@ -251,8 +256,8 @@ def markov_head_loss(hidden, previous, head, w2, labels, weights, teacher: dict,
     through the first only. weights [N]: the trainer's; kind: loss.POSITION_WEIGHTS, over blocks of `span` rows;
     teacher: the per-position teacher arrays (teacher_hidden [N, H], or teacher_ids / teacher_probs [N, K] and
     teacher_tail [N])."""
-    chunk_size = chunk_size or max(1, loss.default_chunk_size(head.shape[0]) // 2)  # a chunk holds ~4 [c, V]
-    chunk_size = max(span, chunk_size - chunk_size % span)  # whole blocks: D-PACE weighs a block from its own CEs
+    target = chunk_size or max(1, loss.default_chunk_size(head.shape[0]) // 2)  # a chunk holds ~4 [c, V]
+    chunk_size = _chunk_size(hidden.shape[0], target, span)  # whole blocks: D-PACE weighs a block from its own CEs
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or previous.requires_grad or w2.requires_grad)
     source = "hidden" if "teacher_hidden" in teacher else "topk"
     arrays = (teacher[name] for name in TEACHER_ORDER[source])
@@ -266,10 +271,17 @@ def objective(model, hidden, head, labels, weights, span, options, teacher=None)
             "DSpark trains against the target's next-token distribution: harvest the store with --teacher hidden "
             "or --teacher topk:K"
         )
+    B = model.config.block_size
     previous = model.markov_head.markov_w1(labels.roll(1))  # slot k's previous token is slot k - 1's label
+
+    def drafted(values):  # slots 1..B of each span: slot 0 holds the anchor's own label, never trained or drafted
+        return values.unflatten(0, (-1, span))[:, span - B :].flatten(0, 1)
+
+    hidden, previous, labels, weights = (drafted(t) for t in (hidden, previous, labels, weights))
+    teacher = {name: drafted(values) for name, values in teacher.items()}
     w2, kind = model.markov_head.markov_w2.weight, options.position_weights
     total, ce, distance, correct, w = markov_head_loss(
-        hidden, previous, head, w2, labels, weights, teacher, kind, span, options.loss_chunk
+        hidden, previous, head, w2, labels, weights, teacher, kind, B, options.loss_chunk
     )
     terms = w * (CE_WEIGHT * ce + DISTANCE_WEIGHT * distance)
     if model.confidence_head is not None:
@@ -277,7 +289,11 @@ def objective(model, hidden, head, labels, weights, span, options, teacher=None)
         logits = model.confidence_head(hidden, previous)
         confidence = w * F.binary_cross_entropy_with_logits(logits, accepted, reduction="none")
         total, terms = total + confidence.sum(), terms + confidence.detach()
-    return Objective(total, terms, correct)
+
+    def spans(values):  # back to the span layout the trainer's metrics read, slot 0 empty
+        return F.pad(values.view(-1, B), (span - B, 0)).flatten()
+
+    return Objective(total, spans(terms), spans(correct))
 
 
 # ---------------------------------------------------------------------------------------------- decoding
