@@ -8,6 +8,7 @@ nothing of it: the trainer calls `Method.objective_fn` on the drafter's final-no
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -27,6 +28,18 @@ class Objective(NamedTuple):
     loss_sum: Tensor  # [] the weighted sum of the loss terms; the trainer divides it by the global normaliser
     position_loss: Tensor  # [N] each position's share of loss_sum (no gradient), for the per-source metrics
     correct: Tensor  # [N] bool: the method's temperature-0 decoding, teacher-forced, drafts the label here
+
+
+def drafted_slots(values: Tensor, span: int) -> Tensor:
+    """[A * span, ...] -> [A * (span - 1), ...]: slot 0 of every span dropped. It holds the anchor's own token (a
+    DFlash block's input, DSpark's anchor label) and is never trained, so the LM head and the loss need not see it:
+    1 / span of their rows."""
+    return values.unflatten(0, (-1, span))[:, 1:].flatten(0, 1)
+
+
+def with_slot0(values: Tensor, span: int) -> Tensor:
+    """drafted_slots' inverse for per-position results [A * (span - 1)] -> [A * span], slot 0 zero (False)."""
+    return F.pad(values.view(-1, span - 1), (1, 0)).flatten()
 
 
 @dataclass(frozen=True)

@@ -3,15 +3,16 @@ target's LM head, drafts by argmax (or sampling) of those logits."""
 
 from dflash import loss
 from dflash.drafter import DFlashDrafter, DrafterConfig
-from dflash.methods.base import Method, Objective
+from dflash.methods.base import Method, Objective, drafted_slots, with_slot0
 from dflash.proposers import DFlashProposer
 
 
 def objective(model, hidden, head, labels, weights, block_size, options, teacher=None) -> Objective:
     """The block CE of the LM head's logits under the chosen position weights; drafts are its argmax."""
+    hidden, labels, weights = (drafted_slots(t, block_size) for t in (hidden, labels, weights))
     ce, correct, _ = loss.head_cross_entropy(hidden, head, labels, options.loss_chunk)
-    terms = loss.position_weights(options.position_weights, ce, weights, block_size) * ce
-    return Objective(terms.sum(), terms.detach(), correct)
+    terms = loss.position_weights(options.position_weights, ce, weights, block_size - 1) * ce
+    return Objective(terms.sum(), with_slot0(terms.detach(), block_size), with_slot0(correct, block_size))
 
 
 METHOD = Method(

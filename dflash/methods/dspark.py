@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from dflash import loss
 from dflash.drafter import INIT_STD, DFlashDrafter, DrafterConfig, acc_dtype
 from dflash.errors import DflashError
-from dflash.methods.base import Method, Objective
+from dflash.methods.base import Method, Objective, drafted_slots, with_slot0
 from dflash.proposers import DFlashProposer, Draft, draw
 
 CE_WEIGHT, DISTANCE_WEIGHT, CONFIDENCE_WEIGHT = 0.1, 0.9, 1.0  # DeepSpec's DSpark loss
@@ -271,17 +271,12 @@ def objective(model, hidden, head, labels, weights, span, options, teacher=None)
             "DSpark trains against the target's next-token distribution: harvest the store with --teacher hidden "
             "or --teacher topk:K"
         )
-    B = model.config.block_size
     previous = model.markov_head.markov_w1(labels.roll(1))  # slot k's previous token is slot k - 1's label
-
-    def drafted(values):  # slots 1..B of each span: slot 0 holds the anchor's own label, never trained or drafted
-        return values.unflatten(0, (-1, span))[:, span - B :].flatten(0, 1)
-
-    hidden, previous, labels, weights = (drafted(t) for t in (hidden, previous, labels, weights))
-    teacher = {name: drafted(values) for name, values in teacher.items()}
+    hidden, previous, labels, weights = (drafted_slots(t, span) for t in (hidden, previous, labels, weights))
+    teacher = {name: drafted_slots(values, span) for name, values in teacher.items()}
     w2, kind = model.markov_head.markov_w2.weight, options.position_weights
     total, ce, distance, correct, w = markov_head_loss(
-        hidden, previous, head, w2, labels, weights, teacher, kind, B, options.loss_chunk
+        hidden, previous, head, w2, labels, weights, teacher, kind, span - 1, options.loss_chunk
     )
     terms = w * (CE_WEIGHT * ce + DISTANCE_WEIGHT * distance)
     if model.confidence_head is not None:
@@ -289,11 +284,7 @@ def objective(model, hidden, head, labels, weights, span, options, teacher=None)
         logits = model.confidence_head(hidden, previous)
         confidence = w * F.binary_cross_entropy_with_logits(logits, accepted, reduction="none")
         total, terms = total + confidence.sum(), terms + confidence.detach()
-
-    def spans(values):  # back to the span layout the trainer's metrics read, slot 0 empty
-        return F.pad(values.view(-1, B), (span - B, 0)).flatten()
-
-    return Objective(total, spans(terms), spans(correct))
+    return Objective(total, with_slot0(terms, span), with_slot0(correct, span))
 
 
 # ---------------------------------------------------------------------------------------------- decoding
