@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from dflash import loss
 from dflash.drafter import INIT_STD, DFlashDrafter, DrafterConfig, Layer, acc_dtype
 from dflash.errors import DflashError
-from dflash.methods.base import Method, Objective
+from dflash.methods.base import Method, Objective, drafted_slots, with_slot0
 from dflash.proposers import DFlashProposer, Draft
 from dflash.topk import vocab_top_k
 
@@ -245,18 +245,19 @@ def objective(model, hidden, head, labels, weights, block_size, options, teacher
     cfg = model.config
     if cfg.final_logit_softcapping is not None:
         raise DflashError("training a DFlash 2 drafter with final_logit_softcapping is not supported; leave it unset")
+    previous = labels.roll(1)  # slot k's predecessor is the token at k - 1 (slot 1's: the anchor)
+    hidden, labels, weights, previous = (drafted_slots(t, block_size) for t in (hidden, labels, weights, previous))
     unary_hidden = hidden * cfg.output_multiplier if cfg.output_multiplier != 1.0 else hidden
     ce, _, top = loss.head_cross_entropy(unary_hidden, head, labels, options.loss_chunk, cfg.selector_top_k)
-    w = loss.position_weights(options.position_weights, ce, weights, block_size)
+    w = loss.position_weights(options.position_weights, ce, weights, block_size - 1)
     candidates, target, in_top = selector_targets(top, labels, options.selector_outside)
-    previous = labels.roll(1)  # slot k's predecessor is the token at k - 1 (slot 0, never trained, wraps)
     unary = candidate_logits(unary_hidden, head, candidates).to(acc_dtype(hidden.dtype))
     scores = model.candidate_selector.edge_scores(hidden, unary, previous, candidates)
     selector_ce = scores.logsumexp(dim=-1) - scores.gather(1, target[:, None])[:, 0]
     kept = in_top if options.selector_outside == "drop" else torch.ones_like(in_top)
     terms = w * ce + options.selector_weight * w * kept * selector_ce
     correct = in_top & (scores.argmax(dim=-1) == target)
-    return Objective(terms.sum(), terms.detach(), correct)
+    return Objective(terms.sum(), with_slot0(terms.detach(), block_size), with_slot0(correct, block_size))
 
 
 class DFlash2Proposer(DFlashProposer):
