@@ -89,9 +89,9 @@ def step_memory(dcfg: DrafterConfig, shape: StepShape) -> dict[str, int]:
         "step buffers": shape.micro_batches * R * shape.stored_bytes_per_row,
         "block activations": round(R * Q * L * block_copies * e),
         "context activations": round(R * T * (c.context * H + c.context_kv * L * kv_width) * e),
-        # a chunk holds at most the labels of a micro-step
+        # a chunk holds at most the drafted labels of a micro-step (slot 0 of a span is never computed)
         "loss chunk logits": round(
-            min(shape.loss_chunk, R * shape.anchors * dcfg.span)
+            min(shape.loss_chunk, R * shape.anchors * (dcfg.span - 1))
             * V
             * 4
             * c.loss
