@@ -62,6 +62,7 @@ def _matmul_calls(prof, steps: int, cuda: bool) -> list[dict]:
                 "shapes": [list(shape) for shape in evt.input_shapes if shape],
                 "calls": evt.count / steps,
                 "ms": us / 1000 / steps,
+                "flops": flops / steps,
                 "tflops": flops / max(us, 1e-9) / 1e6,
             }
         )
@@ -76,7 +77,7 @@ def _matmul_split(calls: list[dict], vocab: int) -> dict:
         dims = [d for shape in c["shapes"] for d in shape]
         side = out.setdefault("LM head" if vocab in dims else "drafter", {"ms": 0.0, "flops": 0.0})
         side["ms"] += c["ms"]
-        side["flops"] += c["tflops"] * c["ms"] * 1e9
+        side["flops"] += c["flops"]
     return {name: {"ms": s["ms"], "tflops": s["flops"] / max(s["ms"], 1e-9) / 1e9} for name, s in out.items()}
 
 

@@ -1,7 +1,7 @@
 """DSpark's products over the vocabulary on the GPU, one loss chunk's worth: each [c, V] product its loss makes
 (dflash.methods.dspark._MarkovHeadLoss) timed alone at several chunk sizes, next to the joint [head | W2] forms that
-would read the [c, V] operand once (issue 23: its vocabulary-sized matmuls ran at 417 TFLOP/s against DFlash's LM
-head's 743, one split-K kernel 25.8 ms a step; which product that is, the train profile does not say).
+would read the [c, V] operand once (issue 23; the loss now takes the joint forward, after this script and
+bench/step_profile.py's per-shape table: docs/benchmarks.md, "Drafter methods").
 
     source bench/device_setup.sh && python3 bench/vocab_products.py        # on the H200
     python bench/vocab_products.py --tiny                                  # toy shapes on the CPU: checks the script
