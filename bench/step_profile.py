@@ -96,7 +96,7 @@ def profile_step(step_fn, steps: int, vocab: int, device: torch.device) -> dict:
             step_fn()
         if cuda:
             torch.cuda.synchronize(device)
-    kernels = {}
+    kernels, counts = {}, {}
     for evt in prof.key_averages():
         if cuda and (evt.device_type != DeviceType.CUDA or _annotation(evt)):
             continue
@@ -105,10 +105,12 @@ def profile_step(step_fn, steps: int, vocab: int, device: torch.device) -> dict:
         us = evt.self_device_time_total if cuda else evt.self_cpu_time_total
         if us > 0:
             kernels[evt.key] = kernels.get(evt.key, 0.0) + us / 1000 / steps
+            counts[evt.key] = counts.get(evt.key, 0) + evt.count / steps
     parts = {}
     for name, ms in kernels.items():
         parts[part_of(name)] = parts.get(part_of(name), 0.0) + ms
-    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1])
+    fused = [(n, ms) for n, ms in ranked if part_of(n) == "fused"][:15]
     calls = _matmul_calls(prof, steps, cuda)
     return {
         "steps": steps,
@@ -116,7 +118,9 @@ def profile_step(step_fn, steps: int, vocab: int, device: torch.device) -> dict:
         "parts": dict(sorted(parts.items(), key=lambda kv: -kv[1])),
         "matmuls": _matmul_split(calls, vocab),
         "matmul_calls": calls[:12],
-        "top_kernels": [{"name": n[:120], "ms": ms, "part": part_of(n)} for n, ms in top],
+        "top_kernels": [{"name": n[:120], "ms": ms, "part": part_of(n)} for n, ms in ranked[:15]],
+        # The fused part is many small kernels: its largest ones by name, with their launches per step.
+        "fused_kernels": [{"name": n[:160], "ms": ms, "calls": counts[n]} for n, ms in fused],
     }
 
 
@@ -137,6 +141,8 @@ def profile_table(label: str, p: dict) -> str:
         )
     lines += ["", "| kernel | part | ms per step |", "|---|---|---|"]
     lines += [f"| `{k['name']}` | {k['part']} | {k['ms']:.2f} |" for k in p["top_kernels"]]
+    lines += ["", "| fused kernel | calls per step | ms per step |", "|---|---|---|"]
+    lines += [f"| `{k['name']}` | {k['calls']:g} | {k['ms']:.2f} |" for k in p.get("fused_kernels", [])]
     lines += ["", "| matmul | input shapes | calls per step | ms per step | TFLOP/s |", "|---|---|---|---|---|"]
     lines += [
         f"| `{c['op']}` | {' x '.join(str(s) for s in c['shapes'])} | {c['calls']:g} | {c['ms']:.2f} | {c['tflops']:.0f} |"

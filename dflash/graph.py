@@ -48,6 +48,19 @@ def no_recompiles():
         config.error_on_recompile = previous
 
 
+@torch.library.custom_op("dflash::stored", mutates_args=())
+def stored(x: torch.Tensor) -> torch.Tensor:
+    """x, written to memory once. Compiled, a cheap expression is inlined into each consumer; a per-row value that a
+    [rows, vocabulary] pass reads is then recomputed for every one of its elements (the loads and the math of all
+    its inputs, per logit: docs/benchmarks.md, "DSpark's loss kernels"). An opaque op is a value inductor must
+    store."""
+    return x.clone()
+
+
+stored.register_fake(torch.empty_like)
+stored.register_autograd(lambda ctx, grad: grad)
+
+
 class StaticBuffers(dict):
     """Named tensors whose storage every step reads; data is copied in, never rebound, after checks."""
 

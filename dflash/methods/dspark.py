@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash import loss
+from dflash import graph, loss
 from dflash.drafter import INIT_STD, DFlashDrafter, DrafterConfig, acc_dtype
 from dflash.errors import DflashError
 from dflash.methods.base import Method, Objective, drafted_slots, with_slot0
@@ -154,7 +154,7 @@ def _distance_and_gradient(z, lse, ce, label, target, ce_part, distance_part, ne
     ce_part * CE + distance_part * L1 with respect to z, in z's dtype:
         grad_z = p * (ce_part + distance_part * (s - <p, s>)) - ce_part * onehot(label),  s = sign(p - t)."""
     if isinstance(target, Tensor):
-        p = (z.to(lse.dtype) - lse[:, None]).exp()
+        p = (z.to(lse.dtype) - graph.stored(lse[:, None])).exp()
         diff = p - target
         sign, distance = diff.sign(), diff.abs().sum(-1)
         if not need_grad:
@@ -183,12 +183,18 @@ def _topk_distance_and_gradient(z, lse, ce, label, target, ce_part, distance_par
     def scale(sign):
         return ce_part + distance_part * (sign - p_dot_s)
 
-    grad = (scale(s_rest) * (z.to(lse.dtype) - lse[:, None]).exp()).to(z.dtype)
-    grad.scatter_(1, ids, (p_top * scale(s_top)).to(z.dtype))
+    # The [c, V] pass reads two stored numbers per row, not the seven they are made of, per logit (graph.stored).
+    row_scale, row_lse = graph.stored(scale(s_rest)), graph.stored(lse[:, None])
+    grad = (row_scale * (z.to(lse.dtype) - row_lse).exp()).to(z.dtype)
     is_label = ids == label
     s_label = torch.where(is_label.any(-1, keepdim=True), (s_top * is_label).sum(-1, keepdim=True), s_rest)
     p_label = (-ce).exp()[:, None]  # CE = lse - z[label]
-    return distance, grad.scatter_(1, label, (p_label * scale(s_label) - ce_part).to(z.dtype))
+    at_label = p_label * scale(s_label) - ce_part
+    # The K + 1 exact values in one scatter (a second one copied all of grad): where the label is one of the K ids,
+    # both of its writes carry the label's value.
+    at_ids = torch.where(is_label, at_label, p_top * scale(s_top))
+    exact = torch.cat([at_ids, at_label], dim=1).to(z.dtype)
+    return distance, grad.scatter_(1, torch.cat([ids, label], dim=1), exact)
 
 
 def _chunk_size(rows: int, target: int, block: int) -> int:
