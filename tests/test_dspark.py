@@ -208,9 +208,11 @@ def test_markov_head_loss_terms_equal_the_reference_and_l1_is_twice_tv():
     torch.testing.assert_close(total, (weights * (0.1 * ce + 0.9 * distance)).sum())
 
 
-def test_top_k_gradient_equals_autograd_of_the_reference_with_the_label_inside_and_outside_the_k():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_top_k_gradient_equals_autograd_of_the_reference_with_the_label_inside_and_outside_the_k(compiled):
     """The top-K path writes its gradient as one row-scaled pass plus K + 1 exact values; the label among the K
-    (where both corrections meet) and outside them, each for half of the rows."""
+    (where both corrections meet) and outside them, each for half of the rows. Compiled too, as the trainer runs
+    it: inductor then stores the row values (graph.stored) and scatters into the pass's own buffer."""
     cfg = dspark_config()
     g = torch.Generator().manual_seed(8)
     N = 10
@@ -223,7 +225,8 @@ def test_top_k_gradient_equals_autograd_of_the_reference_with_the_label_inside_a
     ids = teacher["teacher_ids"].long()
     outside = [next(v for v in range(cfg.vocab_size) if v not in ids[n]) for n in range(N)]
     labels = torch.tensor([int(ids[n, n % 4]) if n % 2 else outside[n] for n in range(N)])
-    total, *_ = markov_head_loss(hidden, previous, head, w2, labels, weights, teacher, chunk_size=4)
+    loss_fn = torch.compile(markov_head_loss, fullgraph=True) if compiled else markov_head_loss
+    total, *_ = loss_fn(hidden, previous, head, w2, labels, weights, teacher, chunk_size=4)
     got = torch.autograd.grad(total, (hidden, previous, w2))
     z = hidden @ head.T + previous @ w2.T
     ce = F.cross_entropy(z, labels, reduction="none")
