@@ -67,8 +67,8 @@ MEASURED = [
     (B, "dflash", None, 131072, 44.4),
     (A, "dflash", None, 12288, 73.9),
     (A, "dflash", None, 32768, 77.1),
-    (B, "dflash2", None, 12288, 45.3),
-    (B, "dspark", "topk", 12288, 30.9),
+    (B, "dflash2", None, 12288, 43.7),
+    (B, "dspark", "topk", 12288, 27.3),
     (B, "dspark", "hidden", 12288, 32.9),
 ]
 

@@ -98,9 +98,9 @@ class DFlash2Config(DrafterConfig):
         return convs + 2 * H * r + 2 * K * H + 2 * K * r  # P h, candidate logits, edge scores
 
     def method_activation_copies(self) -> float:
-        # Fitted to one measurement (bench/train.py drafter b: 45.3 GB peak against DFlash's 33.4 GB, of which the
-        # extra parameters are 2.6 GB); docs/training.md, "Memory".
-        return 11.6
+        # Fitted to one measurement (bench/train.py drafter b: 43.7 GB peak against DFlash's 33.3 GB, of which the
+        # extra parameters are 2.6 GB; 2026-12-03, slot 0 skipped); docs/training.md, "Memory".
+        return 9.7
 
     def extra_layer_keys(self) -> list[str]:
         return [f"{conv}.{name}" for conv in ("attention_conv", "mlp_conv") for name in CONV_KEYS]

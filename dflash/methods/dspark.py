@@ -90,12 +90,12 @@ class DSparkConfig(DrafterConfig):
         return markov + (2 * self.confidence_width if self.enable_confidence_head else 0)
 
     def loss_logit_copies(self, teacher: str | None) -> float:
-        # Fitted to bench/train.py's drafter b (12288 tokens, 2048 anchors, default chunk): 30.8 GB peak with a
-        # top-k teacher (2026-12-03, the one-pass gradient: z and grad z in bf16 and inductor's fused temporaries;
-        # 30.9 GB with the joint [head, W2] operand of 1.4 GB and 7-row blocks, where chunks are smaller) and 32.9 GB
-        # with the hidden one (2026-12-02: z, p, the sign and grad z at once, and the teacher's p_t; not re-measured
-        # since), where the rest of the formula gives 23.1 GB (docs/training.md, "Memory").
-        return 4.8 if teacher == "hidden" else 3.8
+        # Fitted to bench/train.py's drafter b (12288 tokens, 2048 anchors, default chunk): 27.3 GB peak with a
+        # top-k teacher (2026-12-03 13:19 UTC: the gradient pass writes over z, one scatter, the joint [head, W2]
+        # operand of 1.4 GB, 7-row blocks; 30.9 GB when a second scatter copied grad z) and 32.9 GB with the hidden
+        # one (2026-12-02: z, p, the sign and grad z at once, and the teacher's p_t; not re-measured since), where
+        # the rest of the formula gives 23.1 GB (docs/training.md, "Memory").
+        return 4.8 if teacher == "hidden" else 2.05
 
     def extra_keys(self) -> list[str]:
         keys = ["markov_head.markov_w1.weight", "markov_head.markov_w2.weight"]
