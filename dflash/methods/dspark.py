@@ -233,7 +233,8 @@ class _MarkovHeadLoss(torch.autograd.Function):
             z = joint_input[rows] @ joint_weight.T  # stays in mm_dtype: every pass below reads it once
             lse = z.to(math_dtype).logsumexp(dim=-1)
             ce = lse - z.gather(1, label)[:, 0].to(math_dtype)
-            w = loss.position_weights(kind, ce, weights[rows], span).to(math_dtype)
+            # stored: the hidden teacher's [c, V] passes read it per logit (D-PACE's is made from a block's CEs)
+            w = graph.stored(loss.position_weights(kind, ce, weights[rows], span).to(math_dtype))
             ce_part, distance_part = (CE_WEIGHT * w)[:, None], (DISTANCE_WEIGHT * w)[:, None]
             target = _teacher_chunk(teacher, rows, head, math_dtype)
             distance, grad_z = _distance_and_gradient(z, lse, ce, label, target, ce_part, distance_part, need_grad)
