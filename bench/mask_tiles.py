@@ -23,7 +23,7 @@ def count(block: int, anchors: int, tile: int, docs: int, doc_len: int, seed: in
     partial, full = int(mask.kv_num_blocks.sum()), int(mask.full_kv_num_blocks.sum())
     # visible pairs, as block_attention_mask's rule says: each valid block's B queries see the context of its
     # document before its anchor, and every block sees its own B keys
-    context = (starts - starts // doc_len * doc_len) * valid
+    context = starts % doc_len * valid
     visible = int(context.sum()) * block + anchors * block * block
     return {"partial": partial, "full": full, "waste": (partial + full) * tile * tile / visible}
 

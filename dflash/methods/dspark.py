@@ -154,7 +154,7 @@ def _distance_and_gradient(z, lse, ce, label, target, ce_part, distance_part, ne
     ce_part * CE + distance_part * L1 with respect to z, in z's dtype:
         grad_z = p * (ce_part + distance_part * (s - <p, s>)) - ce_part * onehot(label),  s = sign(p - t)."""
     if isinstance(target, Tensor):
-        p = (z.to(lse.dtype) - graph.stored(lse[:, None])).exp()
+        p = (z.to(lse.dtype) - lse[:, None]).exp()
         diff = p - target
         sign, distance = diff.sign(), diff.abs().sum(-1)
         if not need_grad:
@@ -183,9 +183,8 @@ def _topk_distance_and_gradient(z, lse, ce, label, target, ce_part, distance_par
     def scale(sign):
         return ce_part + distance_part * (sign - p_dot_s)
 
-    # The [c, V] pass reads two stored numbers per row, not the seven they are made of, per logit (graph.stored).
-    row_scale, row_lse = graph.stored(scale(s_rest)), graph.stored(lse[:, None])
-    grad = (row_scale * (z.to(lse.dtype) - row_lse).exp()).to(z.dtype)
+    # The [c, V] pass reads the row's stored scale, not the seven values it is made of, per logit (graph.stored).
+    grad = (graph.stored(scale(s_rest)) * (z.to(lse.dtype) - lse[:, None]).exp()).to(z.dtype)
     is_label = ids == label
     s_label = torch.where(is_label.any(-1, keepdim=True), (s_top * is_label).sum(-1, keepdim=True), s_rest)
     p_label = (-ce).exp()[:, None]  # CE = lse - z[label]
@@ -231,9 +230,10 @@ class _MarkovHeadLoss(torch.autograd.Function):
             rows = slice(start, start + chunk_size)
             label = labels[rows, None]
             z = joint_input[rows] @ joint_weight.T  # stays in mm_dtype: every pass below reads it once
-            lse = z.to(math_dtype).logsumexp(dim=-1)
+            # lse and w stored (graph.stored): the [c, V] passes below read them per logit (D-PACE's w is made from
+            # a block's CEs)
+            lse = graph.stored(z.to(math_dtype).logsumexp(dim=-1))
             ce = lse - z.gather(1, label)[:, 0].to(math_dtype)
-            # stored: the hidden teacher's [c, V] passes read it per logit (D-PACE's is made from a block's CEs)
             w = graph.stored(loss.position_weights(kind, ce, weights[rows], span).to(math_dtype))
             ce_part, distance_part = (CE_WEIGHT * w)[:, None], (DISTANCE_WEIGHT * w)[:, None]
             target = _teacher_chunk(teacher, rows, head, math_dtype)
@@ -279,8 +279,9 @@ def objective(model, hidden, head, labels, weights, span, options, teacher=None)
             "DSpark trains against the target's next-token distribution: harvest the store with --teacher hidden "
             "or --teacher topk:K"
         )
-    previous = model.markov_head.markov_w1(labels.roll(1))  # slot k's previous token is slot k - 1's label
-    hidden, previous, labels, weights = (drafted_slots(t, span) for t in (hidden, previous, labels, weights))
+    previous = drafted_slots(labels.roll(1), span)  # slot k's previous token is slot k - 1's label
+    hidden, labels, weights = (drafted_slots(t, span) for t in (hidden, labels, weights))
+    previous = model.markov_head.markov_w1(previous)
     teacher = {name: drafted_slots(values, span) for name, values in teacher.items()}
     w2, kind = model.markov_head.markov_w2.weight, options.position_weights
     total, ce, distance, correct, w = markov_head_loss(
