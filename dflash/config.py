@@ -257,9 +257,10 @@ class TrainConfig:
         choices=list(RECOMPUTE),
     )
     mask_tile_size: int = option(
-        128,
+        64,
         "Positions per side of the attention BlockMask's tiles (create_block_mask's BLOCK_SIZE): flex_attention "
-        "skips tiles with no visible pair; a power of two, divisible by the kernel's tiles. Speed only.",
+        "skips tiles with no visible pair; a power of two, divisible by the kernel's tiles. Speed only (64, not "
+        "torch's 128: faster for every method and row shape measured, docs/training.md).",
     )
     peak_tflops: float = option(
         792.0, "Dense bf16 TFLOP/s of one device, the MFU denominator (the default: the H200's, measured)."

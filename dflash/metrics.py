@@ -146,14 +146,22 @@ def visible_pairs(anchors, valid, doc_ids, block_size, window: int | None = None
 #                                                   projections, the selector's projection, candidates and edges)
 #   LM head forward   = L * 2 * V * H
 #   lift forward      = C * 2 * k * W                                     a subspace store's P h back to P^T P h
+#   teacher forward   = T * 2 * V * H                                     the target's LM head on its stored final
+#                                                   hidden state (DSpark's `--teacher hidden`: T = L; else 0)
 #   attention forward = n * 4 * P * h * d                                 QK^T and PV
-#   FLOPs = 3 * trainable forward + 2 * LM head forward + lift forward + 3.5 * attention forward
+#   FLOPs = 3 * trainable forward + 2 * LM head forward + lift forward + teacher forward + 3.5 * attention forward
 #
 # Trainable matmuls count 3x (forward, input gradient, weight gradient); the frozen LM head 2x (its weight gradient
-# is never computed); the frozen lift 1x (nothing before it needs a gradient); attention 3.5x its forward (backward
-# 2.5 with the recomputation of the scores). k (`lifted_width`) is 0 without a subspace.
+# is never computed); the frozen lift and teacher head 1x (nothing before them needs a gradient); attention 3.5x
+# its forward (backward 2.5 with the recomputation of the scores). k (`lifted_width`) is 0 without a subspace.
 def step_flops(
-    dcfg: DrafterConfig, context_tokens: float, drafted: float, labelled: float, pairs: float, lifted_width: int = 0
+    dcfg: DrafterConfig,
+    context_tokens: float,
+    drafted: float,
+    labelled: float,
+    pairs: float,
+    lifted_width: int = 0,
+    teacher_rows: float = 0,
 ) -> float:
     H, F_, hd = dcfg.hidden_size, dcfg.intermediate_size, dcfg.head_dim
     q_width, kv_width = dcfg.num_attention_heads * hd, dcfg.num_key_value_heads * hd
@@ -164,8 +172,9 @@ def step_flops(
     trainable += dcfg.method_flops_per_token() * drafted
     head = 2 * dcfg.vocab_size * H * labelled
     lift = 2 * lifted_width * dcfg.feature_dim * context_tokens
+    teacher = 2 * dcfg.vocab_size * H * teacher_rows
     attention = dcfg.num_layers * 4 * pairs * dcfg.num_attention_heads * hd
-    return 3 * trainable + 2 * head + lift + 3.5 * attention
+    return 3 * trainable + 2 * head + lift + teacher + 3.5 * attention
 
 
 # ---------------------------------------------------------------------------------------------- meter
@@ -215,8 +224,9 @@ class Meter:
         labelled = sum(sums[layout.counted])
         drafted = sums[layout["blocks"]] * B
         lifted = trainer.encoding.width if trainer.lift is not None else 0
+        teacher_rows = labelled if trainer.teacher_kind == "hidden" else 0
         flops = step_flops(
-            trainer.dcfg, sums[layout["context_tokens"]], drafted, labelled, sums[layout["pairs"]], lifted
+            trainer.dcfg, sums[layout["context_tokens"]], drafted, labelled, sums[layout["pairs"]], lifted, teacher_rows
         )
         peak = world_size * trainer.cfg.peak_tflops * 1e12
         record.update(

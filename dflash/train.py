@@ -156,9 +156,9 @@ class Trainer:
         self.teacher_names = list(teacher_fields)
         fields = reader.row_fields({**self.store.row_layout, **teacher_fields})
         lifted = self.encoding.width if self.projection is not None else 0
-        teacher = self.store.teacher.kind if teacher_fields else None
+        self.teacher_kind = self.store.teacher.kind if teacher_fields else None
         self.memory_estimate = check_step_memory(
-            cfg, self.dcfg, self.method, fields, self.num_anchors, lifted, self.device, teacher
+            cfg, self.dcfg, self.method, fields, self.num_anchors, lifted, self.device, self.teacher_kind
         )
         embed, head = load_frozen(self.target_path, manifest)
         self.objective_options = methods.ObjectiveOptions(

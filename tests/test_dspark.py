@@ -7,11 +7,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 from test_drafter import small_config
 
 from dflash import blocks, loss
 from dflash.decoding import accept_sampled
 from dflash.errors import DflashError
+from dflash.metrics import step_flops
 from dflash.methods import ObjectiveOptions
 from dflash.methods.dspark import (
     DSparkConfig,
@@ -187,6 +189,29 @@ def test_objective_and_its_gradients_equal_the_float64_reference(kind, position_
     for name, p in model.named_parameters():
         if name in grads:
             torch.testing.assert_close(grads[name], p.grad, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["hidden", "topk"])
+def test_the_mfu_formula_counts_the_objective_s_matmuls(kind):
+    """dflash.metrics.step_flops' terms for what the objective multiplies (the frozen LM head 2x, the Markov head
+    3x through method_flops_per_token, the hidden teacher's head 1x) against the matmul FLOPs torch's
+    FlopCounterMode counts in the objective's forward and backward. Without the confidence head: its per-row dot
+    product runs elementwise (in float32 under autocast), which FlopCounterMode does not count."""
+    cfg = dspark_config(enable_confidence_head=False)
+    model = dspark_drafter(cfg, seed=4)
+    S, anchors = cfg.span, 6
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(anchors * S, cfg.hidden_size, generator=g, dtype=torch.float64, requires_grad=True)
+    head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, cfg.vocab_size, (anchors * S,), generator=g)
+    weights = torch.rand(anchors * S, generator=g, dtype=torch.float64) + 0.1  # every drafted row labelled
+    teacher, _ = teacher_of(kind, anchors * S, cfg, g, head)
+    with FlopCounterMode(display=False) as counter:
+        objective(model, hidden, head, labels, weights, S, ObjectiveOptions(loss_chunk=8), teacher).loss_sum.backward()
+    drafted = anchors * cfg.block_size
+    teacher_rows = drafted if kind == "hidden" else 0
+    loss_terms = step_flops(cfg, 0, drafted, drafted, 0, teacher_rows=teacher_rows) - step_flops(cfg, 0, drafted, 0, 0)
+    assert counter.get_total_flops() == loss_terms + 3 * cfg.method_flops_per_token() * drafted
 
 
 def test_markov_head_loss_terms_equal_the_reference_and_l1_is_twice_tv():

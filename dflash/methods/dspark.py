@@ -92,10 +92,10 @@ class DSparkConfig(DrafterConfig):
     def loss_logit_copies(self, teacher: str | None) -> float:
         # Fitted to bench/train.py's drafter b (12288 tokens, 2048 anchors, default chunk): 27.3 GB peak with a
         # top-k teacher (2026-12-03 13:19 UTC: the gradient pass writes over z, one scatter, the joint [head, W2]
-        # operand of 1.4 GB, 7-row blocks; 30.9 GB when a second scatter copied grad z) and 32.9 GB with the hidden
-        # one (2026-12-02: z, p, the sign and grad z at once, and the teacher's p_t; not re-measured since), where
-        # the rest of the formula gives 23.1 GB (docs/training.md, "Memory").
-        return 4.8 if teacher == "hidden" else 2.05
+        # operand of 1.4 GB, 7-row blocks; 30.9 GB when a second scatter copied grad z) and 31.2 GB with the hidden
+        # one (2026-12-03 15:06 UTC: z, the teacher's logits and grad z in bf16, no float32 [c, V]; 32.9 GB when p_t
+        # and grad z were float32), where the rest of the formula gives 23.1 GB (docs/training.md, "Memory").
+        return 3.95 if teacher == "hidden" else 2.05
 
     def extra_keys(self) -> list[str]:
         keys = ["markov_head.markov_w1.weight", "markov_head.markov_w2.weight"]
@@ -141,11 +141,10 @@ class DSparkDrafter(DFlashDrafter):
 TEACHER_ORDER = {"hidden": ("teacher_hidden",), "topk": ("teacher_ids", "teacher_probs", "teacher_tail")}
 
 
-def _teacher_chunk(teacher: tuple, rows: slice, head: Tensor, math_dtype) -> Tensor | tuple:
-    """The teacher of a chunk: the target's probabilities [c, V] (hidden: one array), or (ids, probs, tail)."""
+def _teacher_chunk(teacher: tuple, rows: slice, head: Tensor) -> Tensor | tuple:
+    """The teacher of a chunk: the target's logits [c, V] (hidden: one array), or (ids, probs, tail)."""
     if len(teacher) == 1:
-        logits = teacher[0][rows].to(head.dtype) @ head.T
-        return torch.softmax(logits.to(math_dtype), dim=-1)
+        return teacher[0][rows].to(head.dtype) @ head.T
     return tuple(values[rows] for values in teacher)
 
 
@@ -154,14 +153,30 @@ def _distance_and_gradient(z, lse, ce, label, target, ce_part, distance_part, ne
     ce_part * CE + distance_part * L1 with respect to z, in z's dtype:
         grad_z = p * (ce_part + distance_part * (s - <p, s>)) - ce_part * onehot(label),  s = sign(p - t)."""
     if isinstance(target, Tensor):
-        p = (z.to(lse.dtype) - lse[:, None]).exp()
-        diff = p - target
-        sign, distance = diff.sign(), diff.abs().sum(-1)
-        if not need_grad:
-            return distance, None
-        grad = p * (ce_part + distance_part * (sign - (p * sign).sum(-1, keepdim=True)))
-        return distance, grad.scatter_add_(1, label, -ce_part).to(z.dtype)
+        return _hidden_distance_and_gradient(z, lse, ce, label, target, ce_part, distance_part, need_grad)
     return _topk_distance_and_gradient(z, lse, ce, label, target, ce_part, distance_part, need_grad)
+
+
+def _hidden_distance_and_gradient(z, lse, ce, label, teacher_logits, ce_part, distance_part, need_grad):
+    """The same against the target's logits: t = exp(logits - lse_t) is made inside each [c, V] pass that reads
+    it, and the gradient is written in z's dtype with the label's exact value scattered over it (a scatter_add
+    into a float32 gradient stored all of it once more and copied it)."""
+    lse_t = graph.stored(teacher_logits.to(lse.dtype).logsumexp(dim=-1))
+    p = (z.to(lse.dtype) - lse[:, None]).exp()
+    diff = p - (teacher_logits.to(lse.dtype) - lse_t[:, None]).exp()
+    sign, distance = diff.sign(), diff.abs().sum(-1)
+    if not need_grad:
+        return distance, None
+    p_dot_s = (p * sign).sum(-1, keepdim=True)
+    # Not through graph.stored: two loads a logit, and stored would split the pass that makes p_dot_s from the
+    # one that reads it (p and the sign then stored as [c, V] float32 between them, inductor's CPU code shows).
+    off_sign = ce_part - distance_part * p_dot_s
+    grad = (p * (off_sign + distance_part * sign)).to(z.dtype)
+    # The label's sign from its own two values: a gather from `sign` made inductor store all of diff for it.
+    p_label = (-ce).exp()[:, None]  # CE = lse - z[label]
+    t_label = (teacher_logits.gather(1, label).to(lse.dtype) - lse_t[:, None]).exp()
+    at_label = p_label * (off_sign + distance_part * (p_label - t_label).sign()) - ce_part
+    return distance, grad.scatter_(1, label, at_label.to(z.dtype))
 
 
 def _topk_distance_and_gradient(z, lse, ce, label, target, ce_part, distance_part, need_grad):
@@ -236,7 +251,7 @@ class _MarkovHeadLoss(torch.autograd.Function):
             ce = lse - z.gather(1, label)[:, 0].to(math_dtype)
             w = graph.stored(loss.position_weights(kind, ce, weights[rows], span).to(math_dtype))
             ce_part, distance_part = (CE_WEIGHT * w)[:, None], (DISTANCE_WEIGHT * w)[:, None]
-            target = _teacher_chunk(teacher, rows, head, math_dtype)
+            target = _teacher_chunk(teacher, rows, head)
             distance, grad_z = _distance_and_gradient(z, lse, ce, label, target, ce_part, distance_part, need_grad)
             ces.append(ce)
             distances.append(distance)
