@@ -7,13 +7,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.flop_counter import FlopCounterMode
 from test_drafter import small_config
+from torch.utils.flop_counter import FlopCounterMode
 
 from dflash import blocks, loss
 from dflash.decoding import accept_sampled
 from dflash.errors import DflashError
-from dflash.metrics import step_flops
 from dflash.methods import ObjectiveOptions
 from dflash.methods.dspark import (
     DSparkConfig,
@@ -23,6 +22,7 @@ from dflash.methods.dspark import (
     markov_head_loss,
     objective,
 )
+from dflash.metrics import step_flops
 from dflash.proposers import DecodingOptions
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
