@@ -10,6 +10,12 @@ reader threads do:
             written with zarr alone does);
     direct: `Store.read_row_into` (the trainer's path now: chunk file, CRC32C, blosc / zstd into place,
             for the hidden states and the token arrays alike).
+With --row-reader, also the trainer's own `RowReader` at one row a step (long rows: issue 24), each batch held
+until the next one arrives as the trainer's device feed holds it, with --prefetch steps read ahead:
+    rows whole:  each row read by one thread (the reader before 2026-12-03);
+    rows pieces: each row read by all threads, each an interleaved set of its chunks (the reader now).
+
+    .venv/bin/python bench/reader.py --rows 4 --token-budget 65536 --row-reader --prefetch 1   # rows of 335 MB
 
     .venv/bin/python bench/reader.py                                   # CPU
     source bench/device_setup.sh && python3 bench/reader.py --threads 1,2,4,8 --json $OUT/reader.json
@@ -32,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repository's dflash
 
 from bench.train import synthetic_store, versions  # noqa: E402  (after the path insert)
-from dflash import store  # noqa: E402
+from dflash import reader, store  # noqa: E402
 
 
 def destinations(opened: store.Store) -> dict[str, np.ndarray]:
@@ -64,6 +70,27 @@ def rows_per_second(read, opened: store.Store, threads: int, passes: int) -> flo
         return passes * len(rows) / (time.perf_counter() - start)
 
 
+def row_reader_rows_per_second(opened: store.Store, threads: int, passes: int, prefetch: int, pieces) -> float:
+    """Rows a second through the trainer's RowReader, one row a step; each batch is released when the next one
+    is taken (the device feed's order: a batch's buffers return once the next one is staged)."""
+    shape = reader.BatchShape(1, 1, reader.row_fields(opened.row_layout))
+    steps = [(np.array([i % opened.num_rows]), np.zeros(1, np.int64)) for i in range((passes + 1) * opened.num_rows)]
+    rows = reader.RowReader(opened, steps, shape, depth=prefetch, workers=threads, pieces=pieces)
+    try:
+        held = None
+        for k in range(len(steps)):
+            if k == opened.num_rows:  # the first pass warms the page cache and the threads
+                start = time.perf_counter()
+            batch = rows.next()
+            if held is not None:
+                held.release()
+            held = batch
+        held.release()
+        return passes * opened.num_rows / (time.perf_counter() - start)
+    finally:
+        rows.close()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", default="1,2", help="comma-separated reader thread counts")
@@ -71,6 +98,8 @@ def main():
     parser.add_argument("--passes", type=int, default=4, help="timed passes over all rows")
     parser.add_argument("--hidden", type=int, default=512, help="target hidden size (5 tapped layers)")
     parser.add_argument("--token-budget", type=int, default=4096)
+    parser.add_argument("--row-reader", action="store_true", help="also time the trainer's RowReader, one row a step")
+    parser.add_argument("--prefetch", type=int, default=2, help="the RowReader's steps read ahead (TrainConfig's)")
     parser.add_argument("--work", default="/tmp/dflash-bench-reader", help="where the synthetic store goes")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
@@ -104,15 +133,20 @@ def main():
         "row_MB": round(row_gb * 1e3, 1),
         "hidden_ratio": round(opened.num_rows * row_gb * 1e9 / hidden_on_disk, 3),
         "store_write_s": round(write_s, 1),
+        "prefetch": args.prefetch,
     }
     print(", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
-    print(f"{'method':<8} {'threads':>7} {'rows/s':>8} {'GB/s':>6}")
+    print(f"{'method':<12} {'threads':>7} {'rows/s':>8} {'GB/s':>6}")
     results = []
     for threads in [int(t) for t in args.threads.split(",")]:
         for method, read in [("zarr", zarr_read_into), ("direct", store.Store.read_row_into)]:
             rate = rows_per_second(read, opened, threads, args.passes)
             results.append({"method": method, "threads": threads, "rows_s": rate, "GB_s": rate * row_gb})
-            print(f"{method:<8} {threads:>7} {rate:>8.1f} {rate * row_gb:>6.2f}", flush=True)
+            print(f"{method:<12} {threads:>7} {rate:>8.1f} {rate * row_gb:>6.2f}", flush=True)
+        for method, pieces in [("rows whole", 1), ("rows pieces", None)] if args.row_reader else []:
+            rate = row_reader_rows_per_second(opened, threads, args.passes, args.prefetch, pieces)
+            results.append({"method": method, "threads": threads, "rows_s": rate, "GB_s": rate * row_gb})
+            print(f"{method:<12} {threads:>7} {rate:>8.1f} {rate * row_gb:>6.2f}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"info": info, "results": results}, indent=1))
 

@@ -29,10 +29,11 @@ _U32 = 0xFFFFFFFF
 # nothing at these sizes (a few thousand block indices per step). bench/mask_compile.py measures both.
 MASK_COMPILE_OPTIONS = {"triton.persistent_reductions": False}
 
-# Query and key positions per side of a BlockMask tile (create_block_mask's BLOCK_SIZE; its default). flex_attention
-# skips the tiles where no pair is visible and evaluates mask_mod only in partly visible ones; its kernel tiles
-# (BLOCK_M, BLOCK_N, ...) must divide this size.
-DEFAULT_MASK_TILE = 128
+# Query and key positions per side of a BlockMask tile (create_block_mask's BLOCK_SIZE; torch's default is 128).
+# flex_attention skips the tiles where no pair is visible and evaluates mask_mod only in partly visible ones; its
+# kernel tiles (BLOCK_M, BLOCK_N, ...) must divide this size. 64 measured faster for every method and row shape
+# (docs/training.md); TrainConfig.mask_tile_size defaults to it (tests/test_train.py checks the two agree).
+DEFAULT_MASK_TILE = 64
 
 
 def default_gamma(block_size: int) -> float:

@@ -204,15 +204,18 @@ class ChunkReader:
         self.dtype = array.dtype
         self.codec = DIRECT_DECODERS[expected[1]]()  # decoding reads its settings from each chunk's header
 
-    def read_row_into(self, row: int, out: np.ndarray) -> None:
-        """Row `row` into `out` ([T, ...]); decoded in place when `out` holds integers of the stored size."""
+    def read_row_into(self, row: int, out: np.ndarray, piece: int = 0, pieces: int = 1) -> None:
+        """Row `row` into `out` ([T, ...]); decoded in place when `out` holds integers of the stored size. With
+        `pieces` > 1 only the chunks j with j % pieces == piece: threads reading the pieces of one row in parallel
+        write disjoint token ranges."""
         T = out.shape[0]
         # Integers of the stored size take the stored bits unchanged (bfloat16 bits as int16 or uint16); any other
         # dtype gets the values converted.
         same_bits = out.dtype == self.dtype or (
             out.dtype.itemsize == self.dtype.itemsize and out.dtype.kind in "iu" and self.dtype.kind in "iu"
         )
-        for j, start in enumerate(range(0, T, self.chunk_tokens)):
+        for j in range(piece, -(-T // self.chunk_tokens), pieces):
+            start = j * self.chunk_tokens
             stop = min(start + self.chunk_tokens, T)
             encoded = self._checked_chunk(row, j)
             if same_bits and out.flags.c_contiguous and stop - start == self.chunk_tokens:
@@ -339,9 +342,10 @@ class Store:
         self.read_row_into(i, out)
         return out
 
-    def read_row_into(self, i: int, out: dict[str, np.ndarray]) -> None:
+    def read_row_into(self, i: int, out: dict[str, np.ndarray], piece: int = 0, pieces: int = 1) -> None:
         """Row i into the caller's arrays (the trainer's pinned slots): integers of the stored size for hidden and
-        scales (the stored bits, e.g. int16 for bf16), the token arrays' own dtypes; no copy in between."""
+        scales (the stored bits, e.g. int16 for bf16), the token arrays' own dtypes; no copy in between. `piece`
+        of `pieces`: every pieces-th chunk of each array (ChunkReader.read_row_into), for parallel reads of a row."""
         for name, (shape, _) in self.row_layout.items():
             if out[name].shape != shape:
                 raise DflashError(
@@ -353,7 +357,7 @@ class Store:
                 f"hidden states are stored as {self.features.precision} bits: read them into {stored.itemsize}-byte "
                 f"integers (a view of the tensor), not {out['hidden'].dtype}"
             )
-        self._read_into(i, self.row_readers, out)
+        self._read_into(i, self.row_readers, out, piece, pieces)
 
     def read_teacher(self, i: int) -> dict[str, np.ndarray]:
         """Row i's teacher arrays as new arrays (`teacher_layout`)."""
@@ -361,10 +365,10 @@ class Store:
         self.read_teacher_into(i, out)
         return out
 
-    def read_teacher_into(self, i: int, out: dict[str, np.ndarray]) -> None:
+    def read_teacher_into(self, i: int, out: dict[str, np.ndarray], piece: int = 0, pieces: int = 1) -> None:
         """Row i's teacher arrays into the caller's (`teacher_layout`: shape and dtype each; teacher_hidden as
-        bf16 bits in 2-byte integers). Apart from read_row_into, so that a trainer reads them only when its method
-        asks for the teacher."""
+        bf16 bits in 2-byte integers); `piece` of `pieces` as in read_row_into. Apart from read_row_into, so that a
+        trainer reads them only when its method asks for the teacher."""
         if self.teacher is None:
             raise DflashError(f"{self.path} holds no teacher arrays; harvest it with --teacher topk:K or hidden")
         for name, (shape, dtype) in self.teacher_layout.items():
@@ -375,13 +379,15 @@ class Store:
                     f"the store's {name} is {np.dtype(dtype)} of shape {shape} per row, the reader gives "
                     f"{got.dtype} of shape {got.shape}"
                 )
-        self._read_into(i, self.teacher_readers, out)
+        self._read_into(i, self.teacher_readers, out, piece, pieces)
 
-    def _read_into(self, i: int, readers: list[dict[str, ChunkReader]], out: dict[str, np.ndarray]) -> None:
+    def _read_into(
+        self, i: int, readers: list[dict[str, ChunkReader]], out: dict[str, np.ndarray], piece: int, pieces: int
+    ) -> None:
         part, row = self.locate(i)
         for name, chunk_reader in readers[part].items():
             try:
-                chunk_reader.read_row_into(row, out[name])
+                chunk_reader.read_row_into(row, out[name], piece, pieces)
             except Exception as exc:  # a checksum mismatch, a missing chunk file, a codec error
                 raise DflashError(
                     f"corrupt data in {self.path}: row {i} (part {self.part_names[part]}, array {name}, row {row}): "

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import zarr
 
-from dflash import store, store_reader, store_writer, verify
+from dflash import reader, store, store_reader, store_writer, verify
 from dflash.errors import DflashError
 from dflash.manifest import FeatureSpec, TargetSpec, TokenizerSpec
 from dflash.packing import first_fit_decreasing
@@ -490,3 +490,59 @@ def test_a_relative_target_path_resolves_against_the_store_parent(tmp_path):
         store.target_path(tmp_path / "s", missing)
     hub = dataclasses.replace(manifest, fingerprint={**manifest.fingerprint, "model": "Qwen/Qwen3-8B"})
     assert store.target_path(tmp_path / "s", hub) == "Qwen/Qwen3-8B"
+
+
+# ------------------------------------------------------------------------------------ the trainer's row reader
+
+
+def _corrupt_chunk(out, row: int, j: int):
+    chunk = out / "parts" / store.part_name(0) / "hidden" / "c" / str(row) / str(j) / "0"
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 16] = bytes(16)
+    chunk.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("workers, rows_per_step", [(4, 1), (3, 1), (4, 2), (1, 1)])
+def test_rows_read_in_pieces_by_several_threads_equal_the_stored_rows(tmp_path, monkeypatch, workers, rows_per_step):
+    """A step of fewer rows than reader threads has each row read as `workers // rows` interleaved sets of its
+    chunks in parallel (4 token slices per row here): every batch equals the rows read whole."""
+    import torch
+
+    out = tmp_path / "s"
+    write_store(out, rows=(4,), chunk_bytes=T * F * 2 // 4, monkeypatch=monkeypatch, zero_padding=False)
+    shards = store.Store.open(out)
+    shape = reader.BatchShape(1, rows_per_step, reader.row_fields(shards.row_layout))
+    steps = [(np.arange(k, k + rows_per_step), np.zeros(rows_per_step, np.int64)) for k in (0, 2)]
+    rows = reader.RowReader(shards, steps, shape, workers=workers)
+    try:
+        assert rows.pieces == max(1, workers // rows_per_step)
+        for first, _ in steps:
+            batch = rows.next()
+            for r, i in enumerate(first):
+                want = shards.read_row(int(i))
+                got = batch.tensors["hidden"][0, r].view(torch.int16).numpy().view(np.uint16)
+                np.testing.assert_array_equal(got, want["hidden"])
+                for name in store.TOKEN_ARRAYS:
+                    np.testing.assert_array_equal(batch.tensors[name][0, r].numpy(), want[name])
+            batch.release()
+        assert rows.next() is None
+    finally:
+        rows.close()
+
+
+def test_a_row_damaged_in_two_pieces_is_skipped_once_and_zeroed_whole(tmp_path, monkeypatch):
+    out = tmp_path / "s"
+    write_store(out, rows=(2,), chunk_bytes=T * F * 2 // 4, monkeypatch=monkeypatch)
+    _corrupt_chunk(out, 1, 0)
+    _corrupt_chunk(out, 1, 3)  # read by another thread than chunk 0
+    shards = store.Store.open(out)
+    shape = reader.BatchShape(1, 1, reader.row_fields(shards.row_layout))
+    damaged = reader.DamagedRows(limit=1)
+    rows = reader.RowReader(shards, [(np.array([1]), np.zeros(1, np.int64))], shape, workers=4, damaged=damaged)
+    try:
+        batch = rows.next()
+        assert damaged.rows == [1]  # one row, not one per damaged piece
+        assert not batch.tensors["loss_mask"].any() and (batch.tensors["doc_ids"] == -1).all()
+        assert not batch.tensors["hidden"].any()  # its sound pieces too
+    finally:
+        rows.close()

@@ -390,6 +390,7 @@ def test_kernel_options_and_mask_tiles_reach_the_step_and_keep_the_curve(store, 
     cfg = config(store, tmp_path / "tuned", max_steps=3, attention_kernel_options=options, mask_tile_size=16)
     anchors, valid = torch.tensor([[0, 40]]), torch.ones(1, 2, dtype=torch.bool)
     doc_ids = torch.zeros(1, 64, dtype=torch.int32)
+    assert TrainConfig.mask_tile_size == blocks.DEFAULT_MASK_TILE
     for tile, run in ((16, cfg), (blocks.DEFAULT_MASK_TILE, config(store, tmp_path / "default", max_steps=3))):
         mask = mask_function(run, cuda=True, compile_on=False)(anchors, valid, doc_ids, 16, None)
         assert mask.BLOCK_SIZE == (tile, tile)
