@@ -206,7 +206,7 @@ def test_dense_mask_equals_rule(window):
 
 
 @pytest.mark.parametrize("window", [None, 40])
-@pytest.mark.parametrize("tile_size", [16, 32, 128])
+@pytest.mark.parametrize("tile_size", [16, 32, 64, 128])
 def test_block_mask_equals_dense_mask(tile_size, window):
     # Several 128-tiles in both directions, documents crossing tiles, padding, invalid anchors.
     B, A, T = 16, 24, 300
@@ -235,8 +235,8 @@ def test_a_window_skips_the_context_tiles_outside_it():
     loss_mask = torch.ones(1, T, dtype=torch.uint8)
     doc_ids = torch.zeros(1, T, dtype=torch.int32)
     anchors, valid = sample_anchors(loss_mask, doc_ids, A, B, torch.tensor(5))
-    full = visited_tiles(block_attention_mask(anchors, valid, doc_ids, B))
-    windowed = visited_tiles(block_attention_mask(anchors, valid, doc_ids, B, window))
+    full = visited_tiles(block_attention_mask(anchors, valid, doc_ids, B, tile_size=tile))
+    windowed = visited_tiles(block_attention_mask(anchors, valid, doc_ids, B, window, tile_size=tile))
     assert (windowed <= full).all()
     context_tiles = T // tile
     assert windowed[..., :context_tiles].sum() * 3 < full[..., :context_tiles].sum()
