@@ -46,8 +46,8 @@ holds --rows rows (default 16), so the steps cycle through it in epochs (rows co
 
 Per drafter, the table reports the steady window of the issue (steps 10-50, clipped to --steps):
 - context / drafted tok/s, MFU and step time: time-weighted over the window, from the trainer's own metrics
-  (`dflash.metrics.Meter`, one record per step); MFU counts trainable matmuls 3x, the frozen LM head 2x and
-  attention 3.5 x 4 x visible pairs x heads x head_dim, against 792 TFLOP/s (docs/training.md);
+  (`dflash.metrics.Meter`, one record per step); MFU counts trainable matmuls 3x, the frozen LM head 2x, a hidden
+  teacher's head 1x and attention 3.5 x 4 x visible pairs x heads x head_dim, against 792 TFLOP/s (docs/training.md);
 - peak memory: torch.cuda max_memory_allocated / max_memory_reserved from construction to the last step
   (warmup and capture included), in GB (1e9 bytes);
 - memory spread: max - min of memory_allocated and of memory_reserved over the window's records, in bytes;
