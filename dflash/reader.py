@@ -239,14 +239,7 @@ class RowReader:
                 # A short last batch (validation) fills its other rows with padding: no anchor lands there.
                 views["loss_mask"][:micro].reshape(-1, self.shape.tokens)[len(rows) :] = 0
                 views["doc_ids"][:micro].reshape(-1, self.shape.tokens)[len(rows) :] = -1
-                reads = [
-                    (
-                        i,
-                        int(row),
-                        [self._pool.submit(self._read_piece, slot, i, int(row), p) for p in range(self.pieces)],
-                    )
-                    for i, row in enumerate(rows)
-                ]
+                reads = [(i, int(row), self._submit_pieces(slot, i, int(row))) for i, row in enumerate(rows)]
                 self._ready.put(HostBatch(self.slots[slot], micro, slot, reads, lambda slot=slot: self._free.put(slot)))
             self._ready.put(None)
         except BaseException as exc:  # handed to the main thread, which raises it
@@ -259,6 +252,9 @@ class RowReader:
             except queue.Empty:
                 continue
         return None
+
+    def _submit_pieces(self, slot: int, i: int, row: int) -> list[Future]:
+        return [self._pool.submit(self._read_piece, slot, i, row, piece) for piece in range(self.pieces)]
 
     def _row_views(self, slot: int, i: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """The slot's arrays for its row i: (row arrays, teacher arrays)."""
