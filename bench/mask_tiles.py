@@ -11,7 +11,7 @@ import argparse
 
 import torch
 
-from dflash import blocks
+from dflash import blocks, metrics
 
 
 def count(block: int, anchors: int, tile: int, docs: int, doc_len: int, seed: int) -> dict:
@@ -21,10 +21,7 @@ def count(block: int, anchors: int, tile: int, docs: int, doc_len: int, seed: in
     starts, valid = blocks.sample_anchors(loss_mask, doc_ids, anchors, block, torch.Generator().manual_seed(seed))
     mask = blocks.block_attention_mask(starts, valid, doc_ids, block, tile_size=tile)
     partial, full = int(mask.kv_num_blocks.sum()), int(mask.full_kv_num_blocks.sum())
-    # visible pairs, as block_attention_mask's rule says: each valid block's B queries see the context of its
-    # document before its anchor, and every block sees its own B keys
-    context = starts % doc_len * valid
-    visible = int(context.sum()) * block + anchors * block * block
+    visible = int(metrics.visible_pairs(starts, valid, doc_ids, block))  # the pairs MFU counts
     return {"partial": partial, "full": full, "waste": (partial + full) * tile * tile / visible}
 
 

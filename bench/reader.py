@@ -138,15 +138,16 @@ def main():
     print(", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
     print(f"{'method':<12} {'threads':>7} {'rows/s':>8} {'GB/s':>6}")
     results = []
+
+    def report(method: str, threads: int, rate: float):
+        results.append({"method": method, "threads": threads, "rows_s": rate, "GB_s": rate * row_gb})
+        print(f"{method:<12} {threads:>7} {rate:>8.1f} {rate * row_gb:>6.2f}", flush=True)
+
     for threads in [int(t) for t in args.threads.split(",")]:
         for method, read in [("zarr", zarr_read_into), ("direct", store.Store.read_row_into)]:
-            rate = rows_per_second(read, opened, threads, args.passes)
-            results.append({"method": method, "threads": threads, "rows_s": rate, "GB_s": rate * row_gb})
-            print(f"{method:<12} {threads:>7} {rate:>8.1f} {rate * row_gb:>6.2f}", flush=True)
+            report(method, threads, rows_per_second(read, opened, threads, args.passes))
         for method, pieces in [("rows whole", 1), ("rows pieces", None)] if args.row_reader else []:
-            rate = row_reader_rows_per_second(opened, threads, args.passes, args.prefetch, pieces)
-            results.append({"method": method, "threads": threads, "rows_s": rate, "GB_s": rate * row_gb})
-            print(f"{method:<12} {threads:>7} {rate:>8.1f} {rate * row_gb:>6.2f}", flush=True)
+            report(method, threads, row_reader_rows_per_second(opened, threads, args.passes, args.prefetch, pieces))
     if args.json:
         Path(args.json).write_text(json.dumps({"info": info, "results": results}, indent=1))
 
