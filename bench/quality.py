@@ -729,6 +729,9 @@ class StoreMode:
     def __post_init__(self):  # read back from JSON: lists of lists
         object.__setattr__(self, "train", tuple(tuple(pair) for pair in self.train))
 
+    def __hash__(self):  # not of `train`, whose values may be dicts (drafter_overrides)
+        return hash((self.name, self.precision, self.subspace, self.teacher))
+
     @property
     def on_bf16_store(self) -> bool:
         """A method variant trains on the bf16 run's own stores: nothing to harvest."""

@@ -24,13 +24,13 @@ Attention kernels (issue 24): --flex-options times each drafter once per set of 
 row each. `sweep` is FLEX_SWEEP below, candidates for head_dim 256 on the H200 from torch 2.13's sm90 tables; a set
 replaces the trainer's default whole, so each candidate past `torch` is the default with one thing changed:
     default             the trainer's on CUDA (dflash.train.CUDA_KERNEL_OPTIONS): torch's tiles, the backward on 8 warps,
-                        TMA loads; BlockMask tiles of 64 (TrainConfig.mask_tile_size)
+                        TMA loads; BlockMask tiles by head dim (blocks.default_mask_tile: 64 at the drafters' 256)
     torch               torch's choice: forward 64 x 32, 3 stages, 4 warps; backward 64 x 64 x 64 x 64, 2 stages, 4 warps
     bwd-1stage-8warps   the backward in 1 stage (what torch takes on sm100 past head_dim 192)
     bwd-32x64-3stages   backward BLOCK_M1 32, N1 64, M2 64, N2 32, 3 stages (torch's max-autotune pattern (M, N, N, M))
     fwd-8warps          the forward on 8 warps too
     no-tma              without USE_TMA (Hopper's tensor memory accelerator for the loads): the default until 2026-12-03
-    tile128             BlockMask tiles of 128 (torch's) instead of the trainer's 64 (less of the sparse mask skipped)
+    tile128             BlockMask tiles of 128 (torch's) instead of 64 at head_dim 256 (less of the sparse mask skipped)
 Each set compiles the step anew; keep a call under the 10-minute limit with fewer steps:
 
     python3 bench/train.py --drafter b --flex-options sweep --steps 30 --ungraphed-steps 3 --json $OUT/flex.json

@@ -10,7 +10,10 @@ METHOD_VARIANTS = {
     "dflash2-dpace": {"method": "dflash2", "position_weights": "dpace"},
     "dflash2-drop": {"method": "dflash2", "selector_outside": "drop"},
     "dflash2-b8": {"method": "dflash2", "block_size": 8},
-    # The sliding window over the context (issue 24): DFlash 2 slides over 2048 positions by default.
+    # The sliding window over the context (issue 24): DFlash 2 slides over 2048 positions by default. The quality
+    # run's documents are ~250-400 tokens, so only windows of 64 and 128 cut them there.
+    "dflash-window64": {"method": "dflash", "drafter_overrides": {"sliding_window": 64}},
+    "dflash-window128": {"method": "dflash", "drafter_overrides": {"sliding_window": 128}},
     "dflash-window512": {"method": "dflash", "drafter_overrides": {"sliding_window": 512}},
     "dflash-window2048": {"method": "dflash", "drafter_overrides": {"sliding_window": 2048}},
     "dflash2-full": {"method": "dflash2", "drafter_overrides": {"sliding_window": None}},

@@ -29,11 +29,22 @@ _U32 = 0xFFFFFFFF
 # nothing at these sizes (a few thousand block indices per step). bench/mask_compile.py measures both.
 MASK_COMPILE_OPTIONS = {"triton.persistent_reductions": False}
 
-# Query and key positions per side of a BlockMask tile (create_block_mask's BLOCK_SIZE; torch's default is 128).
+# Query and key positions per side of a BlockMask tile (create_block_mask's BLOCK_SIZE): torch's default.
 # flex_attention skips the tiles where no pair is visible and evaluates mask_mod only in partly visible ones; its
-# kernel tiles (BLOCK_M, BLOCK_N, ...) must divide this size. 64 measured faster for every method and row shape
-# (docs/training.md); TrainConfig.mask_tile_size defaults to it (tests/test_train.py checks the two agree).
-DEFAULT_MASK_TILE = 64
+# kernel tiles (BLOCK_M, BLOCK_N, ...) must divide this size.
+TORCH_MASK_TILE = 128
+# Smaller tiles skip more of the mask, measured faster at head_dim 256 for every method and row shape (docs/training.md).
+SMALL_MASK_TILE = 64
+# The head dims from which torch's default flex_attention kernels are the ones the CUDA defaults (these tiles and
+# dflash.train.CUDA_KERNEL_OPTIONS) were measured on, at 256: at most 64 wide on every CUDA GPU, so they divide a
+# mask of 64-tiles. At 64 and 128 its Hopper and Blackwell kernels are 128 wide and refuse one (tests/test_blocks.py
+# reads torch's tables).
+TUNED_MIN_HEAD_DIM = 193
+
+
+def default_mask_tile(head_dim: int) -> int:
+    """The BlockMask tile of TrainConfig.mask_tile_size = None: small where torch's kernels allow it."""
+    return SMALL_MASK_TILE if head_dim >= TUNED_MIN_HEAD_DIM else TORCH_MASK_TILE
 
 
 def default_gamma(block_size: int) -> float:
@@ -186,7 +197,7 @@ def block_attention_mask(
     doc_ids: Tensor,
     block_size: int,
     window: int | None = None,
-    tile_size: int = DEFAULT_MASK_TILE,
+    tile_size: int = TORCH_MASK_TILE,
 ) -> BlockMask:
     """The flex_attention BlockMask of a step: Q_LEN = A*B, KV_LEN = T + A*B, one mask per row, shared by heads.
 
@@ -194,7 +205,7 @@ def block_attention_mask(
     block kv >= T iff it is in block j. A block always sees itself, so no query row is empty. With a sliding
     `window`, context kv is visible to the query at a_j + k only if a_j + k - kv < window (positions run with the
     row within a document). Same structure every step (only tensor values change): a compiled caller does not
-    recompile. `tile_size` (DEFAULT_MASK_TILE) changes which tiles are skipped, never which pairs are visible.
+    recompile. `tile_size` changes which tiles are skipped, never which pairs are visible.
     """
     R, A = anchors.shape
     T = doc_ids.shape[1]

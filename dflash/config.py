@@ -256,11 +256,13 @@ class TrainConfig:
         "speed; the values are unchanged.",
         choices=list(RECOMPUTE),
     )
-    mask_tile_size: int = option(
-        64,
+    mask_tile_size: int | None = option(
+        None,
         "Positions per side of the attention BlockMask's tiles (create_block_mask's BLOCK_SIZE): flex_attention "
-        "skips tiles with no visible pair; a power of two, divisible by the kernel's tiles. Speed only (64, not "
-        "torch's 128: faster for every method and row shape measured, docs/training.md).",
+        "skips tiles with no visible pair; a power of two, divisible by the kernel's tiles. Speed only "
+        "(docs/training.md).",
+        default_doc="64 at a head dim above 192 (measured faster at 256), else torch's 128 (its kernels' tiles at "
+        "head dims 64 and 128 on Hopper and Blackwell are 128 wide)",
     )
     peak_tflops: float = option(
         792.0, "Dense bf16 TFLOP/s of one device, the MFU denominator (the default: the H200's, measured)."
@@ -316,7 +318,8 @@ class TrainConfig:
             bad.append(f"--selector-weight {self.selector_weight} (must be at least 0)")
         if self.lr <= 0 or self.clip <= 0 or (self.gamma is not None and self.gamma <= 0):
             bad.append("--lr, --clip and --gamma must be positive")
-        if self.mask_tile_size < 16 or self.mask_tile_size & (self.mask_tile_size - 1):
+        tile = self.mask_tile_size
+        if tile is not None and (tile < 16 or tile & (tile - 1)):
             bad.append(f"--mask-tile-size {self.mask_tile_size} (must be a power of two, at least 16)")
         if self.export_dtype not in EXPORT_DTYPES:
             bad.append(f"--export-dtype {self.export_dtype} ({' or '.join(EXPORT_DTYPES)})")

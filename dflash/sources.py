@@ -123,7 +123,7 @@ def _file_records(path: Path) -> Iterator[tuple[str, object]]:
             for number, line in enumerate(lines, start=1):
                 if line.strip():
                     yield f"{path} line {number}", decode_json_line(line, f"{path} line {number}")
-    except (EOFError, zlib.error, gzip.BadGzipFile, _zstd_error()) as exc:
+    except (EOFError, zlib.error, gzip.BadGzipFile, *_zstd_errors()) as exc:
         raise DflashError(f"data file {path} is damaged ({exc}); recompress it or replace it") from exc
     except OSError as exc:
         raise DflashError(f"cannot read data file {path}: {exc.strerror or exc}; check that it is readable") from exc
@@ -142,10 +142,14 @@ def _open_lines(path: Path):
     return open(path, "rb")
 
 
-def _zstd_error():
-    import zstandard
-
-    return zstandard.ZstdError
+def _zstd_errors() -> tuple:
+    """zstandard's error class, or none where it is not installed (then no .zst file was opened): the except
+    clause that names it is also evaluated for a reader stopped early, which must not fail on the import."""
+    try:
+        import zstandard
+    except ImportError:
+        return ()
+    return (zstandard.ZstdError,)
 
 
 def _parquet_records(path: Path) -> Iterator[tuple[str, dict]]:

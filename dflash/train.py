@@ -58,27 +58,47 @@ logger = logging.getLogger("dflash")
 # dV accumulator registers per thread at head_dim 256) was faster for both bench drafters at 4 x 3072 and at long
 # rows on the H200, and TMA loads on top of it faster at 1 x 32768 and the same at 4 x 3072 (docs/benchmarks.md,
 # "Long rows"); torch's own choice is bwd_num_warps=4 without TMA. torch turns USE_TMA off where the device or the
-# tensors cannot use it (before Hopper), so the default is safe on every CUDA GPU.
+# tensors cannot use it (before Hopper). Measured at head_dim 256 only: head dims below blocks.TUNED_MIN_HEAD_DIM,
+# whose kernels are others, keep torch's own choices.
 CUDA_KERNEL_OPTIONS = {"bwd_num_warps": 8, "USE_TMA": True}
 
 
-def attention_kernel_options(given: dict, cuda: bool) -> dict:
-    """The drafter's flex_attention options: the flags' when given, else the measured CUDA default (the CPU's
-    flex_attention evaluates the mask densely and takes none)."""
-    return dict(given) if given else dict(CUDA_KERNEL_OPTIONS) if cuda else {}
+def attention_kernel_options(given: dict, cuda: bool, head_dim: int) -> dict:
+    """The drafter's flex_attention options: the flags' when given, else the CUDA default where it was measured
+    (the CPU's flex_attention evaluates the mask densely and takes none)."""
+    if given:
+        return dict(given)
+    return dict(CUDA_KERNEL_OPTIONS) if cuda and head_dim >= blocks.TUNED_MIN_HEAD_DIM else {}
 
 
 # ---------------------------------------------------------------------------------------------- schedule
 
 
-def mask_function(cfg: TrainConfig, cuda: bool, compile_on: bool):
+def mask_function(tile_size: int, cuda: bool, compile_on: bool):
     """(anchors, valid, doc ids, block size, window) -> the step's attention mask. On a GPU a BlockMask of
-    --mask-tile-size tiles; on the CPU the dense mask (flex_attention has no CPU backward), built directly as the
+    `tile_size` tiles; on the CPU the dense mask (flex_attention has no CPU backward), built directly as the
     bias every layer shares, not through a BlockMask's mask_mod (13 bytes a pair while it is evaluated)."""
     if not cuda:
         return blocks.dense_attention_bias
-    block_mask = functools.partial(blocks.block_attention_mask, tile_size=cfg.mask_tile_size)
+    block_mask = functools.partial(blocks.block_attention_mask, tile_size=tile_size)
     return graph.compile_fn(block_mask, compile_on, options=blocks.MASK_COMPILE_OPTIONS)
+
+
+@contextlib.contextmanager
+def kernel_tile_errors(tile_size: int, head_dim: int):
+    """torch's refusal of a BlockMask whose tiles its kernels' tiles do not divide, turned into the flags to change
+    (it comes from inductor's lowering, at the step's first compile)."""
+    try:
+        yield
+    except Exception as exc:
+        if "must be divisible by BLOCK_M and BLOCK_N" not in str(exc):
+            raise
+        raise DflashError(
+            f"flex_attention's kernels at head_dim {head_dim} on this GPU use tiles that do not divide the attention "
+            f"mask's tiles of {tile_size} (--mask-tile-size); give --mask-tile-size 128, or leave it unset (it then "
+            "follows the head dim), or set kernel tiles that divide it with --attention-kernel-option fwd_BLOCK_M=... "
+            "(docs/training.md, 'Attention kernels')"
+        ) from exc
 
 
 def learning_rate(step: torch.Tensor, cfg: TrainConfig, total_steps: int) -> torch.Tensor:
@@ -175,14 +195,23 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         with torch.device(self.device):
             self.model = self.method.model_cls(self.dcfg)
-        kernel_options = attention_kernel_options(cfg.attention_kernel_options, self.cuda)
+        kernel_options = attention_kernel_options(cfg.attention_kernel_options, self.cuda, self.dcfg.head_dim)
         self.model.set_attention_kernel_options(kernel_options)
         self.model.set_recompute(cfg.recompute)
         if cfg.recompute != "none":
             logger.info("the backward recomputes each drafter layer's MLP (--recompute %s)", cfg.recompute)
+        self.mask_tile = cfg.mask_tile_size or blocks.default_mask_tile(self.dcfg.head_dim)
         if self.cuda:
-            given = "--attention-kernel-option" if cfg.attention_kernel_options else "the CUDA default"
-            logger.info("attention kernel options (%s): %s", given, kernel_options)
+            by_head_dim = f"the default at head_dim {self.dcfg.head_dim}"
+            given = "--attention-kernel-option" if cfg.attention_kernel_options else by_head_dim
+            tiles = "--mask-tile-size" if cfg.mask_tile_size else by_head_dim
+            logger.info(
+                "attention kernel options (%s): %s; BlockMask tiles of %d (%s)",
+                given,
+                kernel_options or "torch's own",
+                self.mask_tile,
+                tiles,
+            )
         self.params = [p for p in self.model.parameters()]
         self.flat_grad = self._flat_grad()
         self.step_t = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -231,7 +260,7 @@ class Trainer:
 
         compile_on = self.cuda if cfg.compile is None else cfg.compile
         self.forward = graph.compile_fn(self.model, compile_on)
-        self.mask_fn = mask_function(cfg, self.cuda, compile_on)
+        self.mask_fn = mask_function(self.mask_tile, self.cuda, compile_on)
         self.objective = graph.compile_fn(self.method.objective_fn, compile_on)
         hint = "--anchors, --rows-per-step (or the store's token budget) or --loss-chunk"
         self.train_step = graph.GraphedStep(self._train_step, device=self.device, cuda_graph=cfg.cuda_graph, hint=hint)
@@ -398,10 +427,11 @@ class Trainer:
         initial = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
         self._synthetic_rows()
         times, t0 = {}, time.perf_counter()
-        self.train_step.warmup()
-        times["train_warmup_s"] = time.perf_counter() - t0
-        self.val_step.warmup(1)
-        times["val_warmup_s"] = time.perf_counter() - t0 - times["train_warmup_s"]
+        with kernel_tile_errors(self.mask_tile, self.dcfg.head_dim):
+            self.train_step.warmup()
+            times["train_warmup_s"] = time.perf_counter() - t0
+            self.val_step.warmup(1)
+            times["val_warmup_s"] = time.perf_counter() - t0 - times["train_warmup_s"]
         compiled = graph.compiled_graphs()
         self.train_step.capture()
         self.val_step.pool = self.train_step.graph.pool() if self.train_step.graph is not None else None

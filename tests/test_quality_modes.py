@@ -173,3 +173,4 @@ def test_window_variants_train_with_their_window_and_survive_the_saved_json():
     windows = [dict(m.train)["drafter_overrides"]["sliding_window"] for m in modes]
     assert windows == [512, 2048, None] and all(m.on_bf16_store for m in modes)
     assert [StoreMode(**json.loads(json.dumps(asdict(m)))) for m in modes] == modes
+    assert len({m: m.folder for m in modes}) == 3  # run_modes keys its work by mode (dict values in `train`)

@@ -376,3 +376,13 @@ def test_mixing_holds_no_record_in_memory(tmp_path):
     assert size > 25e6 and len(mixture.order) == 7500 and read == len(wanted) == 5000
     # Holding the records would take more than the file's size; 17 bytes a record, a line and buffers are < 2 MB.
     assert mixing_peak < size / 10 and reading_peak < size / 10, (mixing_peak, reading_peak, size)
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_records_stopped_early_without_zstandard_installed(tmp_path, monkeypatch):
+    # zstandard's error class is named in an except clause, evaluated also when a reader stops early (the
+    # generator closed): without zstandard (the GPU machine's case) that must not raise an ImportError.
+    monkeypatch.setitem(__import__("sys").modules, "zstandard", None)  # `import zstandard` raises ImportError
+    records = iter_records([_write(tmp_path / "a.jsonl", RECORDS)])
+    next(records)
+    records.close()
