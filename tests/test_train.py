@@ -831,6 +831,18 @@ def test_cuda_graph_is_flat_and_matches_the_ungraphed_step(store, tmp_path):
     assert_same_validation(graphed["val"], plain["val"])  # one captured step replayed over every window
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention's Triton kernels need a GPU")
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_the_default_attention_kernels_compile_at_real_head_dims(store, tmp_path, head_dim):
+    """On a GPU: the default BlockMask tiles and kernel options for the head dim compile and train (on 2026-12-03
+    the H200 refused a mask of 64-tiles at head_dim 64, where torch's kernel tiles are 128 wide)."""
+    cfg = config(store, tmp_path / "run", max_steps=2, device="cuda", drafter_overrides={"head_dim": head_dim})
+    records = run_training(cfg)["records"]
+    assert len(records) == 2 and all(np.isfinite(r["loss"]) for r in records)
+    state = json.loads(next((tmp_path / "run" / "checkpoints").glob("step_*/state.json")).read_text())
+    assert state["drafter"]["head_dim"] == head_dim
+
+
 def test_out_of_memory_at_capture_names_the_options():
     def step():
         raise torch.OutOfMemoryError("CUDA out of memory")
