@@ -23,8 +23,8 @@ Attention kernels (issue 24): --flex-options times each drafter once per set of 
 (TrainConfig.attention_kernel_options; the key "mask_tile_size" sets TrainConfig.mask_tile_size instead), one table
 row each. `sweep` is FLEX_SWEEP below, candidates for head_dim 256 on the H200 from torch 2.13's sm90 tables; a set
 replaces the trainer's default whole, so each candidate past `torch` is the default with one thing changed:
-    default             the trainer's on CUDA (dflash.train.CUDA_KERNEL_OPTIONS): torch's tiles, the backward on 8 warps,
-                        TMA loads; BlockMask tiles by head dim (blocks.default_mask_tile: 64 at the drafters' 256)
+    default             the trainer's on CUDA (dflash.attention_kernels.CUDA_KERNEL_OPTIONS): torch's tiles, the backward on 8 warps,
+                        TMA loads; BlockMask tiles by head dim (attention_kernels.default_mask_tile: 64 at the drafters' 256)
     torch               torch's choice: forward 64 x 32, 3 stages, 4 warps; backward 64 x 64 x 64 x 64, 2 stages, 4 warps
     bwd-1stage-8warps   the backward in 1 stage (what torch takes on sm100 past head_dim 192)
     bwd-32x64-3stages   backward BLOCK_M1 32, N1 64, M2 64, N2 32, 3 stages (torch's max-autotune pattern (M, N, N, M))
@@ -93,6 +93,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from bench.step_profile import profile_step, profile_table
 from bench.variants import METHOD_VARIANTS, parse_variants, split_variant
 from dflash import features, graph, loss, store
+from dflash.attention_kernels import CUDA_KERNEL_OPTIONS
 from dflash.config import TrainConfig
 from dflash.drafter import check_kernel_options
 from dflash.errors import DflashError
@@ -100,7 +101,7 @@ from dflash.harvest import RowEncoder, store_bits
 from dflash.manifest import FeatureSpec, Manifest, SubspaceSpec, TargetSpec, TokenizerSpec, teacher_spec
 from dflash.metrics import MetricsLog
 from dflash.target import default_layer_ids
-from dflash.train import CUDA_KERNEL_OPTIONS, Trainer
+from dflash.train import Trainer
 from dflash.train_setup import Env, init_distributed
 
 WINDOW = (10, 50)  # steps whose records the summary uses (the issue's "steps 10-50")

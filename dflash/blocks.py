@@ -31,20 +31,8 @@ MASK_COMPILE_OPTIONS = {"triton.persistent_reductions": False}
 
 # Query and key positions per side of a BlockMask tile (create_block_mask's BLOCK_SIZE): torch's default.
 # flex_attention skips the tiles where no pair is visible and evaluates mask_mod only in partly visible ones; its
-# kernel tiles (BLOCK_M, BLOCK_N, ...) must divide this size.
+# kernel tiles (BLOCK_M, BLOCK_N, ...) must divide this size. The trainer's choice: dflash.attention_kernels.
 TORCH_MASK_TILE = 128
-# Smaller tiles skip more of the mask, measured faster at head_dim 256 for every method and row shape (docs/training.md).
-SMALL_MASK_TILE = 64
-# The head dims from which torch's default flex_attention kernels are the ones the CUDA defaults (these tiles and
-# dflash.train.CUDA_KERNEL_OPTIONS) were measured on, at 256: at most 64 wide on every CUDA GPU, so they divide a
-# mask of 64-tiles. At 64 and 128 its Hopper and Blackwell kernels are 128 wide and refuse one (tests/test_blocks.py
-# reads torch's tables).
-TUNED_MIN_HEAD_DIM = 193
-
-
-def default_mask_tile(head_dim: int) -> int:
-    """The BlockMask tile of TrainConfig.mask_tile_size = None: small where torch's kernels allow it."""
-    return SMALL_MASK_TILE if head_dim >= TUNED_MIN_HEAD_DIM else TORCH_MASK_TILE
 
 
 def default_gamma(block_size: int) -> float:

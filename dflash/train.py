@@ -9,14 +9,13 @@ Everything a step does happens on the device inside `_train_step` (captured once
 host only copies the next rows into the static buffers and, on log steps, reads the metric sums: the hot loop
 has no host synchronisation and allocates nothing. Around the trainer: `dflash.config.TrainConfig` (the
 options), `dflash.train_setup` (the checks and decisions before any work: store, drafter config, memory, run
-folder, ranks), `dflash.reader` (the data plan and the row streaming), `dflash.metrics` (the sums, records and FLOP
+folder, ranks), `dflash.attention_kernels` (the flex_attention options and BlockMask tiles of a CUDA step), `dflash.reader` (the data plan and the row streaming), `dflash.metrics` (the sums, records and FLOP
 count), `dflash.checkpoint` (save, load, resume checks, export). Formulas (MFU, metrics) and resume semantics are
 documented in docs/training.md.
 """
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import math
 import signal
@@ -30,6 +29,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dflash import blocks, features, graph, loss, methods, reader
+from dflash.attention_kernels import (
+    attention_kernel_options,
+    default_mask_tile,
+    describe_choice,
+    kernel_tile_errors,
+    mask_function,
+)
 from dflash.checkpoint import (
     Checkpointer,
     any_rank,
@@ -54,51 +60,9 @@ from dflash.train_setup import (
 )
 
 logger = logging.getLogger("dflash")
-# flex_attention's options on CUDA when --attention-kernel-option gives none: the backward on 8 warps (half the dK /
-# dV accumulator registers per thread at head_dim 256) was faster for both bench drafters at 4 x 3072 and at long
-# rows on the H200, and TMA loads on top of it faster at 1 x 32768 and the same at 4 x 3072 (docs/benchmarks.md,
-# "Long rows"); torch's own choice is bwd_num_warps=4 without TMA. torch turns USE_TMA off where the device or the
-# tensors cannot use it (before Hopper). Measured at head_dim 256 only: head dims below blocks.TUNED_MIN_HEAD_DIM,
-# whose kernels are others, keep torch's own choices.
-CUDA_KERNEL_OPTIONS = {"bwd_num_warps": 8, "USE_TMA": True}
-
-
-def attention_kernel_options(given: dict, cuda: bool, head_dim: int) -> dict:
-    """The drafter's flex_attention options: the flags' when given, else the CUDA default where it was measured
-    (the CPU's flex_attention evaluates the mask densely and takes none)."""
-    if given:
-        return dict(given)
-    return dict(CUDA_KERNEL_OPTIONS) if cuda and head_dim >= blocks.TUNED_MIN_HEAD_DIM else {}
 
 
 # ---------------------------------------------------------------------------------------------- schedule
-
-
-def mask_function(tile_size: int, cuda: bool, compile_on: bool):
-    """(anchors, valid, doc ids, block size, window) -> the step's attention mask. On a GPU a BlockMask of
-    `tile_size` tiles; on the CPU the dense mask (flex_attention has no CPU backward), built directly as the
-    bias every layer shares, not through a BlockMask's mask_mod (13 bytes a pair while it is evaluated)."""
-    if not cuda:
-        return blocks.dense_attention_bias
-    block_mask = functools.partial(blocks.block_attention_mask, tile_size=tile_size)
-    return graph.compile_fn(block_mask, compile_on, options=blocks.MASK_COMPILE_OPTIONS)
-
-
-@contextlib.contextmanager
-def kernel_tile_errors(tile_size: int, head_dim: int):
-    """torch's refusal of a BlockMask whose tiles its kernels' tiles do not divide, turned into the flags to change
-    (it comes from inductor's lowering, at the step's first compile)."""
-    try:
-        yield
-    except Exception as exc:
-        if "must be divisible by BLOCK_M and BLOCK_N" not in str(exc):
-            raise
-        raise DflashError(
-            f"flex_attention's kernels at head_dim {head_dim} on this GPU use tiles that do not divide the attention "
-            f"mask's tiles of {tile_size} (--mask-tile-size); give --mask-tile-size 128, or leave it unset (it then "
-            "follows the head dim), or set kernel tiles that divide it with --attention-kernel-option fwd_BLOCK_M=... "
-            "(docs/training.md, 'Attention kernels')"
-        ) from exc
 
 
 def learning_rate(step: torch.Tensor, cfg: TrainConfig, total_steps: int) -> torch.Tensor:
@@ -195,23 +159,16 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         with torch.device(self.device):
             self.model = self.method.model_cls(self.dcfg)
-        kernel_options = attention_kernel_options(cfg.attention_kernel_options, self.cuda, self.dcfg.head_dim)
+        head_dim = self.dcfg.head_dim
+        kernel_options = attention_kernel_options(cfg.attention_kernel_options, self.cuda, head_dim)
         self.model.set_attention_kernel_options(kernel_options)
         self.model.set_recompute(cfg.recompute)
         if cfg.recompute != "none":
             logger.info("the backward recomputes each drafter layer's MLP (--recompute %s)", cfg.recompute)
-        self.mask_tile = cfg.mask_tile_size or blocks.default_mask_tile(self.dcfg.head_dim)
+        self.mask_tile = cfg.mask_tile_size or default_mask_tile(head_dim)
         if self.cuda:
-            by_head_dim = f"the default at head_dim {self.dcfg.head_dim}"
-            given = "--attention-kernel-option" if cfg.attention_kernel_options else by_head_dim
-            tiles = "--mask-tile-size" if cfg.mask_tile_size else by_head_dim
-            logger.info(
-                "attention kernel options (%s): %s; BlockMask tiles of %d (%s)",
-                given,
-                kernel_options or "torch's own",
-                self.mask_tile,
-                tiles,
-            )
+            given = bool(cfg.attention_kernel_options), cfg.mask_tile_size is not None
+            logger.info(describe_choice(kernel_options, self.mask_tile, head_dim, *given))
         self.params = [p for p in self.model.parameters()]
         self.flat_grad = self._flat_grad()
         self.step_t = torch.zeros((), dtype=torch.int64, device=self.device)

@@ -10,7 +10,6 @@ from dflash.blocks import (
     block_attention_mask,
     block_inputs,
     default_gamma,
-    default_mask_tile,
     dense_block_mask,
     sample_anchors,
     segment_ids,
@@ -223,30 +222,6 @@ def test_block_mask_equals_dense_mask(tile_size, window):
     dense = dense_block_mask(anchors, valid, doc_ids, B, window)
     assert block_mask.seq_lengths == (A * B, T + A * B)
     assert torch.equal(expand_block_mask(block_mask), dense)
-
-
-# (compute capability, the GPUs' family in torch's tables)
-CUDA_CAPABILITIES = [(8, 0), (8, 6), (9, 0), (10, 0), (12, 0)]
-
-
-@pytest.mark.parametrize("capability", CUDA_CAPABILITIES)
-@pytest.mark.parametrize("head_dim", [64, 128, 192, 256, 512])
-def test_default_mask_tile_divides_torchs_default_kernel_tiles(monkeypatch, capability, head_dim):
-    # Inductor's flex_attention lowering refuses a BlockMask whose tiles its default kernel tiles do not divide
-    # (forward: "must be divisible by BLOCK_M and BLOCK_N"; backward: no config left). Read torch's own per-GPU
-    # tables, as its CUDA lowering does, for every GPU family it knows.
-    from torch._inductor.template_heuristics.triton import CUDAConfigHeuristic
-
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: capability)
-    tables = CUDAConfigHeuristic()
-    fwd = tables.get_flex_attn_fwd_configs(head_dim, torch.bfloat16)[-1]  # the default comes last
-    bwd = tables.get_flex_attn_bwd_configs(head_dim, torch.bfloat16)[-1]
-    kernel_tiles = (fwd.block_m, fwd.block_n, bwd.block_m1, bwd.block_n1, bwd.block_m2, bwd.block_n2)
-    tile = default_mask_tile(head_dim)
-    assert all(tile % t == 0 for t in kernel_tiles), (tile, kernel_tiles)
-    # Where the default stays at torch's 128, a tile of 64 is what the H200 refused (head dims 64 and 128).
-    if capability == (9, 0) and head_dim in (64, 128):
-        assert tile == 128 and any(64 % t for t in kernel_tiles)
 
 
 def visited_tiles(block_mask) -> torch.Tensor:

@@ -25,6 +25,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from cli.main import main
 from dflash import blocks, graph, reader
+from dflash.attention_kernels import default_mask_tile
 from dflash.checkpoint import Checkpointer, fingerprint
 from dflash.config import HarvestConfig, TrainConfig
 from dflash.errors import DflashError
@@ -34,7 +35,7 @@ from dflash.metrics import visible_pairs
 from dflash.store import Store
 from dflash.target_files import load_embedding_and_head
 from dflash.tiny import CORPUS
-from dflash.train import Trainer, kernel_tile_errors, mask_function
+from dflash.train import Trainer
 from dflash.train_run import run_training
 from dflash.train_setup import init_distributed
 
@@ -383,37 +384,18 @@ def test_resume_reproduces_the_uninterrupted_run(store, tmp_path):
     assert [r["loss"] for r in resumed] == full[6:]  # exact: same rows, anchors, weights and optimizer state
 
 
-def test_a_mask_tile_the_kernels_refuse_names_the_flag():
-    # inductor's words when its flex_attention tiles do not divide the BlockMask's (the H200 at head_dim 64)
-    refusal = "LoweringException: ValueError: Q and KV block size must be divisible by BLOCK_M and BLOCK_N. We got"
-    with pytest.raises(
-        DflashError, match="head_dim 64 .* tiles of 64 \\(--mask-tile-size\\); give --mask-tile-size 128"
-    ):
-        with kernel_tile_errors(64, 64):
-            raise RuntimeError(refusal)
-    with pytest.raises(RuntimeError, match="something else"):  # any other failure passes unchanged
-        with kernel_tile_errors(64, 64):
-            raise RuntimeError("something else")
-
-
 def test_kernel_options_and_mask_tiles_reach_the_step_and_keep_the_curve(store, tmp_path):
-    # The GPU's mask function builds BlockMasks of the chosen tiles (test_blocks: every tile size gives the same
-    # pairs); the CPU step takes the dense mask, where neither option can change a value.
+    # The GPU's mask function builds BlockMasks of the chosen tiles (test_attention_kernels); the CPU step takes
+    # the dense mask, where neither option can change a value.
     options = {"bwd_num_warps": 8, "USE_TMA": True}
     cfg = config(store, tmp_path / "tuned", max_steps=3, attention_kernel_options=options, mask_tile_size=16)
-    anchors, valid = torch.tensor([[0, 40]]), torch.ones(1, 2, dtype=torch.bool)
-    doc_ids = torch.zeros(1, 64, dtype=torch.int32)
-    for tile in (16, 128):
-        mask = mask_function(tile, cuda=True, compile_on=False)(anchors, valid, doc_ids, 16, None)
-        assert mask.BLOCK_SIZE == (tile, tile)
-    assert mask_function(16, cuda=False, compile_on=False) is blocks.dense_attention_bias
     trainer = Trainer(cfg, init_distributed("cpu"))
     assert all(layer.self_attn.kernel_options == options for layer in trainer.model.layers)
     assert trainer.mask_tile == 16
-    # Unset, the tile follows the drafter's head dim (test_blocks checks the rule against torch's kernel tiles).
+    # Unset, the tile follows the drafter's head dim (test_attention_kernels checks it against torch's tables).
     unset = Trainer(config(store, tmp_path / "unset", max_steps=3), init_distributed("cpu"))
     assert TrainConfig.mask_tile_size is None
-    assert unset.mask_tile == blocks.default_mask_tile(unset.dcfg.head_dim)
+    assert unset.mask_tile == default_mask_tile(unset.dcfg.head_dim)
     default = run_training(config(store, tmp_path / "default", max_steps=3))["records"]
     tuned = run_training(cfg)["records"]
     assert [r["loss"] for r in tuned] == [r["loss"] for r in default]
@@ -430,18 +412,6 @@ def test_recomputing_the_mlp_keeps_the_curve_and_may_change_on_resume(store, tmp
     for key in ("loss", "grad_norm"):
         assert [r[key] for r in recomputed] == [r[key] for r in kept]
     assert fingerprint(recomputed_cfg, 1) == fingerprint(config(store, tmp_path / "recomputed", max_steps=3), 1)
-
-
-def test_the_flags_kernel_options_win_over_the_cuda_default():
-    from dflash.train import CUDA_KERNEL_OPTIONS, attention_kernel_options
-
-    assert attention_kernel_options({}, True, 256) == CUDA_KERNEL_OPTIONS == {"bwd_num_warps": 8, "USE_TMA": True}
-    assert attention_kernel_options({}, True, 128) == {}  # measured at 256 only: torch's own choices below
-    assert attention_kernel_options({"bwd_num_warps": 4}, True, 128) == {"bwd_num_warps": 4}
-    assert attention_kernel_options({}, False, 256) == {}
-    chosen = attention_kernel_options({}, True, 256)
-    chosen["USE_TMA"] = False  # a caller's copy: the default stays as measured
-    assert CUDA_KERNEL_OPTIONS == {"bwd_num_warps": 8, "USE_TMA": True}
 
 
 def test_resume_with_other_options_names_them(store, tmp_path):

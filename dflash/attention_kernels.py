@@ -1,0 +1,76 @@
+"""Which flex_attention kernels a training step runs on CUDA: the kernel options and the BlockMask's tiles, chosen
+by the drafter's head dim where the flags give none, and torch's refusal of a tile turned into the flag to change.
+
+The defaults were measured at head_dim 256 (Qwen3.5's drafters) on the H200 (docs/training.md, "Attention
+kernels"); other head dims run torch's own kernels, whose tiles they must fit.
+"""
+
+import contextlib
+import functools
+
+from dflash import blocks, graph
+from dflash.errors import DflashError
+
+# flex_attention's options on CUDA when --attention-kernel-option gives none: the backward on 8 warps (half the dK /
+# dV accumulator registers per thread at head_dim 256) was faster for both bench drafters at 4 x 3072 and at long
+# rows on the H200, and TMA loads on top of it faster at 1 x 32768 and the same at 4 x 3072 (docs/benchmarks.md,
+# "Long rows"); torch's own choice is bwd_num_warps=4 without TMA. torch turns USE_TMA off where the device or the
+# tensors cannot use it (before Hopper).
+CUDA_KERNEL_OPTIONS = {"bwd_num_warps": 8, "USE_TMA": True}
+# BlockMask tiles of 64 skip more of the mask than torch's 128: measured faster at head_dim 256 for every method
+# and row shape (docs/training.md).
+SMALL_MASK_TILE = 64
+# The head dims from which torch's default flex_attention kernels are the ones both defaults were measured on, at
+# 256: at most 64 wide on every CUDA GPU, so they divide a mask of 64-tiles. At 64 and 128 its Hopper and
+# Blackwell kernels are 128 wide and refuse one (tests/test_attention_kernels.py reads torch's tables); below
+# this head dim the step runs torch's own options and tiles.
+TUNED_MIN_HEAD_DIM = 193
+
+
+def attention_kernel_options(given: dict, cuda: bool, head_dim: int) -> dict:
+    """The drafter's flex_attention options: the flags' when given, else the CUDA default where it was measured
+    (the CPU's flex_attention evaluates the mask densely and takes none)."""
+    if given:
+        return dict(given)
+    return dict(CUDA_KERNEL_OPTIONS) if cuda and head_dim >= TUNED_MIN_HEAD_DIM else {}
+
+
+def default_mask_tile(head_dim: int) -> int:
+    """The BlockMask tile of TrainConfig.mask_tile_size = None: small where torch's kernels allow it."""
+    return SMALL_MASK_TILE if head_dim >= TUNED_MIN_HEAD_DIM else blocks.TORCH_MASK_TILE
+
+
+def describe_choice(options: dict, tile: int, head_dim: int, options_given: bool, tile_given: bool) -> str:
+    """The log line's account of the step's kernels and where each choice came from."""
+    by_head_dim = f"the default at head_dim {head_dim}"
+    options_from = "--attention-kernel-option" if options_given else by_head_dim
+    tile_from = "--mask-tile-size" if tile_given else by_head_dim
+    shown = options or "torch's own"
+    return f"attention kernel options ({options_from}): {shown}; BlockMask tiles of {tile} ({tile_from})"
+
+
+def mask_function(tile_size: int, cuda: bool, compile_on: bool):
+    """(anchors, valid, doc ids, block size, window) -> the step's attention mask. On a GPU a BlockMask of
+    `tile_size` tiles; on the CPU the dense mask (flex_attention has no CPU backward), built directly as the
+    bias every layer shares, not through a BlockMask's mask_mod (13 bytes a pair while it is evaluated)."""
+    if not cuda:
+        return blocks.dense_attention_bias
+    block_mask = functools.partial(blocks.block_attention_mask, tile_size=tile_size)
+    return graph.compile_fn(block_mask, compile_on, options=blocks.MASK_COMPILE_OPTIONS)
+
+
+@contextlib.contextmanager
+def kernel_tile_errors(tile_size: int, head_dim: int):
+    """torch's refusal of a BlockMask whose tiles its kernels' tiles do not divide, turned into the flags to change
+    (it comes from inductor's lowering, at the step's first compile)."""
+    try:
+        yield
+    except Exception as exc:
+        if "must be divisible by BLOCK_M and BLOCK_N" not in str(exc):
+            raise
+        raise DflashError(
+            f"flex_attention's kernels at head_dim {head_dim} on this GPU use tiles that do not divide the attention "
+            f"mask's tiles of {tile_size} (--mask-tile-size); give --mask-tile-size 128, or leave it unset (it then "
+            "follows the head dim), or set kernel tiles that divide it with --attention-kernel-option fwd_BLOCK_M=... "
+            "(docs/training.md, 'Attention kernels')"
+        ) from exc

@@ -1,0 +1,83 @@
+"""dflash/attention_kernels.py: the defaults by head dim against torch's own kernel tables, the flags winning, the
+refused-tile error, the mask function's tiles."""
+
+import pytest
+import torch
+
+from dflash import blocks
+from dflash.attention_kernels import (
+    CUDA_KERNEL_OPTIONS,
+    attention_kernel_options,
+    default_mask_tile,
+    describe_choice,
+    kernel_tile_errors,
+    mask_function,
+)
+from dflash.errors import DflashError
+
+# the compute capabilities of the GPU families in torch's tables
+CUDA_CAPABILITIES = [(8, 0), (8, 6), (9, 0), (10, 0), (12, 0)]
+
+
+@pytest.mark.parametrize("capability", CUDA_CAPABILITIES)
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256, 512])
+def test_default_mask_tile_divides_torchs_default_kernel_tiles(monkeypatch, capability, head_dim):
+    # Inductor's flex_attention lowering refuses a BlockMask whose tiles its default kernel tiles do not divide
+    # (forward: "must be divisible by BLOCK_M and BLOCK_N"; backward: no config left). Read torch's own per-GPU
+    # tables, as its CUDA lowering does, for every GPU family it knows.
+    from torch._inductor.template_heuristics.triton import CUDAConfigHeuristic
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: capability)
+    tables = CUDAConfigHeuristic()
+    fwd = tables.get_flex_attn_fwd_configs(head_dim, torch.bfloat16)[-1]  # the default comes last
+    bwd = tables.get_flex_attn_bwd_configs(head_dim, torch.bfloat16)[-1]
+    kernel_tiles = (fwd.block_m, fwd.block_n, bwd.block_m1, bwd.block_n1, bwd.block_m2, bwd.block_n2)
+    tile = default_mask_tile(head_dim)
+    assert all(tile % t == 0 for t in kernel_tiles), (tile, kernel_tiles)
+    # Where the default stays at torch's 128, a tile of 64 is what the H200 refused (head dims 64 and 128).
+    if capability == (9, 0) and head_dim in (64, 128):
+        assert tile == 128 and any(64 % t for t in kernel_tiles)
+
+
+def test_the_flags_kernel_options_win_over_the_cuda_default():
+    assert attention_kernel_options({}, True, 256) == CUDA_KERNEL_OPTIONS == {"bwd_num_warps": 8, "USE_TMA": True}
+    assert attention_kernel_options({}, True, 128) == {}  # measured at 256 only: torch's own choices below
+    assert attention_kernel_options({"bwd_num_warps": 4}, True, 128) == {"bwd_num_warps": 4}
+    assert attention_kernel_options({}, False, 256) == {}
+    chosen = attention_kernel_options({}, True, 256)
+    chosen["USE_TMA"] = False  # a caller's copy: the default stays as measured
+    assert CUDA_KERNEL_OPTIONS == {"bwd_num_warps": 8, "USE_TMA": True}
+
+
+def test_the_mask_function_builds_the_chosen_tiles():
+    # every tile size gives the same pairs (test_blocks); on the CPU the dense mask, which has no tiles
+    anchors, valid = torch.tensor([[0, 40]]), torch.ones(1, 2, dtype=torch.bool)
+    doc_ids = torch.zeros(1, 64, dtype=torch.int32)
+    for tile in (16, 128):
+        mask = mask_function(tile, cuda=True, compile_on=False)(anchors, valid, doc_ids, 16, None)
+        assert mask.BLOCK_SIZE == (tile, tile)
+    assert mask_function(16, cuda=False, compile_on=False) is blocks.dense_attention_bias
+
+
+def test_the_log_line_names_where_each_choice_came_from():
+    line = describe_choice({}, 128, 64, options_given=False, tile_given=False)
+    assert line == (
+        "attention kernel options (the default at head_dim 64): torch's own; "
+        "BlockMask tiles of 128 (the default at head_dim 64)"
+    )
+    line = describe_choice(CUDA_KERNEL_OPTIONS, 16, 256, options_given=True, tile_given=True)
+    assert "(--attention-kernel-option): {'bwd_num_warps': 8, 'USE_TMA': True}" in line
+    assert line.endswith("BlockMask tiles of 16 (--mask-tile-size)")
+
+
+def test_a_mask_tile_the_kernels_refuse_names_the_flag():
+    # inductor's words when its flex_attention tiles do not divide the BlockMask's (the H200 at head_dim 64)
+    refusal = "LoweringException: ValueError: Q and KV block size must be divisible by BLOCK_M and BLOCK_N. We got"
+    with pytest.raises(
+        DflashError, match="head_dim 64 .* tiles of 64 \\(--mask-tile-size\\); give --mask-tile-size 128"
+    ):
+        with kernel_tile_errors(64, 64):
+            raise RuntimeError(refusal)
+    with pytest.raises(RuntimeError, match="something else"):  # any other failure passes unchanged
+        with kernel_tile_errors(64, 64):
+            raise RuntimeError("something else")
