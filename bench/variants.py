@@ -17,8 +17,11 @@ METHOD_VARIANTS = {
     "dflash-window512": {"method": "dflash", "drafter_overrides": {"sliding_window": 512}},
     "dflash-window2048": {"method": "dflash", "drafter_overrides": {"sliding_window": 2048}},
     "dflash2-full": {"method": "dflash2", "drafter_overrides": {"sliding_window": None}},
-    # Memory for time (issue 24): each layer's MLP run again in the backward (TrainConfig.recompute).
+    # Memory for time (issue 24, TrainConfig.recompute): each layer's MLP run again in the backward, or only its
+    # element-wise work.
     "dflash-recompute": {"method": "dflash", "recompute": "mlp"},
+    "dflash-pointwise": {"method": "dflash", "recompute": "pointwise"},
+    "dflash2-pointwise": {"method": "dflash2", "recompute": "pointwise"},
     # DSpark trains from a store harvested with a teacher (the `teacher` key: the harvest's --teacher)
     "dspark-topk": {"method": "dspark", "teacher": "topk:32"},
     "dspark-hidden": {"method": "dspark", "teacher": "hidden"},

@@ -156,9 +156,10 @@ EXPORT_DTYPES = ["bfloat16", "float32"]
 # the lists equal).
 DRAFTER_METHODS = ("dflash", "dflash2", "dspark")
 POSITION_WEIGHTS = ("decay", "dpace")
-# What the train step's backward recomputes instead of keeping: nothing, or each drafter layer's MLP, which then
-# keeps only its input, where the compiled step otherwise keeps gate, up and their SwiGLU product.
-RECOMPUTE = ("none", "mlp")
+# What the train step's backward recomputes instead of keeping: nothing; each drafter layer's element-wise work (its
+# layer then keeps the outputs of its matmuls and attention only, dflash.drafter.KEPT_BY_POINTWISE); or each layer's
+# MLP, which then keeps only its input, where the compiled step otherwise keeps gate, up and their SwiGLU product.
+RECOMPUTE = ("none", "pointwise", "mlp")
 
 
 @dataclass
@@ -251,9 +252,11 @@ class TrainConfig:
     )
     recompute: str = option(
         "none",
-        "What the backward recomputes instead of keeping: none, or mlp (each layer's MLP keeps only its input: "
-        "about 3 x FFN width x 2 bytes less per block token and layer, for two more matmuls per layer). Memory for "
-        "speed; the values are unchanged.",
+        "What the backward recomputes instead of keeping: none; pointwise (each layer keeps the outputs of its "
+        "matmuls and attention only and runs its norms, RoPE, SwiGLU product, DFlash 2's convs and the bf16 weight "
+        "copies again: no matmul repeated); or mlp (each layer's MLP keeps only its input: about 3 x FFN width x 2 "
+        "bytes less per block token and layer, for two more matmuls per layer). Memory for speed; the values are "
+        "unchanged.",
         choices=list(RECOMPUTE),
     )
     mask_tile_size: int | None = option(

@@ -18,12 +18,29 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, FlexKernelOptions, create_mask, flex_attention
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from dflash.config import RECOMPUTE
 from dflash.errors import DflashError
 
 INIT_STD = 0.02  # Qwen3's initializer_range; the public drafters were initialised the same way
+# `--recompute pointwise`: the ops whose outputs a layer keeps for its backward, its matmuls and its attention. The
+# rest (norms, RoPE, the SwiGLU product, DFlash 2's convs, autocast's bf16 weight copies) runs again in the backward
+# from those: memory traffic, no matmul. The attention ops are every backend's, the CPU's included.
+KEPT_BY_POINTWISE = (
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.higher_order.flex_attention,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+)
+
+
+def _keep_matmul_outputs():
+    return create_selective_checkpoint_contexts(list(KEPT_BY_POINTWISE))
 
 
 @dataclass(kw_only=True)
@@ -155,9 +172,9 @@ class DrafterConfig:
         (`hidden`, `topk` or None; dflash.memory.step_memory): DFlash's chunked CE keeps one."""
         return 1.0
 
-    def method_activation_copies(self) -> float:
+    def method_activation_copies(self, recompute: str = "none") -> float:
         """Activations a method's modules keep per drafter layer and block token beyond DFlash's, in copies of the
-        hidden width (dflash.memory.step_memory)."""
+        hidden width, on a GPU (dflash.memory.step_memory), under TrainConfig.recompute `recompute`."""
         return 0.0
 
     def extra_layer_keys(self) -> list[str]:
@@ -380,6 +397,7 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList(self.layer_cls(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.recompute = "none"  # see set_recompute
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=INIT_STD)
@@ -396,6 +414,7 @@ class DFlashDrafter(nn.Module):
         """What the backward recomputes (RECOMPUTE): memory for time, the values unchanged."""
         if mode not in RECOMPUTE:
             raise DflashError(f"--recompute {mode!r} is not one of {', '.join(RECOMPUTE)}")
+        self.recompute = mode
         for module in self.modules():
             if isinstance(module, MLP):
                 module.recompute = mode == "mlp"
@@ -430,5 +449,10 @@ class DFlashDrafter(nn.Module):
             mask = create_mask(block_mask.mask_mod, R, 1, Q, KV, device=features.device)
         x = block_embeds
         for layer in self.layers:
-            x = layer(x, ctx, q_rope, kv_rope, mask)
+            x = self._run_layer(layer, x, ctx, q_rope, kv_rope, mask)
         return self.norm(x)
+
+    def _run_layer(self, layer: nn.Module, *inputs) -> Tensor:
+        if self.recompute != "pointwise" or not torch.is_grad_enabled():
+            return layer(*inputs)
+        return checkpoint(layer, *inputs, use_reentrant=False, context_fn=_keep_matmul_outputs)

@@ -54,12 +54,15 @@ class StepShape:
     cuda: bool
     teacher: str | None = None  # the teacher kind the method trains from (`hidden`, `topk`), None without
     recompute: str = "none"  # TrainConfig.recompute
+    layer_parameters: int = 0  # those of the drafter layers (--recompute pointwise recomputes their bf16 copies)
 
 
-def parameter_count(model_cls, dcfg: DrafterConfig) -> int:
-    """The drafter's trainable parameters, counted on the meta device (nothing allocated)."""
+def parameter_count(model_cls, dcfg: DrafterConfig, layers_only: bool = False) -> int:
+    """The drafter's trainable parameters (or those of its layers), counted on the meta device (nothing
+    allocated)."""
     with torch.device("meta"):
-        return sum(p.numel() for p in model_cls(dcfg).parameters())
+        model = model_cls(dcfg)
+        return sum(p.numel() for p in (model.layers if layers_only else model).parameters())
 
 
 def row_bytes(fields: dict) -> int:
@@ -82,13 +85,22 @@ def step_memory(dcfg: DrafterConfig, shape: StepShape) -> dict[str, int]:
     recomputed = shape.recompute == "mlp"
     if recomputed:  # the MLP keeps its input only: off go what the step keeps of it (docs/training.md, "Memory")
         block_copies -= 3 * F + H if shape.cuda else 4 * F
+    # bf16 copies of the weights under autocast; --recompute pointwise keeps those of one layer at a time only
+    weight_copies = shape.parameters if shape.cuda else 0
+    context_kv = c.context_kv
+    if shape.recompute == "pointwise" and shape.cuda:
+        # Each layer keeps its input and its matmuls' and attention's outputs, counted in the compiled graph
+        # (tests/test_memory.py): q and the block's k, v; the attention's output, o_proj's; gate and up.
+        block_copies = 2 * H + 2 * q_width + 2 * kv_width + 2 * F + dcfg.method_activation_copies("pointwise") * H
+        context_kv = 2.0  # k and v of the context
+        weight_copies -= shape.layer_parameters * (L - 1) // L
     parts = {
-        # fp32 weights, the flat fp32 gradient, AdamW's two moments; bf16 copies of the weights under autocast
-        "weights and optimizer": shape.parameters * (16 + (2 if shape.cuda else 0)),
+        # fp32 weights, the flat fp32 gradient, AdamW's two moments; the bf16 weight copies of autocast
+        "weights and optimizer": shape.parameters * 16 + weight_copies * 2,
         "frozen embedding and LM head": 2 * V * H * e + shape.lifted_width * dcfg.feature_dim * e,
         "step buffers": shape.micro_batches * R * shape.stored_bytes_per_row,
         "block activations": round(R * Q * L * block_copies * e),
-        "context activations": round(R * T * (c.context * H + c.context_kv * L * kv_width) * e),
+        "context activations": round(R * T * (c.context * H + context_kv * L * kv_width) * e),
         # a chunk holds at most the drafted labels of a micro-step (slot 0 of a span is never computed)
         "loss chunk logits": round(
             min(shape.loss_chunk, R * shape.anchors * (dcfg.span - 1))

@@ -195,6 +195,7 @@ def check_step_memory(
         cuda=device.type == "cuda",
         teacher=teacher,
         recompute=cfg.recompute,
+        layer_parameters=memory.parameter_count(method.model_cls, dcfg, layers_only=True),
     )
     available = None if cfg.ignore_memory_estimate else memory.available_memory(device)
     if available is not None and device.type == "cpu":  # the ranks of one host share its memory

@@ -205,20 +205,22 @@ def gradients(model, cfg, compiled=False):
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_recomputing_the_mlp_keeps_every_gradient(compiled):
-    """--recompute mlp runs each MLP again in the backward (non-reentrant checkpoint): the same gradients, eager and
-    compiled; an unknown mode is refused."""
+@pytest.mark.parametrize("mode", ["mlp", "pointwise"])
+def test_recomputing_keeps_every_gradient(compiled, mode):
+    """--recompute mlp runs each MLP again in the backward (non-reentrant checkpoint), --recompute pointwise each
+    layer's element-wise work (selective checkpoint): the same gradients, eager and compiled; an unknown mode is
+    refused."""
     cfg = small_config()
     model = make_drafter(cfg)
     kept = gradients(model, cfg)
-    model.set_recompute("mlp")
-    assert all(layer.mlp.recompute for layer in model.layers)
+    model.set_recompute(mode)
+    assert model.recompute == mode and all(layer.mlp.recompute == (mode == "mlp") for layer in model.layers)
     recomputed = gradients(model, cfg, compiled)
     for name, grad in kept.items():
         torch.testing.assert_close(recomputed[name], grad, rtol=1e-12, atol=1e-12, msg=name)
     model.set_recompute("none")
-    assert not any(layer.mlp.recompute for layer in model.layers)
-    with pytest.raises(DflashError, match="--recompute 'layer' is not one of none, mlp"):
+    assert model.recompute == "none" and not any(layer.mlp.recompute for layer in model.layers)
+    with pytest.raises(DflashError, match="--recompute 'layer' is not one of none, pointwise, mlp"):
         model.set_recompute("layer")
 
 

@@ -12,7 +12,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from dflash import methods
-from dflash.drafter import MLP, RMSNorm
+from dflash.drafter import MLP, RMSNorm, rope_tables
 from dflash.errors import DflashError
 from dflash.memory import StepShape, check_memory, fitting_anchors, parameter_count, step_memory
 
@@ -171,3 +171,99 @@ def test_recompute_mlp_drops_what_the_formula_takes_off():
     kept_less = full["block activations"] - recomputed["block activations"]
     assert kept_less == pytest.approx(Q * L * (3 * dcfg.intermediate_size + dcfg.hidden_size) * 2, abs=1)
     assert recomputed["recomputed MLP"] == Q * 3 * dcfg.intermediate_size * 2 and full["recomputed MLP"] == 0
+
+
+def bf16_kept_by_a_compiled_layer(method: str, recompute: str, blocks: int, context: int) -> list[tuple]:
+    """Shapes of the bf16 tensors a one-layer drafter's compiled layer keeps for its backward under bf16 autocast
+    (the forward graph's extra outputs after inductor's min-cut partitioner, on the CPU), the layer's input not
+    counted: `blocks` blocks of 4 tokens in each of 2 rows over `context` context tokens."""
+    cfg = methods.get(method).config_cls(
+        hidden_size=64,
+        intermediate_size=160,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_layers=1,
+        vocab_size=50,
+        mask_token_id=0,
+        target_layer_ids=[0],
+        num_target_layers=2,
+        block_size=4,
+        sliding_window=None,
+    )
+    torch.manual_seed(0)
+    model = methods.get(method).model_cls(cfg)
+    model.set_recompute(recompute)
+    kept = []
+
+    def forward_compiler(gm, _):
+        outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        kept.extend(
+            tuple(o.meta["val"].shape)
+            for o in outputs[1:]
+            if o.op != "placeholder" and o.meta["val"].dtype == torch.bfloat16
+        )
+        return make_boxed_func(gm.forward)
+
+    R, Q, T = 2, 4 * blocks, context
+    x, ctx = torch.randn(R, Q, 64, requires_grad=True), torch.randn(R, T, 64, requires_grad=True)
+    q_rope = rope_tables(torch.arange(Q).expand(R, Q), 8, 1e4, torch.float32)
+    kv_rope = rope_tables(torch.arange(T + Q).expand(R, T + Q), 8, 1e4, torch.float32)
+
+    def layer(x, ctx):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model._run_layer(model.layers[0], x, ctx, q_rope, kv_rope, None)
+
+    torch._dynamo.reset()
+    backend = aot_autograd(
+        fw_compiler=forward_compiler,
+        bw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+        partition_fn=min_cut_rematerialization_partition,
+    )
+    torch.compile(layer, backend=backend, fullgraph=True)(x, ctx).sum().backward()
+    return kept, cfg
+
+
+def kept_per_token(method: str, recompute: str) -> tuple[float, float, list[tuple], object]:
+    """(bf16 values kept per block token, per context token, the shapes at the smallest size, the config), from
+    the growth of the kept bytes with each."""
+    # 2 rows of 20 or 40 block tokens, 16 or 32 context tokens: no activation has a weight's shape
+    (small, cfg), (more_blocks, _), (more_context, _) = (
+        bf16_kept_by_a_compiled_layer(method, recompute, blocks, context)
+        for blocks, context in ((5, 16), (10, 16), (5, 32))
+    )
+    size = lambda shapes: sum(math.prod(s) for s in shapes)  # noqa: E731
+    return (size(more_blocks) - size(small)) / (2 * 20), (size(more_context) - size(small)) / (2 * 16), small, cfg
+
+
+@pytest.mark.parametrize("method", ["dflash", "dflash2"])
+def test_recompute_pointwise_keeps_what_the_formula_counts(method):
+    """--recompute pointwise: a layer keeps its input (not counted here) and its matmuls' and attention's outputs,
+    which is the formula's block copies less the input; per context token the k and v; no bf16 weight copy. Without
+    it the compiled layer keeps more of each (the norms, RoPE'd q and k, the SwiGLU product, the weight copies)."""
+    per_block, per_context, shapes, cfg = kept_per_token(method, "pointwise")
+    H, F, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads * cfg.head_dim
+    q = cfg.num_attention_heads * cfg.head_dim
+    assert len({H, F, kv, q}) == 4
+    formula = 2 * H + 2 * q + 2 * kv + 2 * F + cfg.method_activation_copies("pointwise") * H
+    assert per_block == formula - H  # the formula counts the layer's input too
+    assert per_context == 2 * kv
+    weights = {tuple(p.shape) for p in methods.get(method).model_cls(cfg).layers[0].parameters()}
+    assert not weights & ({s for s in shapes} | {s[::-1] for s in shapes})
+    full_block, full_context, full_shapes, _ = kept_per_token(method, "none")
+    assert full_block > per_block + F + H and full_context > per_context
+    assert {s[::-1] for s in full_shapes} & weights  # autocast's bf16 copies of the weights, transposed
+
+
+def test_recompute_pointwise_takes_off_the_formula_what_it_counts():
+    dcfg = drafter(*A)
+    model_cls = methods.get("dflash").model_cls
+    shape = dataclasses.replace(
+        gpu_shape(dcfg, 12288), recompute="pointwise", layer_parameters=parameter_count(model_cls, dcfg, True)
+    )
+    full, pointwise = step_memory(dcfg, gpu_shape(dcfg, 12288)), step_memory(dcfg, shape)
+    H, F, q, kv = 5120, 17408, 24 * 256, 4 * 256
+    assert pointwise["block activations"] == 2048 * 16 * 5 * (2 * H + 2 * q + 2 * kv + 2 * F) * 2
+    layers = parameter_count(model_cls, dcfg, True)
+    assert full["weights and optimizer"] - pointwise["weights and optimizer"] == layers * 4 // 5 * 2
+    assert sum(pointwise.values()) < 60e9 < sum(full.values())

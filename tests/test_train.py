@@ -331,11 +331,12 @@ def test_validation_time_counts_in_no_training_step(store, tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize(
-    "method, recompute", [("dflash", "none"), ("dflash2", "none"), ("dspark-topk", "none"), ("dflash2", "mlp")]
+    "method, recompute",
+    [("dflash", "none"), ("dflash2", "none"), ("dspark-topk", "none"), ("dflash2", "mlp"), ("dflash2", "pointwise")],
 )
 def test_compiled_step_matches_eager_without_recompiles(method, recompute, store_for, tmp_path):
     """20 steps over different rows: compiled drafter + objective agree with eager, and nothing recompiles after
-    warmup (a recompile would raise), validation's windows included; with --recompute mlp compiled against eager
+    warmup (a recompile would raise), validation's windows included; with --recompute compiled against eager
     without it. The BlockMask builder stays eager on the CPU (see Trainer.__init__)."""
     options, store = METHOD_OPTIONS[method], store_for(method)
     eager = run_training(config(store, tmp_path / "eager", max_steps=20, compile=False, **options))
@@ -403,11 +404,12 @@ def test_kernel_options_and_mask_tiles_reach_the_step_and_keep_the_curve(store, 
     assert fingerprint(cfg, 1) == fingerprint(config(store, tmp_path / "tuned", max_steps=3), 1)
 
 
-def test_recomputing_the_mlp_keeps_the_curve_and_may_change_on_resume(store, tmp_path):
-    """--recompute mlp trades memory for time only: the same losses and gradient norms, bit for bit on the CPU."""
+@pytest.mark.parametrize("mode", ["mlp", "pointwise"])
+def test_recomputing_keeps_the_curve_and_may_change_on_resume(store, tmp_path, mode):
+    """--recompute trades memory for time only: the same losses and gradient norms, bit for bit on the CPU."""
     kept = run_training(config(store, tmp_path / "kept", max_steps=3))["records"]
-    recomputed_cfg = config(store, tmp_path / "recomputed", max_steps=3, recompute="mlp")
-    assert Trainer(recomputed_cfg, init_distributed("cpu")).model.layers[0].mlp.recompute
+    recomputed_cfg = config(store, tmp_path / "recomputed", max_steps=3, recompute=mode)
+    assert Trainer(recomputed_cfg, init_distributed("cpu")).model.recompute == mode
     recomputed = run_training(recomputed_cfg)["records"]
     for key in ("loss", "grad_norm"):
         assert [r[key] for r in recomputed] == [r[key] for r in kept]
@@ -802,11 +804,13 @@ def test_cuda_graph_is_flat_and_matches_the_ungraphed_step(store, tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention's Triton kernels need a GPU")
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_the_default_attention_kernels_compile_at_real_head_dims(store, tmp_path, head_dim):
+@pytest.mark.parametrize("head_dim, recompute", [(64, "none"), (128, "none"), (256, "none"), (128, "pointwise")])
+def test_the_default_attention_kernels_compile_at_real_head_dims(store, tmp_path, head_dim, recompute):
     """On a GPU: the default BlockMask tiles and kernel options for the head dim compile and train (on 2026-12-03
-    the H200 refused a mask of 64-tiles at head_dim 64, where torch's kernel tiles are 128 wide)."""
-    cfg = config(store, tmp_path / "run", max_steps=2, device="cuda", drafter_overrides={"head_dim": head_dim})
+    the H200 refused a mask of 64-tiles at head_dim 64, where torch's kernel tiles are 128 wide); so does the
+    selective checkpoint of --recompute pointwise around flex_attention."""
+    overrides = {"head_dim": head_dim}
+    cfg = config(store, tmp_path / "run", max_steps=2, device="cuda", drafter_overrides=overrides, recompute=recompute)
     records = run_training(cfg)["records"]
     assert len(records) == 2 and all(np.isfinite(r["loss"]) for r in records)
     state = json.loads(next((tmp_path / "run" / "checkpoints").glob("step_*/state.json")).read_text())

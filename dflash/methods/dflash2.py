@@ -97,7 +97,9 @@ class DFlash2Config(DrafterConfig):
         convs = self.num_layers * 2 * (2 * H * 2 * self.conv_kernel_size * self.conv_groups)  # two projections a layer
         return convs + 2 * H * r + 2 * K * H + 2 * K * r  # P h, candidate logits, edge scores
 
-    def method_activation_copies(self) -> float:
+    def method_activation_copies(self, recompute: str = "none") -> float:
+        if recompute == "pointwise":  # down_proj's output and the two kernel projections' (counted: test_memory)
+            return 1 + 2 * 2 * self.conv_kernel_size * self.conv_groups / self.hidden_size
         # Fitted to one measurement (bench/train.py drafter b: 43.7 GB peak against DFlash's 33.3 GB, of which the
         # extra parameters are 2.6 GB; 2026-12-03, slot 0 skipped); docs/training.md, "Memory".
         return 9.7
