@@ -60,17 +60,26 @@ def mask_function(tile_size: int, cuda: bool, compile_on: bool):
 
 
 @contextlib.contextmanager
-def kernel_tile_errors(tile_size: int, head_dim: int):
-    """torch's refusal of a BlockMask whose tiles its kernels' tiles do not divide, turned into the flags to change
-    (it comes from inductor's lowering, at the step's first compile)."""
+def attention_kernel_errors(tile_size: int, head_dim: int, query_tokens: int, key_tokens: int):
+    """inductor's refusals of the step's flex_attention, at its first compile, turned into the flags to change: a
+    BlockMask whose tiles its kernels' tiles do not divide, or shapes for which it has no kernel at all."""
     try:
         yield
     except Exception as exc:
-        if "must be divisible by BLOCK_M and BLOCK_N" not in str(exc):
-            raise
-        raise DflashError(
-            f"flex_attention's kernels at head_dim {head_dim} on this GPU use tiles that do not divide the attention "
-            f"mask's tiles of {tile_size} (--mask-tile-size); give --mask-tile-size 128, or leave it unset (it then "
-            "follows the head dim), or set kernel tiles that divide it with --attention-kernel-option fwd_BLOCK_M=... "
-            "(docs/training.md, 'Attention kernels')"
-        ) from exc
+        text = str(exc)
+        if "must be divisible by BLOCK_M and BLOCK_N" in text:
+            raise DflashError(
+                f"flex_attention's kernels at head_dim {head_dim} on this GPU use tiles that do not divide the "
+                f"attention mask's tiles of {tile_size} (--mask-tile-size); give --mask-tile-size 128, or leave it "
+                "unset (it then follows the head dim), or set kernel tiles that divide it with "
+                "--attention-kernel-option fwd_BLOCK_M=... (docs/training.md, 'Attention kernels')"
+            ) from exc
+        if "NoValidChoicesError" in text and "flex_attention" in text:
+            raise DflashError(
+                f"flex_attention has no kernel on this GPU for the step's attention at head_dim {head_dim}: "
+                f"{query_tokens} block tokens over {key_tokens} keys a row (torch's Triton templates found no valid "
+                "configuration; on an H200 at head_dim 256 there is none for 64 over 128, there is from 512 over "
+                "1024). Train from rows of more tokens (a store of a longer --token-budget) with more --anchors "
+                "(docs/training.md, 'Attention kernels')"
+            ) from exc
+        raise

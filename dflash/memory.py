@@ -85,13 +85,17 @@ def step_memory(dcfg: DrafterConfig, shape: StepShape) -> dict[str, int]:
     recomputed = shape.recompute == "mlp"
     if recomputed:  # the MLP keeps its input only: off go what the step keeps of it (docs/training.md, "Memory")
         block_copies -= 3 * F + H if shape.cuda else 4 * F
+    recomputed_width = 3 * F if recomputed else 0  # gate, up and their product, one layer's at a time
     # bf16 copies of the weights under autocast; --recompute pointwise keeps those of one layer at a time only
     weight_copies = shape.parameters if shape.cuda else 0
     context_kv = c.context_kv
     if shape.recompute == "pointwise" and shape.cuda:
         # Each layer keeps its input and its matmuls' and attention's outputs, counted in the compiled graph
-        # (tests/test_memory.py): q and the block's k, v; the attention's output, o_proj's; gate and up.
+        # (tests/test_memory.py): q and the block's k, v; the attention's output, o_proj's; gate and up. What the
+        # compiled layer no longer keeps (the normed inputs, q after its norm and RoPE twice, the SwiGLU product,
+        # the block's k before RoPE) is rebuilt one layer at a time in its backward.
         block_copies = 2 * H + 2 * q_width + 2 * kv_width + 2 * F + dcfg.method_activation_copies("pointwise") * H
+        recomputed_width = 2 * H + 2 * q_width + F + kv_width
         context_kv = 2.0  # k and v of the context
         weight_copies -= shape.layer_parameters * (L - 1) // L
     parts = {
@@ -110,7 +114,7 @@ def step_memory(dcfg: DrafterConfig, shape: StepShape) -> dict[str, int]:
             * dcfg.loss_logit_copies(shape.teacher)
         ),
         "dense attention mask": round(R * Q * (T + Q) * c.mask),
-        "recomputed MLP": round(R * Q * 3 * F * e) if recomputed else 0,  # one layer's, during its backward
+        "recomputed in a layer's backward": round(R * Q * recomputed_width * e),  # one layer's at a time
     }
     return parts
 
@@ -157,10 +161,15 @@ def check_memory(dcfg: DrafterConfig, shape: StepShape, available: int | None, d
         else f"available to this process (MemAvailable; {CPU_USABLE:.0%} of it counts)"
     )
     fix = f"--anchors {fitting} fits" if fitting else "not even --anchors 1 fits"
+    fix += f" ({shape.anchors} now)"
+    if shape.cuda and shape.recompute == "none":
+        lighter = sum(step_memory(dcfg, dataclasses.replace(shape, recompute="pointwise")).values())
+        fits = "fits" if lighter <= usable else "does not fit either"
+        fix += f"; --recompute pointwise (no matmul repeated) needs about {_size(lighter)} and {fits}"
     raise DflashError(
-        f"a training step needs about {_size(need)} ({detail}) but {_size(available)} is {where}: {fix} "
-        f"({shape.anchors} now); fewer --rows-per-step, a smaller --loss-chunk, fewer --draft-layers or a store of a "
-        "shorter --token-budget also lower it; --ignore-memory-estimate runs it anyway (docs/training.md, 'Memory')"
+        f"a training step needs about {_size(need)} ({detail}) but {_size(available)} is {where}: {fix}; "
+        "fewer --rows-per-step, a smaller --loss-chunk, fewer --draft-layers or a store of a shorter --token-budget "
+        "also lower it; --ignore-memory-estimate runs it anyway (docs/training.md, 'Memory')"
     )
 
 

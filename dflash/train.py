@@ -30,10 +30,10 @@ import torch.nn.functional as F
 
 from dflash import blocks, features, graph, loss, methods, reader
 from dflash.attention_kernels import (
+    attention_kernel_errors,
     attention_kernel_options,
     default_mask_tile,
     describe_choice,
-    kernel_tile_errors,
     mask_function,
 )
 from dflash.checkpoint import (
@@ -384,7 +384,9 @@ class Trainer:
         initial = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
         self._synthetic_rows()
         times, t0 = {}, time.perf_counter()
-        with kernel_tile_errors(self.mask_tile, self.dcfg.head_dim):
+        queries = self.num_anchors * self.block_size
+        keys = self.store.token_budget + queries
+        with attention_kernel_errors(self.mask_tile, self.dcfg.head_dim, queries, keys):
             self.train_step.warmup()
             times["train_warmup_s"] = time.perf_counter() - t0
             self.val_step.warmup(1)

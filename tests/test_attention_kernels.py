@@ -7,10 +7,10 @@ import torch
 from dflash import blocks
 from dflash.attention_kernels import (
     CUDA_KERNEL_OPTIONS,
+    attention_kernel_errors,
     attention_kernel_options,
     default_mask_tile,
     describe_choice,
-    kernel_tile_errors,
     mask_function,
 )
 from dflash.errors import DflashError
@@ -76,8 +76,22 @@ def test_a_mask_tile_the_kernels_refuse_names_the_flag():
     with pytest.raises(
         DflashError, match="head_dim 64 .* tiles of 64 \\(--mask-tile-size\\); give --mask-tile-size 128"
     ):
-        with kernel_tile_errors(64, 64):
+        with attention_kernel_errors(64, 64, 512, 1024):
             raise RuntimeError(refusal)
     with pytest.raises(RuntimeError, match="something else"):  # any other failure passes unchanged
-        with kernel_tile_errors(64, 64):
+        with attention_kernel_errors(64, 64, 512, 1024):
             raise RuntimeError("something else")
+
+
+def test_shapes_without_a_kernel_name_the_rows_to_change():
+    # inductor's words on the H200 at head_dim 256 for the GPU test's rows of 44 block tokens (2026-12-03)
+    refusal = (
+        "LoweringException: NoValidChoicesError: No choices to select. Provided reason: No choices exist for "
+        "backend. please consider adding ATEN into max_autotune_gemm_backends config\n  target: flex_attention"
+    )
+    with pytest.raises(DflashError, match="no kernel .* head_dim 256: 44 block tokens over 108 keys a row"):
+        with attention_kernel_errors(64, 256, 44, 108):
+            raise RuntimeError(refusal)
+    with pytest.raises(RuntimeError, match="NoValidChoicesError"):  # a matmul's, not the attention's: unchanged
+        with attention_kernel_errors(64, 256, 44, 108):
+            raise RuntimeError("LoweringException: NoValidChoicesError: No choices to select\n  target: aten.mm")
