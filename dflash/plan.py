@@ -266,6 +266,9 @@ def _memory_line(config, layers, draft_layers: int, block_size: int, token_budge
         cuda=True,
     )
     need = sum(memory.step_memory(dcfg, shape).values())
+    layer_parameters = memory.parameter_count(method.model_cls, dcfg, layers_only=True)
+    pointwise = replace(shape, recompute="pointwise", layer_parameters=layer_parameters)
+    lighter = sum(memory.step_memory(dcfg, pointwise).values())
     fitting = memory.fitting_anchors(dcfg, shape, H200_MEMORY)
     verdict = (
         "fits"
@@ -276,8 +279,9 @@ def _memory_line(config, layers, draft_layers: int, block_size: int, token_budge
     )
     return (
         f"memory     a train step of the {draft_layers}-layer {method.name} drafter (train's default method) on one "
-        f"row with {anchors} anchors (train's default for {token_budget} tokens): ~{_size(need)} on a GPU "
-        f"(dflash.memory, docs/training.md 'Memory'); an H200's 139 GiB: {verdict}"
+        f"row with {anchors} anchors (train's default for {token_budget} tokens): ~{_size(need)} on a GPU, "
+        f"~{_size(lighter)} with --recompute pointwise (dflash.memory, docs/training.md 'Memory'); an H200's 139 "
+        f"GiB: {verdict}"
     )
 
 

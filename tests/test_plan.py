@@ -151,7 +151,7 @@ def test_plan_prints_the_train_steps_memory_and_the_anchors_that_fit(model, tmp_
 
     cfg = HarvestConfig(model=model, data=[str(CORPUS)], out=str(tmp_path / "s"), token_budget=BUDGET, workers=1)
     default = round(BUDGET * 512 / 3072)
-    fits = re.search(r"with (\d+) anchors .*: ~[\d.,]+ \w+ on a GPU .*: fits$", plan_report(cfg, None, 1, 2, 16), re.M)
+    fits = re.search(r"with (\d+) anchors .*: ~[\d.,]+ \w+ on a GPU, .*: fits$", plan_report(cfg, None, 1, 2, 16), re.M)
     assert fits and int(fits.group(1)) == default
     # on a GPU with the memory the estimate gives half the default anchors, the line names the most that fit
     config = plan.load_config(model)
@@ -169,6 +169,13 @@ def test_plan_prints_the_train_steps_memory_and_the_anchors_that_fit(model, tmp_
         )
         for a in range(1, default + 1)
     }
+    layer_params = plan.memory.parameter_count(method.model_cls, dcfg, layers_only=True)
+    pointwise = plan.memory.StepShape(
+        1, 1, BUDGET, default, chunk, row_raw, params, 0, True, recompute="pointwise", layer_parameters=layer_params
+    )
+    lighter = sum(plan.memory.step_memory(dcfg, pointwise).values())
+    assert lighter < totals[default]
+    assert f"~{plan._size(lighter)} with --recompute pointwise" in plan_report(cfg, None, 1, 2, 16)
     monkeypatch.setattr(plan, "H200_MEMORY", totals[default // 2])
     line = plan._memory_line(config, layers, 2, 16, BUDGET, row_raw, encoding)
     assert line.endswith(

@@ -332,7 +332,14 @@ def test_validation_time_counts_in_no_training_step(store, tmp_path, monkeypatch
 
 @pytest.mark.parametrize(
     "method, recompute",
-    [("dflash", "none"), ("dflash2", "none"), ("dspark-topk", "none"), ("dflash2", "mlp"), ("dflash2", "pointwise")],
+    [
+        ("dflash", "none"),
+        ("dflash2", "none"),
+        ("dspark-topk", "none"),
+        ("dflash2", "mlp"),
+        ("dflash2", "pointwise"),
+        ("dspark-topk", "pointwise"),
+    ],
 )
 def test_compiled_step_matches_eager_without_recompiles(method, recompute, store_for, tmp_path):
     """20 steps over different rows: compiled drafter + objective agree with eager, and nothing recompiles after
