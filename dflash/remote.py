@@ -44,6 +44,9 @@ log = logging.getLogger("dflash")
 BACKOFF_START = 1.0  # seconds before the first retry, doubled for each next one
 BACKOFF_MAX = 60.0
 BUFFER_PER_REQUEST = 16  # answers held for writing, per request in flight, behind a slow earlier prompt
+# The main thread waits for answers at most this long at a time: a Ctrl-C the kernel hands to a request thread
+# (any thread may take a process's signal) does not wake the main thread's lock wait, only its next bytecode does.
+SIGNAL_CHECK_SECONDS = 0.2
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
@@ -280,7 +283,7 @@ def answer_in_order(ask, start: int, end: int, out: Path, concurrency: int, bar)
             ):
                 pending[pool.submit(ask, next_in)] = next_in
                 next_in += 1
-            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+            finished, _ = wait(pending, timeout=SIGNAL_CHECK_SECONDS, return_when=FIRST_COMPLETED)
             for future in finished:
                 index = pending.pop(future)
                 try:

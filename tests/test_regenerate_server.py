@@ -409,6 +409,31 @@ class FakeServer:
         self.server.server_close()
 
 
+def test_ctrl_c_taken_by_a_request_thread_still_stops_the_run(tmp_path):
+    """The kernel may hand a process's SIGINT to any of its threads; one taken by a request thread does not wake the
+    main thread's wait for answers (the flake of this file's Ctrl-C test, 2026-12-03). The main thread waits in
+    short slices, so it raises KeyboardInterrupt within one of them even though every request hangs."""
+    hung = threading.Event()
+
+    def ask(index):
+        if index == 0:  # this request's thread takes the signal, then hangs like the others
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+        hung.wait(30)
+        return {"prompt": index}, 0
+
+    release = threading.Timer(10, hung.set)  # without the slices the main thread waits for this
+    release.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            dflash.remote.answer_in_order(ask, 0, 4, tmp_path / "out.jsonl", 2, bar=None)
+        assert time.monotonic() - started < 10 * dflash.remote.SIGNAL_CHECK_SECONDS
+    finally:
+        hung.set()
+        release.cancel()
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 @pytest.mark.parametrize("stalls", ["hang", "503"])
 def test_ctrl_c_against_a_stalled_server_stops_at_once_and_the_rerun_resumes(stalls, prompts_file, tmp_path):
     server = FakeServer(answered=2, stalls=stalls)
