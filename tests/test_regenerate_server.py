@@ -411,8 +411,8 @@ class FakeServer:
 
 def test_ctrl_c_taken_by_a_request_thread_still_stops_the_run(tmp_path):
     """The kernel may hand a process's SIGINT to any of its threads; one taken by a request thread does not wake the
-    main thread's wait for answers (the flake of this file's Ctrl-C test, 2026-12-03). The main thread waits in
-    short slices, so it raises KeyboardInterrupt within one of them even though every request hangs."""
+    main thread's wait for answers. The main thread waits in short slices, so it raises KeyboardInterrupt within one
+    of them even though every request hangs."""
     hung = threading.Event()
 
     def ask(index):
@@ -421,16 +421,26 @@ def test_ctrl_c_taken_by_a_request_thread_still_stops_the_run(tmp_path):
         hung.wait(30)
         return {"prompt": index}, 0
 
+    class Bar:
+        def update(self, n):
+            pass
+
+        def set_postfix_str(self, text, refresh):
+            pass
+
+    # Python's own Ctrl-C handler, as a command-line run has it (a suite started in the background ignores SIGINT)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     release = threading.Timer(10, hung.set)  # without the slices the main thread waits for this
     release.start()
     started = time.monotonic()
     try:
         with pytest.raises(KeyboardInterrupt):
-            dflash.remote.answer_in_order(ask, 0, 4, tmp_path / "out.jsonl", 2, bar=None)
+            dflash.remote.answer_in_order(ask, 0, 4, tmp_path / "out.jsonl", 2, Bar())
         assert time.monotonic() - started < 10 * dflash.remote.SIGNAL_CHECK_SECONDS
     finally:
         hung.set()
         release.cancel()
+        signal.signal(signal.SIGINT, previous)
     assert not (tmp_path / "out.jsonl").exists()
 
 
@@ -450,6 +460,8 @@ def test_ctrl_c_against_a_stalled_server_stops_at_once_and_the_rerun_resumes(sta
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            # A suite started in the background (`make test &`) inherits SIGINT ignored, and Python then keeps it so.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         deadline = time.monotonic() + 60
         while not (out.exists() and out.read_text().count("\n") == 2 and len(server.posts) >= 4):
