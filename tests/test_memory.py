@@ -137,19 +137,29 @@ def test_the_anchors_that_fit_are_the_last_of_a_brute_force_scan(method):
         assert fitting_anchors(dcfg, shape, usable) == scanned
 
 
-def activations_kept_by_the_compiled_mlp(recompute: bool, tokens: int = 80) -> list[int]:
-    """The widths of the activations of `tokens` rows that the compiled step keeps for the backward of
-    x + mlp(norm(x)) under bf16 autocast: the forward graph's extra outputs after inductor's partitioner (min-cut),
-    on the CPU."""
-    cfg = small_config()
+def kept_for_backward(fn, *inputs) -> list:
+    """The values the compiled `fn` keeps for its backward under inductor's partitioner (min-cut), on the CPU: the
+    forward graph's extra outputs (fx nodes, `meta["val"]` their fake tensors)."""
     kept = []
 
     def forward_compiler(gm, _):
-        outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-        shapes = [tuple(o.meta["val"].shape) for o in outputs[1:]]
-        kept.extend(s[-1] for s in shapes if s[-1] > 1 and math.prod(s[:-1]) == tokens)  # not rsqrt's [.., 1]
+        kept.extend(next(n for n in gm.graph.nodes if n.op == "output").args[0][1:])
         return make_boxed_func(gm.forward)
 
+    torch._dynamo.reset()
+    backend = aot_autograd(
+        fw_compiler=forward_compiler,
+        bw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+        partition_fn=min_cut_rematerialization_partition,
+    )
+    torch.compile(fn, backend=backend, fullgraph=True)(*inputs).sum().backward()
+    return kept
+
+
+def activations_kept_by_the_compiled_mlp(recompute: bool, tokens: int = 80) -> list[int]:
+    """The widths of the activations of `tokens` rows that the compiled step keeps for the backward of
+    x + mlp(norm(x)) under bf16 autocast."""
+    cfg = small_config()
     norm, mlp = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps), MLP(cfg)
     mlp.recompute = recompute
 
@@ -157,11 +167,9 @@ def activations_kept_by_the_compiled_mlp(recompute: bool, tokens: int = 80) -> l
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return x + mlp(norm(x))
 
-    torch._dynamo.reset()
-    backend = aot_autograd(fw_compiler=forward_compiler, partition_fn=min_cut_rematerialization_partition)
     x = torch.randn(2, tokens // 2, cfg.hidden_size, requires_grad=True)
-    torch.compile(block, backend=backend, fullgraph=True)(x).sum().backward()
-    return sorted(kept)
+    shapes = [tuple(node.meta["val"].shape) for node in kept_for_backward(block, x)]
+    return sorted(s[-1] for s in shapes if s[-1] > 1 and math.prod(s[:-1]) == tokens)  # not rsqrt's [.., 1]
 
 
 def test_recompute_mlp_drops_what_the_formula_takes_off():
@@ -203,17 +211,6 @@ def bf16_kept_by_a_compiled_layer(method: str, recompute: str, blocks: int, cont
     torch.manual_seed(0)
     model = methods.get(method).model_cls(cfg)
     model.set_recompute(recompute)
-    kept = []
-
-    def forward_compiler(gm, _):
-        outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-        kept.extend(
-            tuple(o.meta["val"].shape)
-            for o in outputs[1:]
-            if o.op != "placeholder" and o.meta["val"].dtype == torch.bfloat16
-        )
-        return make_boxed_func(gm.forward)
-
     R, Q, T = 2, 4 * blocks, context
     x, ctx = torch.randn(R, Q, 64, requires_grad=True), torch.randn(R, T, 64, requires_grad=True)
     q_rope = rope_tables(torch.arange(Q).expand(R, Q), 8, 1e4, torch.float32)
@@ -223,13 +220,11 @@ def bf16_kept_by_a_compiled_layer(method: str, recompute: str, blocks: int, cont
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return model._run_layer(model.layers[0], x, ctx, q_rope, kv_rope, None)
 
-    torch._dynamo.reset()
-    backend = aot_autograd(
-        fw_compiler=forward_compiler,
-        bw_compiler=lambda gm, _: make_boxed_func(gm.forward),
-        partition_fn=min_cut_rematerialization_partition,
-    )
-    torch.compile(layer, backend=backend, fullgraph=True)(x, ctx).sum().backward()
+    kept = [
+        tuple(node.meta["val"].shape)
+        for node in kept_for_backward(layer, x, ctx)
+        if node.op != "placeholder" and node.meta["val"].dtype == torch.bfloat16
+    ]
     return kept, cfg
 
 
