@@ -82,20 +82,20 @@ def step_memory(dcfg: DrafterConfig, shape: StepShape) -> dict[str, int]:
     method_copies = dcfg.method_activation_copies() * c.block / GPU.block
     F = dcfg.intermediate_size
     block_copies = c.block * (H + F + q_width) + method_copies * H
-    recomputed = shape.recompute == "mlp"
-    if recomputed:  # the MLP keeps its input only: off go what the step keeps of it (docs/training.md, "Memory")
-        block_copies -= 3 * F + H if shape.cuda else 4 * F
-    recomputed_width = 3 * F if recomputed else 0  # gate, up and their product, one layer's at a time
+    rebuilt_width = 0  # what one layer's backward rebuilds at a time
     # bf16 copies of the weights under autocast; --recompute pointwise keeps those of one layer at a time only
     weight_copies = shape.parameters if shape.cuda else 0
     context_kv = c.context_kv
-    if shape.recompute == "pointwise" and shape.cuda:
+    if shape.recompute == "mlp":  # the MLP keeps its input only: off go what the step keeps of it (docs/training.md)
+        block_copies -= 3 * F + H if shape.cuda else 4 * F
+        rebuilt_width = 3 * F  # gate, up and their product
+    elif shape.recompute == "pointwise" and shape.cuda:
         # Each layer keeps its input and its matmuls' and attention's outputs, counted in the compiled graph
         # (tests/test_memory.py): q and the block's k, v; the attention's output, o_proj's; gate and up. What the
         # compiled layer no longer keeps (the normed inputs, q after its norm and RoPE twice, the SwiGLU product,
         # the block's k before RoPE) is rebuilt one layer at a time in its backward.
         block_copies = 2 * H + 2 * q_width + 2 * kv_width + 2 * F + dcfg.method_activation_copies("pointwise") * H
-        recomputed_width = 2 * H + 2 * q_width + F + kv_width
+        rebuilt_width = 2 * H + 2 * q_width + F + kv_width
         context_kv = 2.0  # k and v of the context
         weight_copies -= shape.layer_parameters * (L - 1) // L
     parts = {
@@ -114,7 +114,7 @@ def step_memory(dcfg: DrafterConfig, shape: StepShape) -> dict[str, int]:
             * dcfg.loss_logit_copies(shape.teacher)
         ),
         "dense attention mask": round(R * Q * (T + Q) * c.mask),
-        "recomputed in a layer's backward": round(R * Q * recomputed_width * e),  # one layer's at a time
+        "recomputed in a layer's backward": round(R * Q * rebuilt_width * e),
     }
     return parts
 
