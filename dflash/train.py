@@ -164,7 +164,8 @@ class Trainer:
         self.model.set_attention_kernel_options(kernel_options)
         self.model.set_recompute(cfg.recompute)
         if cfg.recompute != "none":
-            logger.info("the backward recomputes each drafter layer's MLP (--recompute %s)", cfg.recompute)
+            what = "MLP" if cfg.recompute == "mlp" else "element-wise work (norms, RoPE, SwiGLU, weight casts)"
+            logger.info("the backward recomputes each drafter layer's %s (--recompute %s)", what, cfg.recompute)
         self.mask_tile = cfg.mask_tile_size or default_mask_tile(head_dim)
         if self.cuda:
             given = bool(cfg.attention_kernel_options), cfg.mask_tile_size is not None
