@@ -261,14 +261,11 @@ def test_recompute_pointwise_keeps_what_the_formula_counts(method):
 
 def test_recompute_pointwise_takes_off_the_formula_what_it_counts():
     dcfg = drafter(*A)
-    model_cls = methods.get("dflash").model_cls
-    shape = dataclasses.replace(
-        gpu_shape(dcfg, 12288), recompute="pointwise", layer_parameters=parameter_count(model_cls, dcfg, True)
-    )
+    layers = parameter_count(methods.get("dflash").model_cls, dcfg, layers_only=True)
+    shape = dataclasses.replace(gpu_shape(dcfg, 12288), recompute="pointwise", layer_parameters=layers)
     full, pointwise = step_memory(dcfg, gpu_shape(dcfg, 12288)), step_memory(dcfg, shape)
     H, F, q, kv = 5120, 17408, 24 * 256, 4 * 256
     assert pointwise["block activations"] == 2048 * 16 * 5 * (2 * H + 2 * q + 2 * kv + 2 * F) * 2
-    layers = parameter_count(model_cls, dcfg, True)
     assert full["weights and optimizer"] - pointwise["weights and optimizer"] == layers * 4 // 5 * 2
     assert pointwise["recomputed in a layer's backward"] == 2048 * 16 * (2 * H + 2 * q + F + kv) * 2
 
