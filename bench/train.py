@@ -545,6 +545,7 @@ def bench_one(
     device = env.device
     options, teacher = split_variant(method)
     options.update(flex_train_options(flex[1]) if flex else {})
+    loss_chunk = options.pop("loss_chunk", args.loss_chunk)  # a variant's own, else --loss-chunk
     shape = f"{s['docs_per_row']}x{s['doc_len']}"
     root = Path(args.work) / (f"tiny-{name}-{shape}" if args.tiny else f"{name}-{shape}")
     if teacher:  # a store of its own, with the teacher arrays
@@ -557,7 +558,7 @@ def bench_one(
         out=str(run),
         target=str(root / "target"),
         anchors=s["anchors_per_doc"] * s["docs_per_row"],
-        loss_chunk=args.loss_chunk,
+        loss_chunk=loss_chunk,
         max_steps=args.steps,
         val_fraction=0.0,
         log_every=1,
@@ -582,6 +583,8 @@ def bench_one(
     label += f" flex {flex[0]}" if flex else ""
     summary = summarise(label, s, trainer, result["records"], args.steps)
     summary["method"] = method
+    summary["embedding"] = "host" if trainer.host_embedding else "device"
+    summary["memory_estimate_GB"] = trainer.memory_estimate / 1e9
     summary["flex"] = dict(zip(("name", "options"), flex)) if flex else None
     summary.update(data_build_s=build_s, warmup_capture_s=prep["total_s"], warmup_parts_s=prep)
     try:
@@ -707,6 +710,7 @@ def report(info: dict, results: list[dict], args, world: int):
         if "error" not in r:
             print(
                 f"{r['drafter']}: {r['params_M']:.1f} M trainable parameters, loss chunk {r['loss_chunk']}, "
+                f"token embeddings on the {r['embedding']}, memory estimate {r['memory_estimate_GB']:.1f} GB, "
                 f"window steps {r['window'][0]}-{r['window'][1]}, data built in {r['data_build_s']:.1f} s, "
                 f"warmup + capture {r['warmup_capture_s']:.1f} s, "
                 f"loss {r['loss_first_last'][0]:.3f} -> {r['loss_first_last'][1]:.3f}"

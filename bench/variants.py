@@ -22,6 +22,10 @@ METHOD_VARIANTS = {
     "dflash-recompute": {"method": "dflash", "recompute": "mlp"},
     "dflash-pointwise": {"method": "dflash", "recompute": "pointwise"},
     "dflash2-pointwise": {"method": "dflash2", "recompute": "pointwise"},
+    # Where the token embeddings are looked up (TrainConfig.embedding; auto ships them from the host at the
+    # benchmarks' rows): the table kept on the device, for the comparison; pointwise with a loss chunk of 1024 rows.
+    "dflash-pointwise-device-embedding": {"method": "dflash", "recompute": "pointwise", "embedding": "device"},
+    "dflash-pointwise-chunk1024": {"method": "dflash", "recompute": "pointwise", "loss_chunk": 1024},
     # DSpark trains from a store harvested with a teacher (the `teacher` key: the harvest's --teacher)
     "dspark-topk": {"method": "dspark", "teacher": "topk:32"},
     "dspark-hidden": {"method": "dspark", "teacher": "hidden"},

@@ -159,6 +159,16 @@ def block_inputs(
     return block_ids.long(), q_positions, labels, weights
 
 
+def block_embeddings(token_embeds: Tensor, anchors: Tensor, mask_embedding: Tensor, block_size: int) -> Tensor:
+    """The block tokens' embeddings [R, A*B, H] from each row's token embeddings [R, T, H] (--embedding host): the
+    anchor's at k=0, the mask token's `mask_embedding` [H] after; `block_inputs`' block_ids looked up in the table."""
+    R, A = anchors.shape
+    H = token_embeds.shape[-1]
+    anchor_embeds = token_embeds.gather(1, anchors[:, :, None].expand(R, A, H))[:, :, None]
+    slot = torch.arange(block_size, device=anchors.device)[:, None]
+    return torch.where(slot == 0, anchor_embeds, mask_embedding).view(R, A * block_size, H)
+
+
 def span_outputs(hidden: Tensor, block_size: int, span: int) -> Tensor:
     """The drafter's outputs [R, A*B, H] laid out as the labels [R, A*S]: the same for S = B; for S = B + 1 (the
     anchor slot drafts) output j predicts the label of slot j + 1, and slot 0 (never trained) gets zeros."""

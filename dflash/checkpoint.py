@@ -51,6 +51,7 @@ RESUMABLE_CHANGES = {
     "attention_kernel_options",
     "mask_tile_size",
     "recompute",
+    "embedding",
     "peak_tflops",
     "tensorboard",
     "prefetch",

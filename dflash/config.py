@@ -160,6 +160,10 @@ POSITION_WEIGHTS = ("decay", "dpace")
 # layer then keeps the outputs of its matmuls and attention only, dflash.drafter.KEPT_BY_POINTWISE); or each layer's
 # MLP, which then keeps only its input, where the compiled step otherwise keeps gate, up and their SwiGLU product.
 RECOMPUTE = ("none", "pointwise", "mlp")
+# Where the block tokens' embeddings come from: the frozen table on the device, or the reader threads, which look each
+# row's tokens up in a host copy of the table and ship them with the row (the table then stays off the GPU); auto
+# picks host on a GPU when those per-row embeddings take less device memory than the table (dflash.memory).
+EMBEDDING = ("auto", "device", "host")
 
 
 @dataclass
@@ -258,6 +262,15 @@ class TrainConfig:
         "bytes less per block token and layer, for two more matmuls per layer). Memory for speed; the values are "
         "unchanged.",
         choices=list(RECOMPUTE),
+    )
+    embedding: str = option(
+        "auto",
+        "Where the frozen token embedding is looked up: device (the table on the GPU, looked up in the step) or host "
+        "(the reader threads look up each row's tokens in a host copy and ship their embeddings with the row, so the "
+        "table stays off the GPU: 2.5 GB for a 248 K x 5120 vocabulary, for T x hidden x 2 bytes more per row a "
+        "step); auto: host on a GPU when a step's rows hold fewer than half a vocabulary of tokens, else device. "
+        "Memory only; the values are the same.",
+        choices=list(EMBEDDING),
     )
     mask_tile_size: int | None = option(
         None,

@@ -55,6 +55,16 @@ class StepShape:
     teacher: str | None = None  # the teacher kind the method trains from (`hidden`, `topk`), None without
     recompute: str = "none"  # TrainConfig.recompute
     layer_parameters: int = 0  # those of the drafter layers (--recompute pointwise recomputes their bf16 copies)
+    embedding_on_host: bool = False  # TrainConfig.embedding resolved (`embedding_on_host`)
+
+
+def embedding_on_host(choice: str, cuda: bool, step_tokens: int, vocab_size: int) -> bool:
+    """Whether the reader looks the step's token embeddings up on the host (TrainConfig.embedding). auto: on a GPU
+    when the embeddings of a step's tokens, in the step's buffers and their staging copy, take less room than the
+    table: 2 x tokens < vocabulary (a 12288-token row of a 248 K vocabulary: 0.1 of the table)."""
+    if choice == "auto":
+        return cuda and 2 * step_tokens < vocab_size
+    return choice == "host"
 
 
 def parameter_count(model_cls, dcfg: DrafterConfig, layers_only: bool = False) -> int:
@@ -98,10 +108,14 @@ def step_memory(dcfg: DrafterConfig, shape: StepShape) -> dict[str, int]:
         rebuilt_width = 2 * H + 2 * q_width + F + kv_width
         context_kv = 2.0  # k and v of the context
         weight_copies -= shape.layer_parameters * (L - 1) // L
+    # --embedding host: each row's token embeddings, in the step's buffers and (on a GPU) their staging copy
+    embedding_copies = (2 if shape.cuda else 1) if shape.embedding_on_host else 0
     parts = {
         # fp32 weights, the flat fp32 gradient, AdamW's two moments; the bf16 weight copies of autocast
         "weights and optimizer": shape.parameters * 16 + weight_copies * 2,
-        "frozen embedding and LM head": 2 * V * H * e + shape.lifted_width * dcfg.feature_dim * e,
+        "frozen embedding and LM head": (1 if shape.embedding_on_host else 2) * V * H * e
+        + shape.lifted_width * dcfg.feature_dim * e,
+        "token embeddings": embedding_copies * shape.micro_batches * R * T * H * e,
         "step buffers": shape.micro_batches * R * shape.stored_bytes_per_row,
         "block activations": round(R * Q * L * block_copies * e),
         "context activations": round(R * T * (c.context * H + context_kv * L * kv_width) * e),
@@ -140,7 +154,8 @@ def available_memory(device: torch.device) -> int | None:
     return available
 
 
-def _size(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """Bytes as GB (or MB below one GB), one decimal."""
     return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
 
 
@@ -154,7 +169,7 @@ def check_memory(dcfg: DrafterConfig, shape: StepShape, available: int | None, d
         return need
     fitting = fitting_anchors(dcfg, shape, usable)
     largest = sorted(parts.items(), key=lambda kv: -kv[1])[:3]
-    detail = ", ".join(f"{name} {_size(n)}" for name, n in largest)
+    detail = ", ".join(f"{name} {format_bytes(n)}" for name, n in largest)
     where = (
         "free on the GPU"
         if device.type == "cuda"
@@ -165,9 +180,9 @@ def check_memory(dcfg: DrafterConfig, shape: StepShape, available: int | None, d
     if shape.cuda and shape.recompute == "none":
         lighter = sum(step_memory(dcfg, dataclasses.replace(shape, recompute="pointwise")).values())
         fits = "fits" if lighter <= usable else "does not fit either"
-        fix += f"; --recompute pointwise (no matmul repeated) needs about {_size(lighter)} and {fits}"
+        fix += f"; --recompute pointwise (no matmul repeated) needs about {format_bytes(lighter)} and {fits}"
     raise DflashError(
-        f"a training step needs about {_size(need)} ({detail}) but {_size(available)} is {where}: {fix}; "
+        f"a training step needs about {format_bytes(need)} ({detail}) but {format_bytes(available)} is {where}: {fix}; "
         "fewer --rows-per-step, a smaller --loss-chunk, fewer --draft-layers or a store of a shorter --token-budget "
         "also lower it; --ignore-memory-estimate runs it anyway (docs/training.md, 'Memory')"
     )

@@ -264,6 +264,7 @@ def _memory_line(config, layers, draft_layers: int, block_size: int, token_budge
         parameters=memory.parameter_count(method.model_cls, dcfg),
         lifted_width=encoding.width if encoding.subspace is not None else 0,
         cuda=True,
+        embedding_on_host=memory.embedding_on_host(TrainConfig.embedding, True, token_budget, dcfg.vocab_size),
     )
     need = sum(memory.step_memory(dcfg, shape).values())
     layer_parameters = memory.parameter_count(method.model_cls, dcfg, layers_only=True)

@@ -177,7 +177,7 @@ class DamagedRows:
         return new
 
 
-def _numpy_view(t: torch.Tensor) -> np.ndarray:
+def numpy_view(t: torch.Tensor) -> np.ndarray:
     # numpy has no bfloat16: view the bits as int16 so that the store's uint16 bits land unchanged.
     return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
 
@@ -199,7 +199,8 @@ class RowReader:
     bounded and nothing is read until it is about to be used (the first step waits for one batch, whatever
     the size of the store). A step of fewer rows than threads has each row read in `pieces` interleaved sets of
     its chunks, one thread each: a long row (32768 tokens of a 4B-class target's features: 839 MB) is otherwise
-    decoded by one thread while the others idle.
+    decoded by one thread while the others idle. `derive(row arrays)`, where given, fills a row's derived arrays
+    (those of `shape.fields` the store does not hold) from its read ones, in a reader thread once its pieces are in.
     """
 
     def __init__(
@@ -212,11 +213,12 @@ class RowReader:
         pin: bool = False,
         damaged: DamagedRows | None = None,
         pieces: int | None = None,
+        derive: Callable[[dict[str, np.ndarray]], None] | None = None,
     ):
-        self.store, self.shape = store, shape
+        self.store, self.shape, self.derive = store, shape, derive
         self.damaged = DamagedRows() if damaged is None else damaged
         self.slots = [allocate_batch(shape, "cpu", pin=pin) for _ in range(depth + 1)]
-        self._views = [{name: _numpy_view(t) for name, t in slot.items()} for slot in self.slots]
+        self._views = [{name: numpy_view(t) for name, t in slot.items()} for slot in self.slots]
         self._free: queue.Queue[int] = queue.Queue()
         for i in range(len(self.slots)):
             self._free.put(i)
@@ -254,7 +256,19 @@ class RowReader:
         return None
 
     def _submit_pieces(self, slot: int, i: int, row: int) -> list[Future]:
-        return [self._pool.submit(self._read_piece, slot, i, row, piece) for piece in range(self.pieces)]
+        futures = [self._pool.submit(self._read_piece, slot, i, row, piece) for piece in range(self.pieces)]
+        if self.derive is not None:
+            # Queued after the row's pieces in the pool's FIFO queue, so the pieces it waits for have all been taken
+            # by threads before it runs: no wait on a task that needs its thread.
+            futures.append(self._pool.submit(self._derive_row, slot, i, futures[:]))
+        return futures
+
+    def _derive_row(self, slot: int, i: int, pieces: list[Future]) -> None:
+        if any(future.result() is not None for future in pieces):
+            return None  # a damaged row: next() zeroes all of its arrays
+        out, _ = self._row_views(slot, i)
+        self.derive(out)
+        return None
 
     def _row_views(self, slot: int, i: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """The slot's arrays for its row i: (row arrays, teacher arrays)."""

@@ -18,8 +18,6 @@ import contextlib
 import dataclasses
 import logging
 import math
-import signal
-import threading
 import time
 from pathlib import Path
 
@@ -28,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dflash import blocks, features, graph, loss, methods, reader
+from dflash import blocks, features, graph, loss, memory, methods, reader
 from dflash.attention_kernels import (
     attention_kernel_errors,
     attention_kernel_options,
@@ -47,12 +45,14 @@ from dflash.metrics import Meter, MetricsLog, Tally, source_sums, visible_pairs
 from dflash.store import Store
 from dflash.train_setup import (
     Env,
+    StopSignals,
     anchors_per_row,
     check_self_check,
     check_shapes,
     check_step_memory,
     check_teacher,
     check_val_store,
+    describe_embedding,
     drafter_config,
     load_frozen,
     tally_for,
@@ -76,36 +76,6 @@ def learning_rate(step: torch.Tensor, cfg: TrainConfig, total_steps: int) -> tor
 
 
 # ---------------------------------------------------------------------------------------------- stopping
-
-
-class StopSignals:
-    """SIGINT / SIGTERM while training: ask the loop to stop after the current step with a checkpoint. The first
-    signal puts the previous handlers back, so a second one stops at once (losing the steps since the last
-    checkpoint). Handlers can only be set from the main thread; elsewhere this does nothing."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self):
-        self.received: str | None = None
-        self._previous = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-        return self
-
-    def _handle(self, signum, _frame):
-        self.received = signal.Signals(signum).name
-        self._restore()
-        logger.warning("%s: saving a checkpoint after this step, then stopping (again: stop at once)", self.received)
-
-    def _restore(self):
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-        self._previous = {}
-
-    def __exit__(self, *exc):
-        self._restore()
 
 
 # ---------------------------------------------------------------------------------------------- the trainer
@@ -141,8 +111,18 @@ class Trainer:
         fields = reader.row_fields({**self.store.row_layout, **teacher_fields})
         lifted = self.encoding.width if self.projection is not None else 0
         self.teacher_kind = self.store.teacher.kind if teacher_fields else None
+        step_tokens = cfg.grad_accum * cfg.rows_per_step * T
+        self.host_embedding = memory.embedding_on_host(cfg.embedding, self.cuda, step_tokens, self.dcfg.vocab_size)
         self.memory_estimate = check_step_memory(
-            cfg, self.dcfg, self.method, fields, self.num_anchors, lifted, self.device, self.teacher_kind
+            cfg,
+            self.dcfg,
+            self.method,
+            fields,
+            self.num_anchors,
+            lifted,
+            self.device,
+            self.teacher_kind,
+            self.host_embedding,
         )
         embed, head = load_frozen(self.target_path, manifest)
         self.objective_options = methods.ObjectiveOptions(
@@ -154,7 +134,15 @@ class Trainer:
 
         self.mm_dtype = torch.bfloat16 if self.cuda else torch.float32
         # Frozen and only ever read by matmuls under autocast: stored in the matmul dtype, no per-step cast.
-        self.embed, self.head = embed.to(self.device, self.mm_dtype), head.to(self.device, self.mm_dtype)
+        self.head = head.to(self.device, self.mm_dtype)
+        embed = embed.to(self.mm_dtype)
+        if self.host_embedding:  # the reader threads look each row's tokens up in the host copy (_embed_row)
+            self.host_table = reader.numpy_view(embed.contiguous())
+            self.mask_embedding = embed[self.dcfg.mask_token_id].to(self.device)
+            fields["token_embeds"] = ((T, self.dcfg.hidden_size), self.mm_dtype)
+        else:
+            self.embed = embed.to(self.device)
+        logger.info(describe_embedding(self.host_embedding, cfg.embedding, embed, step_tokens))
         self.lift = None if self.projection is None else self.projection.to(self.device, self.mm_dtype)
         torch.manual_seed(cfg.seed)
         with torch.device(self.device):
@@ -295,7 +283,10 @@ class Trainer:
         mask = self.mask_fn(x["anchors"], x["valid"], x["segments"], B, self.dcfg.sliding_window)
         features = self._features(m)
         with self._autocast():
-            embeds = F.embedding(x["block_ids"], self.embed)
+            if self.host_embedding:
+                embeds = blocks.block_embeddings(s["token_embeds"][m], x["anchors"], self.mask_embedding, B)
+            else:
+                embeds = F.embedding(x["block_ids"], self.embed)
             hidden = self.forward(embeds, features, x["q_positions"], s["position_ids"][m], mask)
             hidden = blocks.span_outputs(hidden, B, S).flatten(0, 1)
             labels, weights = x["labels"].flatten(), x["weights"].flatten()
@@ -572,9 +563,21 @@ class Trainer:
 
     def _reader(self, store, steps, shape: reader.BatchShape) -> reader.RowReader:
         cfg = self.cfg
+        derive = self._embed_row if self.host_embedding else None
         return reader.RowReader(
-            store, steps, shape, depth=cfg.prefetch, workers=cfg.reader_workers, pin=self.cuda, damaged=self.damaged
+            store,
+            steps,
+            shape,
+            depth=cfg.prefetch,
+            workers=cfg.reader_workers,
+            pin=self.cuda,
+            damaged=self.damaged,
+            derive=derive,
         )
+
+    def _embed_row(self, row: dict[str, np.ndarray]):
+        """--embedding host, in a reader thread: the row's token embeddings, looked up in the host table."""
+        np.take(self.host_table, row["input_ids"], axis=0, out=row["token_embeds"])
 
 
 # ---------------------------------------------------------------------------------------------- entry points

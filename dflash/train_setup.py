@@ -1,6 +1,6 @@
 """What a training run checks and decides before its trainer does any work: the store against its options and its
 target (held-out store, self-check, teacher arrays, shapes), the drafter's config, the step's memory, the run
-folder, whether a resumed run had already finished; and the process's place among the ranks.
+folder, whether a resumed run had already finished; the process's place among the ranks, and its stop signals.
 
 Everything the trainer reads from the store's manifest and the target's files is here (dflash.train builds the
 trainer from it).
@@ -9,6 +9,8 @@ trainer from it).
 import dataclasses
 import logging
 import os
+import signal
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,9 +181,11 @@ def check_step_memory(
     lifted_width: int,
     device,
     teacher: str | None = None,
+    embedding_on_host: bool = False,
 ) -> int:
     """The estimated peak bytes of a step (dflash.memory), refused before anything is built when the device has
-    less (unless --ignore-memory-estimate); `teacher`: the kind of teacher arrays the method trains from."""
+    less (unless --ignore-memory-estimate); `teacher`: the kind of teacher arrays the method trains from; `fields`:
+    the store's row arrays (the token embeddings of `embedding_on_host` are counted apart)."""
     T = fields["input_ids"][0][0]
     shape = memory.StepShape(
         rows=cfg.rows_per_step,
@@ -196,11 +200,24 @@ def check_step_memory(
         teacher=teacher,
         recompute=cfg.recompute,
         layer_parameters=memory.parameter_count(method.model_cls, dcfg, layers_only=True),
+        embedding_on_host=embedding_on_host,
     )
     available = None if cfg.ignore_memory_estimate else memory.available_memory(device)
     if available is not None and device.type == "cpu":  # the ranks of one host share its memory
         available //= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     return memory.check_memory(dcfg, shape, available, device)
+
+
+def describe_embedding(on_host: bool, choice: str, table: torch.Tensor, step_tokens: int) -> str:
+    """The log line of TrainConfig.embedding: where the token embeddings are looked up, and what it costs."""
+    table_bytes = table.numel() * table.element_size()
+    if not on_host:
+        return f"token embeddings: the {memory.format_bytes(table_bytes)} table on the device (--embedding {choice})"
+    shipped = step_tokens * table.shape[1] * table.element_size()
+    return (
+        f"token embeddings: looked up on the host by the reader threads (--embedding {choice}): the "
+        f"{memory.format_bytes(table_bytes)} table stays in host memory, {memory.format_bytes(shipped)} of embeddings travel with a step's rows"
+    )
 
 
 def check_shapes(cfg: TrainConfig, token_budget: int, anchors: int, feature_dim: int, dcfg: DrafterConfig):
@@ -224,6 +241,36 @@ def check_shapes(cfg: TrainConfig, token_budget: int, anchors: int, feature_dim:
 
 
 # ---------------------------------------------------------------------------------------------- environment
+
+
+class StopSignals:
+    """SIGINT / SIGTERM while training: ask the loop to stop after the current step with a checkpoint. The first
+    signal puts the previous handlers back, so a second one stops at once (losing the steps since the last
+    checkpoint). Handlers can only be set from the main thread; elsewhere this does nothing."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def _handle(self, signum, _frame):
+        self.received = signal.Signals(signum).name
+        self._restore()
+        logger.warning("%s: saving a checkpoint after this step, then stopping (again: stop at once)", self.received)
+
+    def _restore(self):
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+    def __exit__(self, *exc):
+        self._restore()
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from dflash import graph
 from dflash.blocks import (
     MASK_COMPILE_OPTIONS,
     block_attention_mask,
+    block_embeddings,
     block_inputs,
     default_gamma,
     dense_block_mask,
@@ -193,6 +194,20 @@ def test_block_inputs_hand_checked():
     want = [0, 1 * 1, e(-1 / 2) * 0, e(-2 / 2) * 1, 0, 1, e(-1 / 2), e(-2 / 2), 0, 0, 0, 0]
     torch.testing.assert_close(weights, torch.tensor([want], dtype=torch.float32))
     assert default_gamma(16) == 7 and default_gamma(10) == 5 and default_gamma(8) == 4
+
+
+def test_block_embeddings_are_the_block_ids_looked_up_in_the_table():
+    """--embedding host: the anchors' rows of the row's token embeddings and the mask token's row, bit for bit what
+    the table gives block_inputs' ids (invalid anchors included)."""
+    B, MASK, V, H = 4, 7, 50, 8
+    input_ids, position_ids, loss_mask, doc_ids = make_row_data(2, 40, seed=5)
+    input_ids = input_ids % V
+    anchors, valid = sample_anchors(loss_mask, doc_ids, 6, B, torch.tensor(2))
+    valid[1, -1] = False
+    table = torch.randn(V, H, generator=torch.Generator().manual_seed(0)).bfloat16()
+    block_ids, *_ = block_inputs(input_ids, position_ids, loss_mask, anchors, valid, MASK, B)
+    got = block_embeddings(table[input_ids.long()], anchors, table[MASK], B)
+    assert torch.equal(got, table[block_ids])
 
 
 @pytest.mark.parametrize("window", [None, 1, 2, 5, 17])

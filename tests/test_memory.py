@@ -14,7 +14,14 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from dflash import methods
 from dflash.drafter import MLP, RMSNorm, rope_tables
 from dflash.errors import DflashError
-from dflash.memory import StepShape, check_memory, fitting_anchors, parameter_count, step_memory
+from dflash.memory import (
+    StepShape,
+    check_memory,
+    embedding_on_host,
+    fitting_anchors,
+    parameter_count,
+    step_memory,
+)
 
 
 def drafter(hidden: int, heads: int, ffn: int, method: str = "dflash"):
@@ -286,3 +293,27 @@ def test_the_gpu_refusal_names_what_recompute_pointwise_would_need():
     with pytest.raises(DflashError) as error:  # already recomputing: nothing more to offer there
         check_memory(dcfg, dataclasses.replace(shape, recompute="pointwise"), lighter - 1, torch.device("cuda"))
     assert "--recompute pointwise" not in str(error.value)
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_auto_embedding_takes_the_layout_of_less_memory_on_a_gpu(cuda):
+    """--embedding auto ships the token embeddings from the host where that takes less device memory than the
+    table (rows of a few thousand tokens against a 248 K vocabulary), keeps the table where the rows are longer,
+    and keeps it on the CPU, where no device memory is saved."""
+    dcfg = drafter(*A)
+    chosen = []
+    for T in (3072, 12288, 65536, 131072, 262144):
+        shape = dataclasses.replace(gpu_shape(dcfg, T), cuda=cuda)
+        host = embedding_on_host("auto", cuda, T, dcfg.vocab_size)
+        chosen.append(host)
+        need = {on: sum(step_memory(dcfg, dataclasses.replace(shape, embedding_on_host=on)).values()) for on in (0, 1)}
+        if cuda:
+            assert need[host] < need[not host]
+    assert chosen == ([True, True, True, False, False] if cuda else [False] * 5)
+    # 2 x 12288 x 5120 bf16 values (the step's and the staging copy) instead of the 248320 x 5120 table
+    shape = gpu_shape(dcfg, 12288)
+    saved = sum(step_memory(dcfg, shape).values()) - sum(
+        step_memory(dcfg, dataclasses.replace(shape, embedding_on_host=True)).values()
+    )
+    assert saved == (248320 - 2 * 12288) * 5120 * 2
+    assert embedding_on_host("host", False, 10**6, 10) and not embedding_on_host("device", True, 1, 10**6)

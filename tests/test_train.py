@@ -7,6 +7,7 @@ target; the alignment tests rewrite its arrays with features that make the label
 import dataclasses
 import io
 import json
+import logging
 import math
 import os
 import shutil
@@ -423,6 +424,25 @@ def test_recomputing_keeps_the_curve_and_may_change_on_resume(store, tmp_path, m
     assert fingerprint(recomputed_cfg, 1) == fingerprint(config(store, tmp_path / "recomputed", max_steps=3), 1)
 
 
+def test_the_host_embedding_keeps_the_curve_and_may_change_on_resume(store, tmp_path, caplog):
+    """--embedding host: the reader threads look each row's tokens up in a host copy of the table and the step
+    gathers its anchors' from them; the same losses, gradient norms and validation, bit for bit on the CPU."""
+    on_device = run_training(config(store, tmp_path / "device", max_steps=3, embedding="device"))
+    host_cfg = config(store, tmp_path / "host", max_steps=3, embedding="host")
+    trainer = Trainer(host_cfg, init_distributed("cpu"))
+    assert trainer.host_embedding and not hasattr(trainer, "embed")
+    assert trainer.static["token_embeds"].shape == (1, 2, trainer.store.token_budget, trainer.dcfg.hidden_size)
+    with caplog.at_level(logging.INFO, logger="dflash"):
+        on_host = run_training(host_cfg)
+    assert "token embeddings: looked up on the host by the reader threads (--embedding host)" in caplog.text
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in on_host["records"]] == [r[key] for r in on_device["records"]]
+    assert_same_validation(on_host["val"], on_device["val"])
+    assert fingerprint(host_cfg, 1) == fingerprint(config(store, tmp_path / "host", max_steps=3), 1)
+    # auto: the device on the CPU, where no GPU memory is to be saved
+    assert not Trainer(config(store, tmp_path / "auto", max_steps=3), init_distributed("cpu")).host_embedding
+
+
 def test_resume_with_other_options_names_them(store, tmp_path):
     run_training(config(store, tmp_path / "run", max_steps=2))
     with pytest.raises(DflashError, match=r"lr: checkpoint 0.0006, now 0.001.*max_steps"):
@@ -797,11 +817,14 @@ def test_bad_input_is_a_clear_error(case, store, target, tiny_target, tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_cuda_graph_is_flat_and_matches_the_ungraphed_step(store, tmp_path):
+@pytest.mark.parametrize("embedding", ["device", "host"])
+def test_cuda_graph_is_flat_and_matches_the_ungraphed_step(store, tmp_path, embedding):
     """On a GPU: the captured step allocates nothing (allocated / reserved bytes identical at every record),
-    never recompiles, and computes what the same step computes without the graph."""
-    graphed = run_training(config(store, tmp_path / "graph", max_steps=12, device="cuda", cuda_graph=True))
-    plain = run_training(config(store, tmp_path / "plain", max_steps=12, device="cuda", cuda_graph=False))
+    never recompiles, and computes what the same step computes without the graph; with the token embeddings
+    looked up in the step or shipped from the host."""
+    on = dict(max_steps=12, device="cuda", embedding=embedding)
+    graphed = run_training(config(store, tmp_path / "graph", cuda_graph=True, **on))
+    plain = run_training(config(store, tmp_path / "plain", cuda_graph=False, **on))
     assert graphed["allocated_spread"] == 0 and graphed["reserved_spread"] == 0
     assert [r["recompiles"] for r in graphed["records"]] == [0] * 12
     np.testing.assert_allclose(
@@ -1085,12 +1108,19 @@ def test_a_skipped_row_gets_zero_loss_weight(store, tmp_path):
     shards = _copy_store(store, tmp_path / "store")
     row = _row_of_step(shards, 0)
     _corrupt_row(shards, row)
-    trainer = Trainer(config(shards, tmp_path / "run", max_damaged_rows=1), init_distributed("cpu"))
+    cfg = config(shards, tmp_path / "run", max_damaged_rows=1, embedding="host")
+    trainer = Trainer(cfg, init_distributed("cpu"))
     rows = trainer._reader(trainer.store, trainer.plan.steps(0, 1), trainer.shape)
     try:
         batch = rows.next()
         assert not batch.tensors["loss_mask"][0, 0].any() and (batch.tensors["doc_ids"][0, 0] == -1).all()
+        assert not batch.tensors["token_embeds"][0, 0].any()
         assert batch.tensors["loss_mask"][0, 1].any()
+        # the other row's token embeddings: its tokens' rows of the table
+        embed, _ = load_embedding_and_head(trainer.target_path)
+        torch.testing.assert_close(
+            batch.tensors["token_embeds"][0, 1], embed.float()[batch.tensors["input_ids"][0, 1].long()], rtol=0, atol=0
+        )
         batch.release()
     finally:
         rows.close()
