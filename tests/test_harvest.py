@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -458,6 +459,54 @@ def test_a_slow_writer_shows_up_as_forward_thread_waiting(tiny_target, data_file
     assert s.buffer_wait_s >= 0.5 * SLOW * (groups - pipeline.HOST_BUFFERS - 1) > 0
     assert SLOW <= s.drain_s
     assert s.gpu_wait_s < SLOW  # on the CPU the forward and the host copy are synchronous: nothing to wait for
+
+
+def test_host_buffers_are_pinned_while_the_first_forward_runs_and_a_failure_stops_the_harvest(
+    harvested, tiny_target, data_file, tmp_path, monkeypatch
+):
+    """Pinning the host buffers (seconds at long rows on a GPU) happens on a side thread: the setup before the
+    first forward does not include it, the store is the same, and a buffer that cannot be made is the harvest's
+    error (not a hang); the rerun resumes to the same store."""
+    from dflash.harvest import driver, pipeline
+
+    SLOW = 0.5
+    buffers = pipeline.RowEncoder.buffers
+    made = []
+
+    def slow_buffers(self, pin=False, device=None):
+        if device is None:  # a host buffer (device buffers are made on the main thread, before the first forward)
+            made.append(threading.current_thread().name)
+            time.sleep(SLOW)
+        return buffers(self, pin, device)
+
+    monkeypatch.setattr(pipeline.RowEncoder, "buffers", slow_buffers)
+    stalls = []
+    run_rows = driver.run_rows
+    monkeypatch.setattr(driver, "run_rows", lambda *args: stalls.append(run_rows(*args)) or stalls[-1])
+    out = tmp_path / "store"
+    run_harvest(HarvestConfig(model=str(tiny_target("qwen3")), data=str(data_file), out=str(out), **OPTIONS))
+    (s,) = stalls
+    assert set(made) == {"dflash-pin"} and len(made) % pipeline.HOST_BUFFERS == 0  # (the self-check runs rows too)
+    assert s.setup_s < SLOW <= s.buffer_wait_s  # the first group waited for its buffer after its forward
+    assert_same_content(out, harvested("qwen3"))
+
+    made.clear()
+
+    def fails_at_second(self, pin=False, device=None):
+        if device is None:
+            made.append(pin)
+            if len(made) == 2:
+                raise RuntimeError("CUDA error: out of memory (pinned host memory)")
+        return buffers(self, pin, device)
+
+    monkeypatch.setattr(pipeline.RowEncoder, "buffers", fails_at_second)
+    out = tmp_path / "failed"
+    args = cli_args(tiny_target("qwen3"), data_file, out)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code != 0 and "pinned host memory" in str(result.exception), result.output
+    monkeypatch.undo()
+    assert run_cli(args).exit_code == 0
+    assert_same_content(out, harvested("qwen3"))
 
 
 # ------------------------------------------------------------------------------------ self-check (reforward)

@@ -1,0 +1,183 @@
+"""What the train step's attention could reach: flex_attention with the step's own BlockMask against dense kernels
+over the same number of visible (query, key) pairs, forward and backward, at a bench drafter's heads and a row
+shape. It says how much of the long-row step's time is the mask and how much the attention kernel at this head dim.
+
+Cases, each timed alone (random bf16 q, k, v; compiled where flex_attention is used):
+    step mask, flex      the trainer's call: BlockMask of dflash.blocks over 1 row, its default tiles and kernel
+                         options (dflash.attention_kernels), GQA as the drafter has it
+    causal, flex         the same kernel and options over a plain causal mask of length L, L(L+1)/2 ~= the pairs
+    causal, sdpa-X       torch's SDPA backends (flash, cudnn, efficient) over that causal problem; K and V repeated
+                         to the query heads first (not every backend takes GQA), their copy not timed
+FLOPs as the trainer's MFU counts them (docs/training.md): forward 4 x pairs x heads x head_dim, backward 2.5x that.
+(flex's backward runs QK^T and dO V^T once more in its dQ pass: 3.5x the forward's products executed.)
+
+On the H200 (bench/device_setup.sh first):
+    python3 bench/attention_ceiling.py --drafter b --row-shapes 4x3072:512,1x32768:2048
+    python bench/attention_ceiling.py --tiny        # the CPU: the dense-mask SDPA the CPU trainer runs, toy shapes
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repository's dflash
+
+from bench.train import DRAFTERS, TINY, parse_row_shapes  # noqa: E402
+from dflash import attention_kernels, blocks, metrics  # noqa: E402
+
+SDPA_BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+}
+PEAK_TFLOPS = 792.0  # bf16 matmul on the H200 (shared/DEVICE.md)
+
+
+def step_problem(s: dict, shape: dict, block: int, device: torch.device, seed: int):
+    """The step's anchors over one row of `shape`: (BlockMask or dense bias, query tokens, key tokens, pairs)."""
+    T = shape["docs_per_row"] * shape["doc_len"]
+    A = shape["docs_per_row"] * shape["anchors_per_doc"]
+    doc_ids = (torch.arange(T, device=device) // shape["doc_len"])[None]
+    loss_mask = torch.ones(1, T, dtype=torch.bool, device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    anchors, valid = blocks.sample_anchors(loss_mask, doc_ids, A, block, generator)
+    pairs = int(metrics.visible_pairs(anchors, valid, doc_ids, block))
+    if device.type == "cuda":
+        tile = attention_kernels.default_mask_tile(s["head_dim"])
+        mask = blocks.block_attention_mask(anchors, valid, doc_ids, block, tile_size=tile)
+    else:
+        mask = blocks.dense_attention_bias(anchors, valid, doc_ids, block)
+    return mask, A * block, T + A * block, pairs
+
+
+def causal_mask(length: int, tile: int, device: torch.device):
+    return create_block_mask(
+        lambda b, h, q, kv: kv <= q, B=None, H=None, Q_LEN=length, KV_LEN=length, device=device, BLOCK_SIZE=tile
+    )
+
+
+def timed(fn, iters: int, device: torch.device) -> float:
+    """Mean milliseconds of fn() after 3 untimed calls (CUDA events on a GPU, wall clock on the CPU)."""
+    for _ in range(3):
+        fn()
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return 1e3 * (time.perf_counter() - start) / iters
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    begin.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / iters
+
+
+def measure(attend, q, k, v, iters: int, device: torch.device) -> tuple[float, float]:
+    """(forward ms, backward ms) of out = attend(q, k, v): the backward as forward+backward minus forward."""
+    grad = torch.randn_like(q)
+
+    def forward():
+        with torch.no_grad():
+            attend(q, k, v)
+
+    def forward_backward():
+        out = attend(q, k, v)
+        torch.autograd.grad(out, (q, k, v), grad)
+
+    fwd = timed(forward, iters, device)
+    return fwd, timed(forward_backward, iters, device) - fwd
+
+
+def inputs(heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int, device, dtype):
+    def make(h, n):
+        return torch.randn(1, h, n, head_dim, device=device, dtype=dtype).requires_grad_()
+
+    return make(heads, q_len), make(kv_heads, kv_len), make(kv_heads, kv_len)
+
+
+def cases(s: dict, shape: dict, block: int, device: torch.device, seed: int):
+    """(name, attend, (q, k, v), pairs per head) of every case at this shape."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    H, G, d = s["heads"], s["kv_heads"], s["head_dim"]
+    mask, q_len, kv_len, pairs = step_problem(s, shape, block, device, seed)
+    if device.type != "cuda":  # the CPU trainer's path: SDPA over the dense bias
+        yield (
+            "step mask, sdpa (CPU)",
+            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+            inputs(H, G, q_len, kv_len, d, device, dtype),
+            pairs,
+        )
+        return
+    options = attention_kernels.attention_kernel_options({}, True, d)
+    flex = torch.compile(flex_attention, fullgraph=True)
+    yield (
+        "step mask, flex",
+        lambda q, k, v: flex(q, k, v, block_mask=mask, enable_gqa=G != H, kernel_options=options),
+        inputs(H, G, q_len, kv_len, d, device, dtype),
+        pairs,
+    )
+    length = int(round((2 * pairs) ** 0.5))
+    length -= length % 256
+    causal_pairs = length * (length + 1) // 2
+    causal = causal_mask(length, attention_kernels.default_mask_tile(d), device)
+    yield (
+        "causal, flex",
+        lambda q, k, v: flex(q, k, v, block_mask=causal, enable_gqa=G != H, kernel_options=options),
+        inputs(H, G, length, length, d, device, dtype),
+        causal_pairs,
+    )
+    for name, backend in SDPA_BACKENDS.items():
+
+        def attend(q, k, v, backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        yield f"causal, sdpa-{name}", attend, inputs(H, H, length, length, d, device, dtype), causal_pairs
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--drafter", choices=["a", "b"], default="b")
+    parser.add_argument("--row-shapes", default="4x3072:512,1x32768:2048", help="DOCSxLENGTH:ANCHORS_PER_DOC,...")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--tiny", action="store_true", help="toy shapes on the CPU")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    s = (TINY if args.tiny else DRAFTERS)[args.drafter]
+    shapes = parse_row_shapes("4x64:8" if args.tiny else args.row_shapes)
+    print(f"drafter {args.drafter}: {s['heads']} / {s['kv_heads']} heads of {s['head_dim']}, block {args.block_size}")
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}\n")
+    print("| row | case | pairs / head | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd % of 792 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for shape in shapes:
+        row = f"{shape['docs_per_row']} x {shape['doc_len']}, {shape['anchors_per_doc']} anchors/doc"
+        for name, attend, qkv, pairs in cases(s, shape, args.block_size, device, args.seed):
+            flops = 4.0 * pairs * s["heads"] * s["head_dim"]
+            try:
+                fwd, bwd = measure(attend, *qkv, args.iters, device)
+            except (RuntimeError, torch._dynamo.exc.TorchDynamoException) as exc:
+                print(f"| {row} | {name} | {pairs:,} | failed: {str(exc).splitlines()[0][:80]} |")
+                continue
+            share = 100 * 3.5 * flops / ((fwd + bwd) * 1e9) / PEAK_TFLOPS
+            print(
+                f"| {row} | {name} | {pairs:,} | {fwd:.2f} | {flops / fwd / 1e9:.0f} | {bwd:.2f} "
+                f"| {2.5 * flops / bwd / 1e9:.0f} | {share:.1f} % |"
+            )
+            del attend, qkv
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
