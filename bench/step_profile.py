@@ -124,16 +124,25 @@ def profile_step(step_fn, steps: int, vocab: int, device: torch.device) -> dict:
     }
 
 
-def profile_table(label: str, p: dict) -> str:
-    """The markdown table of one profile: parts by time, the matmul split, the largest kernels."""
+def profile_table(label: str, p: dict, step_tflop: dict | None = None) -> str:
+    """The markdown table of one profile: parts by time (with `step_tflop`, the counted TFLOP of a step by kind,
+    dflash.metrics.step_flops_by_kind: the FLOPs of the parts that run them and their rate against the matmul
+    ceiling), the matmul split, the largest kernels."""
     total = max(p["total_ms"], 1e-9)
     lines = [
         f"\nProfile of {label} ({p['steps']} ungraphed steps; kernel time per step {p['total_ms']:.1f} ms):",
         "",
-        "| part | ms per step | share |",
-        "|---|---|---|",
+        "| part | ms per step | share | counted TFLOP per step | TFLOP/s | of the matmul ceiling |",
+        "|---|---|---|---|---|---|",
     ]
-    lines += [f"| {part} | {ms:.1f} | {100 * ms / total:.1f} % |" for part, ms in p["parts"].items()]
+    for part, ms in p["parts"].items():
+        tflop = (step_tflop or {}).get(part)
+        rate = (
+            f"{tflop:.3g} | {tflop / ms * 1e3:.3g} | {100 * tflop / ms * 1e3 / PEAK_TFLOPS:.2g} %"
+            if tflop
+            else "- | - | -"
+        )
+        lines.append(f"| {part} | {ms:.1f} | {100 * ms / total:.1f} % | {rate} |")
     for side, m in p["matmuls"].items():
         lines.append(
             f"| of matmul: {side} | {m['ms']:.1f} | {m['tflops']:.0f} TFLOP/s "

@@ -415,6 +415,9 @@ def summarise(name: str, s: dict, trainer: Trainer, records: list[dict], steps: 
         "mfu": weighted(window, "mfu"),
         "step_ms": sum(r["step_ms"] for r in window) / len(window),
         "data_wait": weighted(window, "data_wait"),
+        "step_tflop": {
+            kind: sum(r["step_tflop"][kind] for r in window) / len(window) for kind in window[0]["step_tflop"]
+        },
         "recompiles": records[-1]["recompiles"],
         "loss_first_last": [records[0]["loss"], records[-1]["loss"]],
     }
@@ -721,7 +724,7 @@ def report(info: dict, results: list[dict], args, world: int):
         print(table_row(r))
     for r in results:
         if "profile" in r:
-            print(profile_table(r["drafter"], r["profile"]))
+            print(profile_table(r["drafter"], r["profile"], r["step_tflop"]))
     for r in results:
         if "error" not in r and world > 1:
             rank_table(r)

@@ -163,6 +163,20 @@ def step_flops(
     lifted_width: int = 0,
     teacher_rows: float = 0,
 ) -> float:
+    return sum(step_flops_by_kind(dcfg, context_tokens, drafted, labelled, pairs, lifted_width, teacher_rows).values())
+
+
+def step_flops_by_kind(
+    dcfg: DrafterConfig,
+    context_tokens: float,
+    drafted: float,
+    labelled: float,
+    pairs: float,
+    lifted_width: int = 0,
+    teacher_rows: float = 0,
+) -> dict[str, float]:
+    """step_flops split by the kernels that run them: {"matmul": the projections, MLPs, fc, a method's own
+    matmuls, the LM heads and the lift; "attention": QK^T and PV, forward and backward}."""
     H, F_, hd = dcfg.hidden_size, dcfg.intermediate_size, dcfg.head_dim
     q_width, kv_width = dcfg.num_attention_heads * hd, dcfg.num_key_value_heads * hd
     per_layer_block = 2 * (H * q_width + q_width * H + 3 * H * F_ + 2 * H * kv_width)  # per block token
@@ -174,7 +188,7 @@ def step_flops(
     lift = 2 * lifted_width * dcfg.feature_dim * context_tokens
     teacher = 2 * dcfg.vocab_size * H * teacher_rows
     attention = dcfg.num_layers * 4 * pairs * dcfg.num_attention_heads * hd
-    return 3 * trainable + 2 * head + lift + teacher + 3.5 * attention
+    return {"matmul": 3 * trainable + 2 * head + lift + teacher, "attention": 3.5 * attention}
 
 
 # ---------------------------------------------------------------------------------------------- meter
@@ -225,9 +239,10 @@ class Meter:
         drafted = sums[layout["blocks"]] * B
         lifted = trainer.encoding.width if trainer.lift is not None else 0
         teacher_rows = labelled if trainer.teacher_kind == "hidden" else 0
-        flops = step_flops(
+        by_kind = step_flops_by_kind(
             trainer.dcfg, sums[layout["context_tokens"]], drafted, labelled, sums[layout["pairs"]], lifted, teacher_rows
         )
+        flops = sum(by_kind.values())
         peak = world_size * trainer.cfg.peak_tflops * 1e12
         record.update(
             total_steps=trainer.total_steps,
@@ -238,6 +253,7 @@ class Meter:
             context_tok_s=sums[layout["context_tokens"]] / elapsed,
             drafted_tok_s=labelled / elapsed,
             mfu=flops / elapsed / peak if trainer.cuda else None,
+            step_tflop={kind: f / 1e12 / steps for kind, f in by_kind.items()},  # counted, per step of one rank
             data_wait=self.waited / elapsed,
             recompiles=graph.compiled_graphs() - trainer.compiled_graphs,
         )
