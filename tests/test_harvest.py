@@ -509,6 +509,38 @@ def test_host_buffers_are_pinned_while_the_first_forward_runs_and_a_failure_stop
     assert_same_content(out, harvested("qwen3"))
 
 
+def test_a_forward_out_of_gpu_memory_exits_naming_the_fix_and_the_rerun_resumes(
+    harvested, tiny_target, data_file, tmp_path, monkeypatch
+):
+    """torch's out-of-memory error in a target forward becomes the harvest's error (exit 2) naming the batch and
+    the option to change; rows committed before it stay, and the rerun completes the same store."""
+    from dflash.harvest import pipeline
+
+    forward = pipeline.TappedTarget.forward
+    calls = []
+
+    def out_of_memory_at_call_5(self, input_ids):
+        calls.append(tuple(input_ids.shape))
+        if len(calls) == 5:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return forward(self, input_ids)
+
+    monkeypatch.setattr(pipeline.TappedTarget, "forward", out_of_memory_at_call_5)
+    out = tmp_path / "store"
+    args = cli_args(tiny_target("qwen3"), data_file, out)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    batch, length = calls[-1]
+    what = f"{batch} documents of up to {length} tokens" if batch > 1 else f"one document of {length} tokens"
+    assert f"the target's forward of {what} ran out of memory on cpu" in result.output
+    assert "the same command resumes" in result.output and "Traceback" not in result.output
+    progress = json.loads((out / "parts" / "rank00000" / "progress.json").read_text())
+    assert 0 < progress["rows_committed"] < progress["rows"]
+    monkeypatch.undo()
+    assert run_cli(args).exit_code == 0
+    assert_same_content(out, harvested("qwen3"))
+
+
 # ------------------------------------------------------------------------------------ self-check (reforward)
 
 

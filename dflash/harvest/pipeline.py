@@ -5,6 +5,7 @@ tokens into a device row buffer and starts one copy into pinned host memory on a
 GPU never waits for I/O. `PipelineStalls` says how long the forward thread was blocked and on what: a harvest
 slower than the bare forward either shows the wait there or loses its time elsewhere (the GIL, the CPU)."""
 
+import contextlib
 import queue
 import threading
 import time
@@ -16,6 +17,7 @@ from tqdm import tqdm
 
 from dflash import features, manifest, store
 from dflash.config import HarvestConfig
+from dflash.errors import DflashError
 from dflash.harvest.options import row_bytes
 from dflash.packing import PAD_MULTIPLE, PartPlan, forward_batches, round_up
 from dflash.target import TappedTarget
@@ -232,6 +234,7 @@ def run_rows(
     writer.start()
     pending, stalls = None, PipelineStalls(setup_s=time.perf_counter() - setup_start)
     try:
+        probe_largest_forward(plan, groups, cfg.forward_tokens, target)
         for step, (first, last) in enumerate(groups):
             writer.check()
             stalls.groups += 1
@@ -283,12 +286,60 @@ def fill_rows(
         ids = np.zeros((len(batch), round_up(lengths[0], PAD_MULTIPLE)), np.int64)
         for b, (_, d) in enumerate(batch):
             ids[b, : lengths[b]] = plan.docs[d].input_ids
-        features, final = target.forward(_to_device(ids, rows.device))
+        with forward_fits(ids.shape, forward_tokens, rows.device):
+            features, final = target.forward(_to_device(ids, rows.device))
         for b, ((r, d), n) in enumerate(zip(batch, lengths)):
             start = start_of[r, d]
             rows[r - first, start : start + n] = features[b, :n]
             if final_rows is not None:
                 final_rows[r - first, start : start + n] = final[b, :n]
+
+
+def batch_shape(plan: PartPlan, batch: list[tuple[int, int]]) -> tuple[int, int]:
+    """(documents, padded length) of a forward batch (its first document is its longest)."""
+    return len(batch), round_up(len(plan.docs[batch[0][1]].input_ids), PAD_MULTIPLE)
+
+
+def probe_largest_forward(plan: PartPlan, groups: list[tuple[int, int]], forward_tokens: int, target) -> None:
+    """Run the forward of the part's largest batch (most padded tokens, then the longest) on random tokens before
+    any row, when a later group holds it: a document too long for the GPU is then refused in the run's first
+    seconds, not when its group comes up hours in. The first group's own forwards come first anyway."""
+    if not groups:
+        return
+    size = lambda shape: (shape[0] * shape[1], shape[1])  # noqa: E731
+    shapes = [[batch_shape(plan, b) for b in forward_batches(plan, *group, forward_tokens)] for group in groups]
+    largest = max((shape for group in shapes for shape in group), key=size)
+    if size(largest) <= max(map(size, shapes[0]), default=(0, 0)):
+        return
+    ids = torch.randint(target.info.vocab_size, largest, generator=torch.Generator().manual_seed(0))
+    with forward_fits(largest, forward_tokens, target.device):
+        target.forward(_to_device(ids.numpy(), target.device))
+
+
+@contextlib.contextmanager
+def forward_fits(shape: tuple[int, int], forward_tokens: int, device: torch.device):
+    """The target's forward of a [documents, padded length] batch, its GPU out-of-memory error turned into what
+    to change."""
+    try:
+        yield
+    except torch.OutOfMemoryError as exc:
+        batch, length = shape
+        if batch > 1:
+            what = f"{batch} documents of up to {length} tokens"
+            fix = f"lower --forward-tokens (now {forward_tokens}) so that fewer documents share a forward"
+        else:
+            what = f"one document of {length} tokens"
+            fix = (
+                "one document this long does not fit a forward of this target on this GPU: split the target over "
+                "GPUs (--tensor-parallel, under torchrun), or cut such documents with a --max-length below "
+                f"{length} (--overflow split keeps the rest as pieces without their earlier context)"
+            )
+        total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+        on = f"{device} ({total / 1e9:.0f} GB)" if total else str(device)
+        raise DflashError(
+            f"the target's forward of {what} ran out of memory on {on}: {fix}; the rows committed so far are kept "
+            "and the same command resumes after them"
+        ) from exc
 
 
 def _pin_host_buffers(make, free: queue.Queue) -> threading.Thread:
