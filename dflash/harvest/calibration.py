@@ -19,6 +19,7 @@ from dflash.config import HarvestConfig
 from dflash.data import Document
 from dflash.errors import DflashError
 from dflash.harvest.options import borrowed_projection
+from dflash.harvest.pipeline import forward_fits
 from dflash.packing import PAD_MULTIPLE, round_up
 from dflash.target import TappedTarget
 
@@ -150,7 +151,8 @@ def second_moment(documents: list[Document], target: TappedTarget, tokens: int, 
         ids = np.zeros((len(batch), width), np.int64)
         for b, doc in enumerate(batch):
             ids[b, : len(doc)] = doc
-        hidden = target.features(torch.from_numpy(ids).to(device))
+        with forward_fits(ids.shape, forward_tokens, device):
+            hidden = target.features(torch.from_numpy(ids).to(device))
         for b, doc in enumerate(batch):
             moment.add(hidden[b, : len(doc)])
         start += len(batch)
