@@ -154,16 +154,9 @@ def visible_pairs(anchors, valid, doc_ids, block_size, window: int | None = None
 # Trainable matmuls count 3x (forward, input gradient, weight gradient); the frozen LM head 2x (its weight gradient
 # is never computed); the frozen lift and teacher head 1x (nothing before them needs a gradient); attention 3.5x
 # its forward (backward 2.5 with the recomputation of the scores). k (`lifted_width`) is 0 without a subspace.
-def step_flops(
-    dcfg: DrafterConfig,
-    context_tokens: float,
-    drafted: float,
-    labelled: float,
-    pairs: float,
-    lifted_width: int = 0,
-    teacher_rows: float = 0,
-) -> float:
-    return sum(step_flops_by_kind(dcfg, context_tokens, drafted, labelled, pairs, lifted_width, teacher_rows).values())
+def step_flops(*args, **kwargs) -> float:
+    """The counted FLOPs of a step: step_flops_by_kind's, summed."""
+    return sum(step_flops_by_kind(*args, **kwargs).values())
 
 
 def step_flops_by_kind(

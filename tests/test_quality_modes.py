@@ -10,12 +10,15 @@ from types import SimpleNamespace
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: bench.quality_run
 
-import quality  # noqa: E402
-from quality import BF16, StoreMode  # noqa: E402
-
-from dflash.evaluate import compare_drafters, tau_difference_interval  # noqa: E402
+from bench.quality_run.evaluation import evaluate_share, merge_shares  # noqa: E402
+from bench.quality_run.modes import data_wait_share  # noqa: E402
+from bench.quality_run.report import bar, mode_rows, mode_verdict, modes_markdown  # noqa: E402
+from bench.quality_run.run import Run  # noqa: E402
+from bench.quality_run.scale import TINY  # noqa: E402
+from bench.quality_run.store_modes import BF16, MODES, StoreMode, mode_done, mode_harvested, parse_modes  # noqa: E402
+from dflash.evaluate import compare_drafters, tau_difference_interval, tau_interval, tau_ratio_interval  # noqa: E402
 
 # Two prompts, the drafts accepted per round by a mode's drafter and by the bf16 drafter (as in test_quality_calls):
 # prompt A: taus 1 + 18/3 = 7 and 1 + 1/4 = 1.25; prompt B: 1 + 1/2 = 1.5 and 1 + 4/2 = 3.
@@ -23,7 +26,7 @@ A, B = ([3, 0, 15], [0, 0, 1, 0]), ([0, 1], [2, 2])
 
 
 def test_mode_names():
-    modes = quality.parse_modes("fp8, sub1/2,sub1/4,sub1/8,sub1/4+fp8,sub96,,")
+    modes = parse_modes("fp8, sub1/2,sub1/4,sub1/8,sub1/4+fp8,sub96,,")
     assert [(m.name, m.precision, m.subspace) for m in modes] == [
         ("fp8", "fp8", "none"),
         ("sub1/2", "bf16", "1/2"),
@@ -34,21 +37,21 @@ def test_mode_names():
     ]
     assert [m.folder for m in modes[3:5]] == ["sub1_8", "sub1_4+fp8"]
     assert modes[0].method == "dflash[fp8]" and BF16.method == "dflash"  # bf16's keeps the name the bar reads
-    assert quality.parse_modes("") == []
+    assert parse_modes("") == []
     for bad in ("bf16", "fp16", "sub", "sub0", "sub3/2", "sub1/0", "fp8+fp8", "sub1/4+bf16", "sub1/4 fp8"):
         with pytest.raises(ValueError, match="is not a store mode"):
-            quality.parse_modes(bad)
+            parse_modes(bad)
     with pytest.raises(ValueError, match="twice"):
-        quality.parse_modes("fp8,sub1/4,fp8")
+        parse_modes("fp8,sub1/4,fp8")
 
 
 def test_tau_intervals_of_two_prompts_are_the_one_prompt_draws():
     """A draw is {A, A}, {A, B} or {B, B}; the 2.5 and 97.5 percentiles of 5000 draws are the two one-prompt draws
     (each 1/4 likely). The difference is taken on each draw: {A, A} gives 7 - 1.25, {B, B} 1.5 - 3."""
-    assert quality.tau_interval([(A[0],), (B[0],)]) == pytest.approx([1.5, 7])
-    assert quality.tau_interval([A, B]) == pytest.approx([1.5, 7])  # the first method's tau by default
+    assert tau_interval([(A[0],), (B[0],)]) == pytest.approx([1.5, 7])
+    assert tau_interval([A, B]) == pytest.approx([1.5, 7])  # the first method's tau by default
     assert tau_difference_interval([A, B]) == pytest.approx([1.5 - 3, 7 - 1.25])
-    assert quality.tau_ratio_interval([A, B]) == pytest.approx([1.5 / 3, 7 / 1.25])  # as before the helper
+    assert tau_ratio_interval([A, B]) == pytest.approx([1.5 / 3, 7 / 1.25])  # as before the helper
 
 
 def test_the_difference_is_paired_on_the_same_prompts():
@@ -56,7 +59,7 @@ def test_the_difference_is_paired_on_the_same_prompts():
     interval is exactly [1, 1], however far each tau alone moves from prompt to prompt."""
     plus_one = [([a + 1 for a in A[1]], A[1]), ([a + 1 for a in B[1]], B[1])]
     assert tau_difference_interval(plus_one) == pytest.approx([1, 1])
-    assert quality.tau_interval([(A[1],), (B[1],)]) == pytest.approx([1.25, 3])
+    assert tau_interval([(A[1],), (B[1],)]) == pytest.approx([1.25, 3])
     assert tau_difference_interval([(A[1], A[1]), (B[1], B[1])]) == pytest.approx([0, 0])
 
 
@@ -66,8 +69,8 @@ def test_data_wait_share_weights_each_record_by_its_time():
         {"kind": "val", "step": 10, "loss": 1.0},
         {"kind": "train", "step": 20, "step_ms": 300.0, "data_wait": 0.1},
     ]
-    assert quality.data_wait_share(records) == pytest.approx((0.5 * 1000 + 0.1 * 3000) / 4000)
-    assert quality.data_wait_share([]) is None
+    assert data_wait_share(records) == pytest.approx((0.5 * 1000 + 0.1 * 3000) / 4000)
+    assert data_wait_share([]) is None
 
 
 def fake_mode(mode: StoreMode, ratio: float, captured=None) -> dict:
@@ -99,41 +102,41 @@ def test_the_mode_table_of_two_prompts():
     comparisons = compare_drafters(methods, prompts, [BF16.method, fp8.method, sub.method])
     report = SimpleNamespace(methods=methods, prompts=prompts, comparisons=comparisons)
     modes = {"bf16": fake_mode(BF16, 0.8), "fp8": fake_mode(fp8, 0.4), sub.name: fake_mode(sub, 0.11, 0.96)}
-    rows = quality.mode_rows(report, True, modes)
+    rows = mode_rows(report, True, modes)
     assert [r["mode"] for r in rows] == ["bf16", "fp8", "sub1/4+fp8"]
     assert rows[0]["tau_95"] == pytest.approx([1.25, 3]) and "difference" not in rows[0]
     assert rows[1]["difference"] == pytest.approx(4.8 - 11 / 6)
     assert rows[1]["difference_95"] == pytest.approx([-1.5, 5.75])
     assert rows[1]["relative"] == pytest.approx((4.8 - 11 / 6) / (11 / 6))
     assert rows[1]["within_2pct"] and not rows[1]["within_2pct_95"] and not rows[1]["size_goal"]
-    assert quality.mode_verdict(rows[1]) == f"met (its 95 % interval reaches {100 * -1.5 / (11 / 6):+.1f} %)"
+    assert mode_verdict(rows[1]) == f"met (its 95 % interval reaches {100 * -1.5 / (11 / 6):+.1f} %)"
     assert rows[2]["difference_95"] == pytest.approx([0, 0]) and rows[2]["within_2pct_95"] and rows[2]["size_goal"]
-    assert quality.mode_verdict(rows[2]) == "FAIL (mismatches)"
+    assert mode_verdict(rows[2]) == "FAIL (mismatches)"
     assert rows[0]["data_wait"] == pytest.approx(0.25)
-    assert quality.mode_verdict(quality.mode_rows(report, False, modes)[1]).endswith("so far (PARTIAL)")
+    assert mode_verdict(mode_rows(report, False, modes)[1]).endswith("so far (PARTIAL)")
 
-    table = quality.modes_markdown(rows, report, True, steps=300)
+    table = modes_markdown(rows, report, True, steps=300)
     assert (
         "| fp8 | 512.0 | 0.400 | 0.360 | - | 4.800 (1.50 to 7.00) | +2.967 (-1.500 to +5.750) | +161.8 % | 0 |" in table
     )
     assert "| sub1/4+fp8 | 140.8 | 0.110 | 0.099 | 96.0 % |" in table and "| bf16 | 1024.0 | 0.800 |" in table
     assert "sub1/4+fp8 0.110 (met)" in table
     # the issue-4 bar reads bf16's drafter only: a mode's mismatch is the modes table's
-    assert quality.bar(report, True)["pass_0_mismatches"]
+    assert bar(report, True)["pass_0_mismatches"]
 
 
 def test_a_later_call_keeps_the_finished_modes_only(tmp_path):
     out = tmp_path / "q.json"
-    quality.Run(out, quality.TINY, tmp_path, seed=0)
+    Run(out, TINY, tmp_path, seed=0)
     for folder in ("fp8", "sub1_4", "sub1_4+fp8"):
-        (tmp_path / quality.MODES / folder / "shards").mkdir(parents=True)
+        (tmp_path / MODES / folder / "shards").mkdir(parents=True)
     for folder in ("fp8", "sub1_4"):
-        quality.mode_harvested(tmp_path / "stages", folder).write_text(json.dumps({}))
-    quality.mode_done(tmp_path / "stages", "fp8").write_text(json.dumps({}))
-    quality.Run(out, quality.TINY, tmp_path, seed=0)
-    assert (tmp_path / quality.MODES / "fp8" / "shards").is_dir()
-    assert (tmp_path / quality.MODES / "sub1_4" / "shards").is_dir()  # harvested: only its drafter is trained again
-    assert not (tmp_path / quality.MODES / "sub1_4+fp8").exists()  # unfinished: harvested and trained again
+        mode_harvested(tmp_path / "stages", folder).write_text(json.dumps({}))
+    mode_done(tmp_path / "stages", "fp8").write_text(json.dumps({}))
+    Run(out, TINY, tmp_path, seed=0)
+    assert (tmp_path / MODES / "fp8" / "shards").is_dir()
+    assert (tmp_path / MODES / "sub1_4" / "shards").is_dir()  # harvested: only its drafter is trained again
+    assert not (tmp_path / MODES / "sub1_4+fp8").exists()  # unfinished: harvested and trained again
 
 
 def test_several_trained_drafters_in_one_run(tiny_target, tmp_path):
@@ -152,8 +155,8 @@ def test_several_trained_drafters_in_one_run(tiny_target, tmp_path):
     prompts = [{"prompt": "def add(a, b):\n    return"}, {"prompt": "for i in range(10):\n"}]
     settings = dict(model=target_path, device="cpu", seed=0, max_new_tokens=8, min_prompts=1)
     drafters = {"dflash": folders[0], "dflash[fp8]": folders[1]}
-    quality.evaluate_share({"eval_m": (drafters, prompts, 4)}, (0, 1), tmp_path, budget=None, **settings)
-    merged = quality.merge_shares("eval_m", drafters, prompts, 4, 1, tmp_path, settings)
+    evaluate_share({"eval_m": (drafters, prompts, 4)}, (0, 1), tmp_path, budget=None, **settings)
+    merged = merge_shares("eval_m", drafters, prompts, 4, 1, tmp_path, settings)
     assert set(merged.methods) == {"dflash", "dflash[fp8]", "prompt-lookup"}
     assert list(merged.comparisons) == ["dflash[fp8]"] and merged.comparisons["dflash[fp8]"]["reference"] == "dflash"
     alone = evaluation.evaluate(
@@ -169,7 +172,7 @@ def test_several_trained_drafters_in_one_run(tiny_target, tmp_path):
 def test_window_variants_train_with_their_window_and_survive_the_saved_json():
     # The window's tau cost next to full context (issue 24): a variant's drafter options go to the TrainConfig and
     # back from the mode's saved JSON unchanged.
-    modes = quality.parse_modes("dflash-window512,dflash-window2048,dflash2-full")
+    modes = parse_modes("dflash-window512,dflash-window2048,dflash2-full")
     windows = [dict(m.train)["drafter_overrides"]["sliding_window"] for m in modes]
     assert windows == [512, 2048, None] and all(m.on_bf16_store for m in modes)
     assert [StoreMode(**json.loads(json.dumps(asdict(m)))) for m in modes] == modes
