@@ -57,7 +57,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repository's dflash
 
-from bench.train import gather_ranks  # noqa: E402
+from bench.ranks import gather_ranks  # noqa: E402
 from dflash import features, harvest, packing, store  # noqa: E402
 from dflash.config import EXPERTS_IMPLEMENTATIONS, HarvestConfig  # noqa: E402
 from dflash.data import Document  # noqa: E402

@@ -101,7 +101,7 @@ def main():
                 flush=True,
             )
     if args.json:
-        from bench.train import versions
+        from bench.train_report import versions
 
         meta = {**versions(torch.device(args.device)), "limit_s": args.limit}
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))

@@ -37,7 +37,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repository's dflash
 
-from bench.train import synthetic_store, versions  # noqa: E402  (after the path insert)
+from bench.synthetic import synthetic_store  # noqa: E402
+from bench.train_report import versions  # noqa: E402  (after the path insert)
 from dflash import reader, store  # noqa: E402
 
 

@@ -72,35 +72,32 @@ to the one-GPU MFU, to the report and the JSON.
 """
 
 import argparse
-import datetime
 import gc
 import json
 import logging
 import re
-import shutil
 import sys
 import time
 from pathlib import Path
 from unittest import mock
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch._inductor.runtime.triton_compat import OutOfResources
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repository's dflash
 
-from bench.step_profile import profile_step, profile_table
+from bench.ranks import rank_view
+from bench.step_profile import profile_step
+from bench.synthetic import ENCODINGS, shared_data
+from bench.train_report import report, table_row, versions
 from bench.variants import METHOD_VARIANTS, parse_variants, split_variant
-from dflash import features, graph, loss, store
+from dflash import graph, loss
 from dflash.attention_kernels import CUDA_KERNEL_OPTIONS
 from dflash.config import TrainConfig
 from dflash.drafter import check_kernel_options
 from dflash.errors import DflashError
-from dflash.harvest import RowEncoder, store_bits
-from dflash.manifest import FeatureSpec, Manifest, SubspaceSpec, TargetSpec, TokenizerSpec, teacher_spec
 from dflash.metrics import MetricsLog
-from dflash.target import default_layer_ids
 from dflash.train import Trainer
 from dflash.train_setup import Env, init_distributed
 
@@ -198,161 +195,6 @@ TINY = {
 # ---------------------------------------------------------------------------------------------- synthetic data
 
 
-def fake_target(folder: Path, s: dict, device: torch.device):
-    """A target folder with only config.json and the embedding / LM head (all the trainer reads of a target)."""
-    from safetensors.torch import save_file
-    from transformers import Qwen3Config
-
-    folder.mkdir(parents=True, exist_ok=True)
-    Qwen3Config(
-        hidden_size=s["hidden"],
-        intermediate_size=s["ffn"],
-        num_attention_heads=s["heads"],
-        num_key_value_heads=s["kv_heads"],
-        head_dim=s["head_dim"],
-        num_hidden_layers=s["target_layers"],
-        vocab_size=s["vocab"],
-        tie_word_embeddings=False,
-    ).save_pretrained(folder)
-    g = torch.Generator(device).manual_seed(0)
-
-    def weight():
-        w = torch.randn(s["vocab"], s["hidden"], device=device, generator=g, dtype=torch.bfloat16)
-        return (w * 0.02).cpu()
-
-    save_file({"model.embed_tokens.weight": weight(), "lm_head.weight": weight()}, folder / "model.safetensors")
-
-
-# --encoding: name -> (precision, the stored width's share of the feature width: 1, or 1/D for a subspace of D)
-ENCODINGS = {
-    "bf16": ("bf16", 1),
-    "fp8": ("fp8", 1),
-    "sub1/4": ("bf16", 4),
-    "sub1/8": ("bf16", 8),
-    "sub1/4+fp8": ("fp8", 4),
-}
-
-
-def store_header(target: Path, s: dict, encoding: str, teacher: str | None = None) -> Manifest:
-    """harvest.json as a harvest of the fake target would write it, in the store `encoding`, with `teacher`
-    arrays (a --teacher value) when given."""
-    layers = default_layer_ids(s["target_layers"])
-    feature_dim = len(layers) * s["hidden"]
-    precision, divisor = ENCODINGS[encoding]
-    width = feature_dim // divisor
-    fp8 = precision == "fp8"
-    groups = features.default_scale_groups(width, len(layers), divisor > 1) if fp8 else 0
-    subspace = SubspaceSpec(width, 1.0, 0, 0) if divisor > 1 else None
-    return store.new_manifest(
-        target=TargetSpec(
-            name=str(target),
-            model_type="qwen3",
-            config_hash="synthetic",
-            num_layers=s["target_layers"],
-            hidden_size=s["hidden"],
-            vocab_size=s["vocab"],
-            intermediate_size=s["ffn"],
-            num_attention_heads=s["heads"],
-            num_key_value_heads=s["kv_heads"],
-            head_dim=s["head_dim"],
-            rms_norm_eps=1e-6,
-            rope_theta=1e6,
-            max_position_embeddings=40960,
-        ),
-        layer_ids=layers,
-        token_budget=s["doc_len"] * s["docs_per_row"],
-        tokenizer=TokenizerSpec(str(target), s["vocab"], {"mask": s["vocab"] - 1}),
-        fingerprint={"model": str(target), "layers": layers, "world_size": 1},
-        features=FeatureSpec("fp8" if fp8 else "bf16", width, groups, subspace),
-        teacher=teacher_of(teacher, s),
-    )
-
-
-def teacher_of(teacher: str | None, s: dict):
-    if teacher is None:
-        return None
-    kind, _, k = teacher.partition(":")
-    return teacher_spec(kind, int(k or 0), s["hidden"])
-
-
-def teacher_row(spec, T: int, vocab: int, rng: np.random.Generator) -> dict:
-    """Random teacher arrays of one row: a top-k distribution (distinct ids, probabilities falling) or a bf16
-    final hidden state, as a harvest stores them."""
-    if spec is None:
-        return {}
-    if spec.kind == "hidden":
-        values = torch.randn(T, spec.width, dtype=torch.bfloat16)
-        return {"teacher_hidden": values.view(torch.int16).numpy().view(np.uint16)}
-    probs = np.sort(rng.dirichlet(np.ones(spec.k + 1), T)[:, : spec.k], axis=1)[:, ::-1]
-    ids = np.stack([rng.choice(vocab - 1, spec.k, replace=False) for _ in range(T)]).astype(np.int32)
-    tail = 1 - probs.sum(1)
-    return {"teacher_ids": ids, "teacher_probs": probs.astype(np.float16), "teacher_tail": tail.astype(np.float16)}
-
-
-def synthetic_store(
-    out: Path, target: Path, s: dict, rows: int, device: torch.device, encoding: str, teacher: str | None = None
-):
-    """`rows` rows of `docs_per_row` whole documents each, random bf16 features encoded as a harvest would
-    (a random orthonormal projection for a subspace), written through the real part writer."""
-    header = store_header(target, s, encoding, teacher)
-    T, F, L, D = header.token_budget, header.feature_dim, s["doc_len"], s["docs_per_row"]
-    g = torch.Generator(device).manual_seed(1)
-    rng = np.random.default_rng(1)
-    projection = None
-    if header.features.subspace is not None:
-        basis = torch.randn(F, header.features.width, device=device, generator=g, dtype=torch.float32)
-        projection = torch.linalg.qr(basis)[0].T.contiguous()
-    encoder = RowEncoder(header.features, projection, (1, T), device)
-    encoded = None if encoder.identity else encoder.buffers(device=device)
-
-    def row(r: int):
-        hidden = torch.randn(1, T, F, device=device, generator=g, dtype=torch.bfloat16)
-        stored = {name: store_bits(t[0].cpu()) for name, t in encoder.encode(hidden, encoded).items()}
-        tokens = {
-            "input_ids": rng.integers(0, s["vocab"] - 1, T, dtype=np.int32),  # never the mask token
-            "position_ids": (np.arange(T) % L).astype(np.int32),
-            "doc_ids": (r * D + np.arange(T) // L).astype(np.int32),
-            "loss_mask": np.ones(T, np.uint8),
-        }
-        return stored.pop("hidden"), {**stored, **tokens, **teacher_row(header.teacher, T, s["vocab"], rng)}
-
-    documents = np.array([[r * D + d, 0, r, d * L, L] for r in range(rows) for d in range(D)], np.int64)
-    counts = {"documents": rows * D, "tokens": rows * T, "loss_tokens": rows * T, "padding_tokens": 0}
-    content = store.PartContent(rows, documents, counts, row)
-    store.write_store(out, header, [content], None if projection is None else projection.cpu().numpy())
-
-
-def prepare_data(root: Path, s: dict, rows: int, device: torch.device, encoding: str, teacher=None) -> float:
-    """Fake target + store under `root`, reused when a previous run made them with the same shapes."""
-    spec = {**s, "rows": rows, "encoding": encoding, "teacher": teacher, "format_version": store.FORMAT_VERSION}
-    done = root / "spec.json"
-    if done.exists() and json.loads(done.read_text()) == spec:
-        return 0.0
-    t0 = time.perf_counter()
-    shutil.rmtree(root, ignore_errors=True)
-    fake_target(root / "target", s, device)
-    synthetic_store(root / "store", root / "target", s, rows, device, encoding, teacher)
-    done.write_text(json.dumps(spec))  # last: marks both complete
-    return time.perf_counter() - t0
-
-
-def shared_data(root: Path, s: dict, rows: int, env: Env, encoding: str, teacher: str | None = None) -> float:
-    """Rank 0 builds the data and empties the run folder while the other ranks wait. If rank 0 fails, the others
-    stop with an error here rather than wait for collectives that never come."""
-    built = [None]
-    try:
-        if env.main:
-            built[0] = prepare_data(root, s, rows, env.device, encoding, teacher)
-            shutil.rmtree(root / "run", ignore_errors=True)
-            (root / "run").mkdir(parents=True)
-    finally:
-        if env.world_size > 1:
-            dist.broadcast_object_list(built, src=0)  # also the barrier
-    if built[0] is None:
-        raise DflashError("rank 0 could not build the synthetic data (its error is in its output)")
-    return built[0]
-
-
 # ---------------------------------------------------------------------------------------------- measurement
 
 
@@ -433,114 +275,6 @@ def summarise(name: str, s: dict, trainer: Trainer, records: list[dict], steps: 
     return result
 
 
-def replica_check(trainer: Trainer) -> dict:
-    """This rank's trainable fp32 weights against rank 0's (broadcast one tensor at a time, so no flat copy of
-    all of them is needed): the max abs difference, and a float64 checksum of the weights."""
-    diff = torch.zeros((), dtype=torch.float32, device=trainer.device)
-    for p in trainer.params:
-        reference = p.detach().clone()
-        if trainer.env.world_size > 1:
-            dist.broadcast(reference, 0)
-        diff = torch.maximum(diff, (p.detach() - reference).abs().max())
-    checksum = sum(p.detach().sum(dtype=torch.float64) for p in trainer.params)
-    return {"weights_max_abs_diff": diff.item(), "weights_checksum": checksum.item()}
-
-
-RANK_KEYS = (
-    "mfu",
-    "step_ms",
-    "data_wait",
-    "peak_allocated_GB",
-    "peak_reserved_GB",
-    "allocated_spread",
-    "reserved_spread",
-)
-
-
-def rank_summary(summary: dict, env: Env, weights: dict) -> dict:
-    """This rank's numbers. The records' rates count the tokens of all ranks; every row of the store holds the
-    same context tokens, so this rank's share is 1/world of them (over this rank's time)."""
-    u = summary["ungraphed"]
-    return {
-        "rank": env.rank,
-        "context_tok_s": summary["context_tok_s"] / env.world_size,
-        **{key: summary.get(key) for key in RANK_KEYS},
-        "recompiles": summary["recompiles"] + u.get("recompiles", 0),
-        "ungraphed_step_ms": u.get("step_ms"),
-        **weights,
-    }
-
-
-def gather_ranks(mine: dict, env: Env) -> list[dict]:
-    if env.world_size == 1:
-        return [mine]
-    ranks = [None] * env.world_size
-    dist.all_gather_object(ranks, mine)
-    return ranks
-
-
-WORST_KEYS = (
-    "step_ms",
-    "data_wait",
-    "peak_allocated_GB",
-    "peak_reserved_GB",
-    "allocated_spread",
-    "reserved_spread",
-    "ungraphed_step_ms",
-    "weights_max_abs_diff",
-)
-
-
-def worst(ranks: list[dict], key: str):
-    values = [r[key] for r in ranks if r[key] is not None]
-    return max(values) if values else None
-
-
-def aggregate(ranks: list[dict]) -> dict:
-    """All ranks together: the total context rate and the per-GPU means; the worst rank for everything else."""
-    n, total = len(ranks), sum(r["context_tok_s"] for r in ranks)
-    mfu = [r["mfu"] for r in ranks if r["mfu"] is not None]
-    return {
-        "world_size": n,
-        "context_tok_s": total,
-        "context_tok_s_per_gpu": total / n,
-        "mfu": sum(mfu) / len(mfu) if mfu else None,
-        "recompiles": sum(r["recompiles"] for r in ranks),
-        **{key: worst(ranks, key) for key in WORST_KEYS},
-        "weights_checksums_equal": len({r["weights_checksum"] for r in ranks}) == 1,
-    }
-
-
-def scaling(result: dict, baseline: dict, path: str) -> dict:
-    """Per-GPU throughput and MFU at this run's ranks against the one-GPU run of the same drafter in `baseline`."""
-    same = ("drafter", "shape", "row", "loss_chunk")
-    matches = [r for r in baseline["results"] if "error" not in r and all(r[k] == result[k] for k in same)]
-    if not matches:
-        return {"error": f"{path} has no one-GPU result of drafter {result['drafter']} with these shapes"}
-    one, agg = matches[0], result["aggregate"]
-    has_mfu = agg["mfu"] is not None and one["mfu"] is not None
-    return {
-        "baseline": path,
-        "world_size": agg["world_size"],
-        "per_gpu_context_tok_s": agg["context_tok_s_per_gpu"],
-        "one_gpu_context_tok_s": one["context_tok_s"],
-        "efficiency": agg["context_tok_s_per_gpu"] / one["context_tok_s"],
-        "mfu_per_gpu": agg["mfu"],
-        "one_gpu_mfu": one["mfu"],
-        "mfu_ratio": agg["mfu"] / one["mfu"] if has_mfu else None,
-    }
-
-
-def rank_view(summary: dict, trainer: Trainer, baseline: dict | None, path: str | None) -> dict:
-    """Every rank's row, their aggregate and, given a one-GPU baseline, the scaling (collectives: all ranks)."""
-    env = trainer.env
-    ranks = gather_ranks(rank_summary(summary, env, replica_check(trainer)), env)
-    view = {"ranks": ranks, "aggregate": aggregate(ranks)}
-    if baseline is not None:
-        view["scaling"] = scaling({**summary, **view}, baseline, path)
-    return view
-
-
 def bench_one(
     name: str, s: dict, args, env: Env, baseline: dict | None, method: str = "dflash", flex: tuple | None = None
 ) -> dict:
@@ -609,127 +343,6 @@ def free_device(device: torch.device):
     torch._dynamo.reset()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-# ---------------------------------------------------------------------------------------------- report
-
-
-def versions(device: torch.device) -> dict:
-    import numcodecs
-    import transformers
-    import zarr
-
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none (CPU)"
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "transformers": transformers.__version__,
-        "zarr": zarr.__version__,
-        "numcodecs": numcodecs.__version__,
-        "gpu": gpu,
-    }
-
-
-def fmt(value, spec: str, scale: float = 1.0, unit: str = "") -> str:
-    return "-" if value is None else f"{value * scale:{spec}}{unit}"
-
-
-HEADER = (
-    "| drafter | context / anchors / block tokens | ctx tok/s | drafted tok/s | MFU | step ms "
-    "| peak alloc / reserved GB | alloc / reserved spread (B) | recompiles | data wait "
-    "| ungraphed step ms | ungraphed MFU | ungraphed peak alloc GB |"
-)
-
-
-def table_row(r: dict) -> str:
-    if "error" in r:
-        return f"| {r['drafter']} | failed: {r['error']} |"
-    u, row = r["ungraphed"], r["row"]
-    spread = "-" if "allocated_spread" not in r else f"{r['allocated_spread']} / {r['reserved_spread']}"
-    peak = "-" if "peak_allocated_GB" not in r else f"{r['peak_allocated_GB']:.1f} / {r['peak_reserved_GB']:.1f}"
-    return (
-        f"| {r['drafter']} | {row['context']} / {row['anchors']} / {row['block_tokens']} "
-        f"| {fmt(r['context_tok_s'], ',.0f')} | {fmt(r['drafted_tok_s'], ',.0f')} | {fmt(r['mfu'], '.1f', 100, ' %')} "
-        f"| {r['step_ms']:.1f} | {peak} | {spread} | {r['recompiles'] + u.get('recompiles', 0)} "
-        f"| {fmt(r['data_wait'], '.2f', 100, ' %')} "
-        f"| {fmt(u.get('step_ms'), '.1f')} | {fmt(u.get('mfu'), '.1f', 100, ' %')} "
-        f"| {fmt(u.get('peak_allocated_GB'), '.1f')} |"
-    )
-
-
-RANK_HEADER = (
-    "| rank | ctx tok/s | MFU | step ms | peak alloc / reserved GB | alloc / reserved spread (B) | recompiles "
-    "| data wait | ungraphed step ms | weights max abs diff vs rank 0 | weights checksum |"
-)
-
-
-def rank_row(label: str, context: str, r: dict, checksum: str) -> str:
-    """A row of the rank table; `r` is one rank's summary or the aggregate (same keys)."""
-    peak = "-" if r["peak_allocated_GB"] is None else f"{r['peak_allocated_GB']:.1f} / {r['peak_reserved_GB']:.1f}"
-    spread = "-" if r["allocated_spread"] is None else f"{r['allocated_spread']} / {r['reserved_spread']}"
-    return (
-        f"| {label} | {context} | {fmt(r['mfu'], '.1f', 100, ' %')} | {r['step_ms']:.1f} | {peak} | {spread} "
-        f"| {r['recompiles']} | {fmt(r['data_wait'], '.2f', 100, ' %')} | {fmt(r['ungraphed_step_ms'], '.1f')} "
-        f"| {r['weights_max_abs_diff']:g} | {checksum} |"
-    )
-
-
-def rank_table(r: dict):
-    agg = r["aggregate"]
-    print(f"\nPer rank, drafter {r['drafter']}, window steps {r['window'][0]}-{r['window'][1]}:")
-    print("\n" + RANK_HEADER)
-    print("|" + "---|" * RANK_HEADER.count(" |"))
-    for rank in r["ranks"]:
-        print(rank_row(str(rank["rank"]), fmt(rank["context_tok_s"], ",.0f"), rank, f"{rank['weights_checksum']:.17g}"))
-    context = f"{agg['context_tok_s']:,.0f} ({agg['context_tok_s_per_gpu']:,.0f} per GPU)"
-    checksums = "all equal" if agg["weights_checksums_equal"] else "DIFFER"
-    print(rank_row(f"all {agg['world_size']}", context, agg, checksums))
-
-
-def scaling_line(r: dict) -> str:
-    s = r["scaling"]
-    if "error" in s:
-        return f"scaling of {r['drafter']}: {s['error']}"
-    return (
-        f"scaling of {r['drafter']} against {s['baseline']}: {s['per_gpu_context_tok_s']:,.0f} ctx tok/s per GPU "
-        f"at {s['world_size']} ranks / {s['one_gpu_context_tok_s']:,.0f} on one GPU = efficiency "
-        f"{100 * s['efficiency']:.1f} % (bar >= 90 %); MFU per GPU {fmt(s['mfu_per_gpu'], '.1f', 100, ' %')} vs "
-        f"{fmt(s['one_gpu_mfu'], '.1f', 100, ' %')} on one GPU ({fmt(s['mfu_ratio'], '.1f', 100, ' %')})"
-    )
-
-
-def report(info: dict, results: list[dict], args, world: int):
-    script = "bench/train.py" if world == 1 else f"torchrun --nproc-per-node {world} bench/train.py"
-    print(
-        f"\n## {script} {'--tiny ' if args.tiny else ''}--drafter {args.drafter} --encoding {args.encoding} "
-        f"--methods {','.join(args.methods)} --steps {args.steps}"
-        + (f" --row-shapes {args.row_shapes}" if args.row_shapes else "")
-        + (f" --profile {args.profile}" if args.profile else "")
-        + (f" --flex-options '{args.flex_options}'" if args.flex_options else "")
-    )
-    print(", ".join(f"{k} {v}" for k, v in info.items()))
-    for r in results:
-        if "error" not in r:
-            print(
-                f"{r['drafter']}: {r['params_M']:.1f} M trainable parameters, loss chunk {r['loss_chunk']}, "
-                f"token embeddings on the {r['embedding']}, memory estimate {r['memory_estimate_GB']:.1f} GB, "
-                f"window steps {r['window'][0]}-{r['window'][1]}, data built in {r['data_build_s']:.1f} s, "
-                f"warmup + capture {r['warmup_capture_s']:.1f} s, "
-                f"loss {r['loss_first_last'][0]:.3f} -> {r['loss_first_last'][1]:.3f}"
-            )
-    print("\n" + HEADER)
-    print("|" + "---|" * HEADER.count(" |"))
-    for r in results:
-        print(table_row(r))
-    for r in results:
-        if "profile" in r:
-            print(profile_table(r["drafter"], r["profile"], r["step_tflop"]))
-    for r in results:
-        if "error" not in r and world > 1:
-            rank_table(r)
-        if "scaling" in r:
-            print("\n" + scaling_line(r))
 
 
 def load_baseline(path: str) -> dict:
