@@ -533,7 +533,7 @@ def test_a_forward_out_of_gpu_memory_exits_naming_the_fix_and_the_rerun_resumes(
     batch, length = calls[-1]
     what = f"{batch} documents of up to {length} tokens" if batch > 1 else f"one document of {length} tokens"
     assert f"the target's forward of {what} ran out of memory on cpu" in result.output
-    assert "the same command resumes" in result.output and "Traceback" not in result.output
+    assert "the rerun resumes after them" in result.output and "Traceback" not in result.output
     progress = json.loads((out / "parts" / "rank00000" / "progress.json").read_text())
     assert 0 < progress["rows_committed"] < progress["rows"]
     monkeypatch.undo()

@@ -60,7 +60,8 @@ def test_a_later_group_s_larger_batch_runs_first_and_the_first_group_s_largest_i
 def test_a_probe_out_of_memory_is_refused_naming_forward_tokens():
     plan = plan_of([600] + [60] * 24, budget=1024)
     with pytest.raises(
-        DflashError, match=r"forward of 16 documents of up to 64 tokens .*lower --forward-tokens \(now 1024\)"
+        DflashError,
+        match=r"forward of 16 documents of up to 64 tokens .*rerun with a lower --forward-tokens \(now 1024\)",
     ):
         probe_largest_forward(plan, groups_of(plan, 1), 1024, RecordingTarget(limit=640))
 
@@ -71,8 +72,8 @@ def test_one_document_too_long_names_tensor_parallel_and_max_length():
             raise torch.OutOfMemoryError("CUDA out of memory")
     message = str(info.value)
     assert "one document of 262144 tokens ran out of memory" in message
-    assert "--tensor-parallel" in message and "--max-length below 262144" in message
-    assert "the same command resumes" in message
+    assert "--tensor-parallel under torchrun (the rows committed so far are kept" in message
+    assert "a new --out with a --max-length below 262144" in message
     assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
 
 

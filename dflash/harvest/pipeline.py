@@ -324,22 +324,23 @@ def forward_fits(shape: tuple[int, int], forward_tokens: int, device: torch.devi
         yield
     except torch.OutOfMemoryError as exc:
         batch, length = shape
+        kept = "the rows committed so far are kept and the rerun resumes after them"
         if batch > 1:
             what = f"{batch} documents of up to {length} tokens"
-            fix = f"lower --forward-tokens (now {forward_tokens}) so that fewer documents share a forward"
+            fix = (
+                f"rerun with a lower --forward-tokens (now {forward_tokens}) so that fewer documents share a forward "
+                f"({kept})"
+            )
         else:
             what = f"one document of {length} tokens"
             fix = (
                 "one document this long does not fit a forward of this target on this GPU: split the target over "
-                "GPUs (--tensor-parallel, under torchrun), or cut such documents with a --max-length below "
-                f"{length} (--overflow split keeps the rest as pieces without their earlier context)"
+                f"GPUs with --tensor-parallel under torchrun ({kept}), or harvest into a new --out with a --max-length "
+                f"below {length} and --overflow split (the pieces lose their earlier context)"
             )
         total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
         on = f"{device} ({total / 1e9:.0f} GB)" if total else str(device)
-        raise DflashError(
-            f"the target's forward of {what} ran out of memory on {on}: {fix}; the rows committed so far are kept "
-            "and the same command resumes after them"
-        ) from exc
+        raise DflashError(f"the target's forward of {what} ran out of memory on {on}: {fix}") from exc
 
 
 def _pin_host_buffers(make, free: queue.Queue) -> threading.Thread:
