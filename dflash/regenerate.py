@@ -63,14 +63,23 @@ def generate_batch(
     attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts], device=model.device)
     sample = cfg.temperature > 0
     options = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k) if sample else {}
-    out = model.generate(
-        input_ids,
-        attention_mask=attention_mask,
-        max_new_tokens=cfg.max_new_tokens,
-        do_sample=sample,
-        pad_token_id=pad_id,
-        **options,
-    )
+    try:
+        out = model.generate(
+            input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=cfg.max_new_tokens,
+            do_sample=sample,
+            pad_token_id=pad_id,
+            **options,
+        )
+    except torch.OutOfMemoryError as exc:  # the KV cache grows with every new token: long answers meet it late
+        raise DflashError(
+            f"generating {len(prompts)} answers of up to {cfg.max_new_tokens} new tokens to prompts of up to {width} "
+            f"tokens ran out of memory on {model.device}: rerun with a lower --batch-size (now {cfg.batch_size}) "
+            "or, for a target this large, --tensor-parallel under torchrun; or generate through a serving engine "
+            "with --server (it pages its cache). The answers written so far are kept and the rerun resumes after "
+            "them"
+        ) from exc
     responses = []
     for row in out[:, width:].tolist():
         stop = next((i for i, token in enumerate(row) if token in eos_ids), len(row))

@@ -111,6 +111,43 @@ def test_resume_after_a_killed_run_adds_only_the_missing_prompts(tiny_target, pr
     assert bad.exit_code == 2 and "--batch-size must be at least 1" in bad.output
 
 
+def test_a_generate_out_of_gpu_memory_names_the_fix_and_the_rerun_resumes(
+    tiny_target, prompts_file, tmp_path, monkeypatch
+):
+    """torch's out-of-memory error in a batch's generate is one clear error (exit 2) naming the batch and what to
+    change; the answers of the batches before it stay, and a rerun completes the same output."""
+    from transformers import GenerationMixin
+
+    from cli.main import main
+
+    target_path = tiny_target("qwen3_5")
+    full = tmp_path / "full.jsonl"
+    cfg = RegenerateConfig(target_path, prompts_file, full, max_new_tokens=MAX_NEW_TOKENS, batch_size=2, device="cpu")
+    regenerate(cfg, progress=False)
+
+    generate, calls = GenerationMixin.generate, []
+
+    def out_of_memory_at_call_2(self, *args, **kwargs):
+        calls.append(len(calls))
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "generate", out_of_memory_at_call_2)
+    out = tmp_path / "responses.jsonl"
+    args = ["regenerate", "--model", str(target_path), "--data", str(prompts_file), "--out", str(out)]
+    args += ["--max-new-tokens", str(MAX_NEW_TOKENS), "--batch-size", "2", "--device", "cpu"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert f"generating 2 answers of up to {MAX_NEW_TOKENS} new tokens" in result.output
+    assert "--batch-size (now 2)" in result.output and "--server" in result.output
+    assert "Traceback" not in result.output
+    assert len(read_lines(out)) == 2  # the first batch's answers
+    monkeypatch.undo()
+    assert CliRunner().invoke(main, args).exit_code == 0
+    assert out.read_text() == full.read_text()
+
+
 def test_resume_refuses_output_from_other_prompts(tmp_path):
     out = write_jsonl(
         tmp_path / "out.jsonl",
