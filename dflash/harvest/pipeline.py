@@ -223,7 +223,7 @@ def run_rows(
     teacher_encoded = [None if teacher.identity else teacher.buffers(device=device) for _ in device_rows]
     copied = [None] * len(device_rows)  # event: device buffer k may be overwritten
     free: queue.Queue = queue.Queue()
-    pinning = _pin_host_buffers(lambda: {**encoder.buffers(pin=cuda), **teacher.buffers(pin=cuda)}, free)
+    pinning = _pin_host_buffers(lambda: {**encoder.buffers(pin=cuda), **teacher.buffers(pin=cuda)}, free, device)
     progress = Progress(
         plan, part.rows_committed if groups is None else 0, row_bytes(T, spec, header.teacher), cfg.rank
     )
@@ -343,12 +343,14 @@ def forward_fits(shape: tuple[int, int], forward_tokens: int, device: torch.devi
         raise DflashError(f"the target's forward of {what} ran out of memory on {on}: {fix}") from exc
 
 
-def _pin_host_buffers(make, free: queue.Queue) -> threading.Thread:
+def _pin_host_buffers(make, free: queue.Queue, device: torch.device) -> threading.Thread:
     """Allocate the HOST_BUFFERS pinned buffers on a side thread, each put on `free` once made (an exception in
     its place), so that the first group's forward runs meanwhile: at 65536-token groups of the 27B-class target
     pinning three 3.4 GB buffers held the GPU idle for 6.7 s before the first forward."""
 
     def pin():
+        if device.type == "cuda":  # a new thread's current device is cuda:0: no context there for another rank's
+            torch.cuda.set_device(device)
         for _ in range(HOST_BUFFERS):
             try:
                 free.put(make())
