@@ -375,7 +375,12 @@ def main():
         "anchors per document), e.g. 4x3072:512,1x32768:2048  [default: 4x3072:512, tiny 4x64:8]",
     )
     parser.add_argument(
-        "--profile", type=int, default=0, metavar="N", help="also profile N ungraphed steps: time per part of the step"
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also profile N ungraphed steps: time per part of the step, and the counted FLOPs and TFLOP/s of the "
+        "parts that run them (matmul, attention)",
     )
     parser.add_argument(
         "--flex-options",
