@@ -47,6 +47,7 @@ from dflash.train_setup import (
     Env,
     StopSignals,
     anchors_per_row,
+    check_host_memory,
     check_self_check,
     check_shapes,
     check_step_memory,
@@ -143,6 +144,8 @@ class Trainer:
         else:
             self.embed = embed.to(self.device)
         logger.info(describe_embedding(self.host_embedding, cfg.embedding, embed, step_tokens))
+        table_bytes = embed.numel() * embed.element_size() if self.host_embedding else 0
+        check_host_memory(cfg, fields, table_bytes, self.device)
         self.lift = None if self.projection is None else self.projection.to(self.device, self.mm_dtype)
         torch.manual_seed(cfg.seed)
         with torch.device(self.device):

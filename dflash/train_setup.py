@@ -208,6 +208,35 @@ def check_step_memory(
     return memory.check_memory(dcfg, shape, available, device)
 
 
+def check_host_memory(cfg: TrainConfig, fields: dict, host_table_bytes: int, device) -> int:
+    """The host memory a GPU run's readers pin, refused before any work when this rank's share of the host's
+    available memory is smaller (unless --ignore-memory-estimate): `prefetch` + 1 page-locked batches of the step's
+    rows (`fields`, token embeddings included with --embedding host), as many of the held-out rows while a mid-run
+    validation reads (--val-every), and the host embedding table. At long rows these are the large part: a
+    262144-token row of a 27B-class target's 5 tapped layers is 13.4 GB. Returns the bytes."""
+    row = memory.row_bytes(fields)
+    batches = cfg.grad_accum * cfg.rows_per_step + (cfg.rows_per_step if cfg.val_every else 0)
+    need = (cfg.prefetch + 1) * batches * row + host_table_bytes
+    if device.type != "cuda" or cfg.ignore_memory_estimate:
+        return need
+    available = memory.available_memory(torch.device("cpu"))
+    if available is None:
+        return need
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # the ranks of one host share its memory
+    if need <= available // ranks:
+        return need
+    shared = f" / {ranks} ranks on this host" if ranks > 1 else ""
+    raise DflashError(
+        f"the reader's page-locked host batches need about {memory.format_bytes(need)} ({cfg.prefetch + 1} batches "
+        f"of {batches} rows of {memory.format_bytes(row)}, --prefetch {cfg.prefetch} steps ahead"
+        f"{', with the held-out rows of --val-every' if cfg.val_every else ''}"
+        f"{', and the host embedding table' if host_table_bytes else ''}) but this rank has "
+        f"{memory.format_bytes(available // ranks)} of host memory (MemAvailable{shared}): lower --prefetch (1 reads "
+        "one step ahead), --rows-per-step or --grad-accum, run fewer ranks on this host, or harvest shorter rows; "
+        "--ignore-memory-estimate runs it anyway"
+    )
+
+
 def describe_embedding(on_host: bool, choice: str, table: torch.Tensor, step_tokens: int) -> str:
     """The log line of TrainConfig.embedding: where the token embeddings are looked up, and what it costs."""
     table_bytes = table.numel() * table.element_size()

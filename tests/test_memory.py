@@ -317,3 +317,40 @@ def test_auto_embedding_takes_the_layout_of_less_memory_on_a_gpu(cuda):
     )
     assert saved == (248320 - 2 * 12288) * 5120 * 2
     assert embedding_on_host("host", False, 10**6, 10) and not embedding_on_host("device", True, 1, 10**6)
+
+
+def test_the_readers_host_memory_is_what_they_pin_and_a_host_too_small_is_refused(monkeypatch):
+    """train_setup.check_host_memory counts the page-locked batches the readers allocate (checked against
+    reader.allocate_batch's own tensors), and refuses a GPU run whose rank's share of the host's memory is smaller,
+    naming the options that lower it; --ignore-memory-estimate lets it run."""
+    from dflash import memory as memory_module
+    from dflash.config import TrainConfig
+    from dflash.reader import BatchShape, allocate_batch, row_fields
+    from dflash.train_setup import check_host_memory
+
+    T, width = 512, 320
+    layout = {"hidden": ((T, width), "uint16"), "input_ids": ((T,), "int32"), "loss_mask": ((T,), "uint8")}
+    fields = row_fields(layout)
+    cfg = TrainConfig(store="s", out="o", rows_per_step=2, grad_accum=3, prefetch=2, val_every=10)
+    table = 4096 * 64 * 2
+
+    def pinned(micro_batches, rows):  # what one reader slot holds, but the anchor keys (8 bytes a row)
+        batch = allocate_batch(BatchShape(micro_batches, rows, fields), "cpu")
+        return sum(t.numel() * t.element_size() for name, t in batch.items() if name != "anchor_keys")
+
+    expected = (cfg.prefetch + 1) * (pinned(3, 2) + pinned(1, 2)) + table
+    assert check_host_memory(cfg, fields, table, torch.device("cpu")) == expected
+    no_val = dataclasses.replace(cfg, val_every=0)
+    assert check_host_memory(no_val, fields, 0, torch.device("cpu")) == (cfg.prefetch + 1) * pinned(3, 2)
+
+    monkeypatch.setattr(memory_module, "available_memory", lambda device: 4 * (expected - 1))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    cuda = torch.device("cuda")  # only its type is read: no GPU needed
+    with pytest.raises(DflashError) as refused:
+        check_host_memory(cfg, fields, table, cuda)
+    message = str(refused.value)
+    assert "page-locked host batches need about" in message and "/ 4 ranks on this host" in message
+    assert "--prefetch 2 steps ahead" in message and "lower --prefetch" in message
+    assert check_host_memory(dataclasses.replace(cfg, ignore_memory_estimate=True), fields, table, cuda) == expected
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert check_host_memory(cfg, fields, table, cuda) == expected  # the whole host is this rank's
