@@ -1,7 +1,13 @@
+import dataclasses
+import json
+
 import pytest
 import torch
+from train_support import METHOD_TEACHER
 
-from dflash.tiny import build_tokenizer, make_tiny_target
+from dflash.config import HarvestConfig
+from dflash.harvest import run_harvest
+from dflash.tiny import CORPUS, build_tokenizer, make_tiny_target
 
 torch.set_num_threads(1)
 
@@ -39,3 +45,54 @@ def save_tokenizer():
 @pytest.fixture(scope="session")
 def tokenizer_path(tmp_path_factory):
     return _save_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+# The trainer's tests (test_train*.py): a tiny harvest of the bundled corpus (rows of 64 tokens) by the tiny Qwen3
+# target, built once per session; a test that changes a store works on a copy (train_support.copy_store).
+
+
+@pytest.fixture(scope="session")
+def target(tiny_target):
+    return tiny_target("qwen3")
+
+
+@pytest.fixture(scope="session")
+def store(target, tmp_path_factory):
+    out = tmp_path_factory.mktemp("train-store") / "store"
+    run_harvest(HarvestConfig(model=str(target), data=str(CORPUS), out=str(out), token_budget=64, workers=1))
+    return out
+
+
+@pytest.fixture(scope="session")
+def store_for(store, target, tmp_path_factory):
+    """The store a METHOD_OPTIONS entry trains from: the module's, or one harvested with the teacher it needs."""
+    made = {}
+
+    def pick(name):
+        teacher = METHOD_TEACHER.get(name)
+        if teacher is None:
+            return store
+        if teacher not in made:
+            out = tmp_path_factory.mktemp(f"teacher-store-{teacher.replace(':', '')}") / "store"
+            cfg = HarvestConfig(model=str(target), data=str(CORPUS), out=str(out), token_budget=64, workers=1)
+            run_harvest(dataclasses.replace(cfg, teacher=teacher))
+            made[teacher] = out
+        return made[teacher]
+
+    return pick
+
+
+@pytest.fixture(scope="session")
+def other_store(target, tmp_path_factory):
+    """A store of other documents than `store`'s (every third line of the corpus, rewritten), same target and rows."""
+    folder = tmp_path_factory.mktemp("val-store")
+    lines = CORPUS.read_text().splitlines()[::3]
+    data = folder / "other.jsonl"
+    data.write_text(  # each line its own text: identical ones would be deduplicated
+        "".join(
+            json.dumps({"text": json.loads(line).get("text", f"held out {i}") + " (held out)"}) + "\n"
+            for i, line in enumerate(lines)
+        )
+    )
+    run_harvest(HarvestConfig(model=str(target), data=str(data), out=str(folder / "store"), token_budget=64, workers=1))
+    return folder / "store"
