@@ -54,16 +54,8 @@ def gather_ranks(mine: dict, env: Env) -> list[dict]:
     return ranks
 
 
-WORST_KEYS = (
-    "step_ms",
-    "data_wait",
-    "peak_allocated_GB",
-    "peak_reserved_GB",
-    "allocated_spread",
-    "reserved_spread",
-    "ungraphed_step_ms",
-    "weights_max_abs_diff",
-)
+# All ranks together: the worst rank's value of each of these (MFU is averaged instead).
+WORST_KEYS = (*(key for key in RANK_KEYS if key != "mfu"), "ungraphed_step_ms", "weights_max_abs_diff")
 
 
 def worst(ranks: list[dict], key: str):
