@@ -146,12 +146,17 @@ def forward_batches(plan: PartPlan, first: int, last: int, forward_tokens: int) 
     batches: list[list[tuple[int, int]]] = []
     for item in items:
         if batches:
-            width = round_up(len(plan.docs[batches[-1][0][1]].input_ids), PAD_MULTIPLE)  # the batch's longest
+            width = batch_shape(plan, batches[-1])[1]
             if (len(batches[-1]) + 1) * width <= forward_tokens:
                 batches[-1].append(item)
                 continue
         batches.append([item])
     return batches
+
+
+def batch_shape(plan: PartPlan, batch: list[tuple[int, int]]) -> tuple[int, int]:
+    """(documents, padded length) of a batch of forward_batches: its first document is its longest."""
+    return len(batch), round_up(len(plan.docs[batch[0][1]].input_ids), PAD_MULTIPLE)
 
 
 def round_up(n: int, multiple: int) -> int:

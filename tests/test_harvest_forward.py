@@ -9,8 +9,8 @@ import torch
 
 from dflash.data import Document
 from dflash.errors import DflashError
-from dflash.harvest.pipeline import batch_shape, forward_fits, probe_largest_forward
-from dflash.packing import PartPlan, forward_batches
+from dflash.harvest.pipeline import forward_fits, probe_largest_forward
+from dflash.packing import PartPlan, batch_shape, forward_batches
 
 
 class RecordingTarget:

@@ -19,7 +19,7 @@ from dflash import features, manifest, store
 from dflash.config import HarvestConfig
 from dflash.errors import DflashError
 from dflash.harvest.options import row_bytes
-from dflash.packing import PAD_MULTIPLE, PartPlan, forward_batches, round_up
+from dflash.packing import PartPlan, batch_shape, forward_batches
 from dflash.target import TappedTarget
 
 HOST_BUFFERS = 3  # pinned row-group buffers: one being filled, up to two queued or being written
@@ -283,7 +283,7 @@ def fill_rows(
     start_of = {(r, d): s for r in range(first, last) for d, s in zip(plan.rows[r], plan.starts[r])}
     for batch in forward_batches(plan, first, last, forward_tokens):
         lengths = [len(plan.docs[d].input_ids) for _, d in batch]
-        ids = np.zeros((len(batch), round_up(lengths[0], PAD_MULTIPLE)), np.int64)
+        ids = np.zeros(batch_shape(plan, batch), np.int64)
         for b, (_, d) in enumerate(batch):
             ids[b, : lengths[b]] = plan.docs[d].input_ids
         with forward_fits(ids.shape, forward_tokens, rows.device):
@@ -293,11 +293,6 @@ def fill_rows(
             rows[r - first, start : start + n] = features[b, :n]
             if final_rows is not None:
                 final_rows[r - first, start : start + n] = final[b, :n]
-
-
-def batch_shape(plan: PartPlan, batch: list[tuple[int, int]]) -> tuple[int, int]:
-    """(documents, padded length) of a forward batch (its first document is its longest)."""
-    return len(batch), round_up(len(plan.docs[batch[0][1]].input_ids), PAD_MULTIPLE)
 
 
 def probe_largest_forward(plan: PartPlan, groups: list[tuple[int, int]], forward_tokens: int, target) -> None:
