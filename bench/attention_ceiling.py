@@ -18,7 +18,6 @@ On the H200 (bench/device_setup.sh first):
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,6 +27,8 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repository's dflash
 
+from bench.mask_tiles import row_anchors  # noqa: E402
+from bench.topk import ms_per_call  # noqa: E402
 from bench.train import DRAFTERS, TINY, parse_row_shapes  # noqa: E402
 from dflash import attention_kernels, blocks, metrics  # noqa: E402
 
@@ -43,10 +44,7 @@ def step_problem(s: dict, shape: dict, block: int, device: torch.device, seed: i
     """The step's anchors over one row of `shape`: (BlockMask or dense bias, query tokens, key tokens, pairs)."""
     T = shape["docs_per_row"] * shape["doc_len"]
     A = shape["docs_per_row"] * shape["anchors_per_doc"]
-    doc_ids = (torch.arange(T, device=device) // shape["doc_len"])[None]
-    loss_mask = torch.ones(1, T, dtype=torch.bool, device=device)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    anchors, valid = blocks.sample_anchors(loss_mask, doc_ids, A, block, generator)
+    anchors, valid, doc_ids = row_anchors(shape["docs_per_row"], shape["doc_len"], A, block, seed, device)
     pairs = int(metrics.visible_pairs(anchors, valid, doc_ids, block))
     if device.type == "cuda":
         tile = attention_kernels.default_mask_tile(s["head_dim"])
@@ -62,25 +60,6 @@ def causal_mask(length: int, tile: int, device: torch.device):
     )
 
 
-def timed(fn, iters: int, device: torch.device) -> float:
-    """Mean milliseconds of fn() after 3 untimed calls (CUDA events on a GPU, wall clock on the CPU)."""
-    for _ in range(3):
-        fn()
-    if device.type != "cuda":
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return 1e3 * (time.perf_counter() - start) / iters
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    begin.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return begin.elapsed_time(end) / iters
-
-
 def measure(attend, q, k, v, iters: int, device: torch.device) -> tuple[float, float]:
     """(forward ms, backward ms) of out = attend(q, k, v): the backward as forward+backward minus forward."""
     grad = torch.randn_like(q)
@@ -93,8 +72,8 @@ def measure(attend, q, k, v, iters: int, device: torch.device) -> tuple[float, f
         out = attend(q, k, v)
         torch.autograd.grad(out, (q, k, v), grad)
 
-    fwd = timed(forward, iters, device)
-    return fwd, timed(forward_backward, iters, device) - fwd
+    fwd = ms_per_call(forward, iters, device)
+    return fwd, ms_per_call(forward_backward, iters, device) - fwd
 
 
 def inputs(heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int, device, dtype):

@@ -14,11 +14,18 @@ import torch
 from dflash import blocks, metrics
 
 
-def count(block: int, anchors: int, tile: int, docs: int, doc_len: int, seed: int) -> dict:
+def row_anchors(docs: int, doc_len: int, anchors: int, block: int, seed: int, device="cpu"):
+    """One row of `docs` documents of `doc_len` tokens, the loss on every token, and its `anchors` drawn with
+    `seed` as the trainer draws them: (anchors [1, A], valid [1, A], doc ids [1, T])."""
     T = docs * doc_len
-    doc_ids = (torch.arange(T) // doc_len)[None]
-    loss_mask = torch.ones(1, T, dtype=torch.bool)
-    starts, valid = blocks.sample_anchors(loss_mask, doc_ids, anchors, block, torch.Generator().manual_seed(seed))
+    doc_ids = (torch.arange(T, device=device) // doc_len)[None]
+    loss_mask = torch.ones(1, T, dtype=torch.bool, device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    return (*blocks.sample_anchors(loss_mask, doc_ids, anchors, block, generator), doc_ids)
+
+
+def count(block: int, anchors: int, tile: int, docs: int, doc_len: int, seed: int) -> dict:
+    starts, valid, doc_ids = row_anchors(docs, doc_len, anchors, block, seed)
     mask = blocks.block_attention_mask(starts, valid, doc_ids, block, tile_size=tile)
     partial, full = int(mask.kv_num_blocks.sum()), int(mask.full_kv_num_blocks.sum())
     visible = int(metrics.visible_pairs(starts, valid, doc_ids, block))  # the pairs MFU counts
