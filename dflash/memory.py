@@ -7,6 +7,7 @@ The formula and its measured error are in docs/training.md ("Memory"); `step_mem
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,6 +153,13 @@ def available_memory(device: torch.device) -> int | None:
     except (OSError, ValueError):
         pass
     return available
+
+
+def host_share() -> int | None:
+    """This rank's share of the host's available memory (available_memory of the CPU), split evenly between the
+    LOCAL_WORLD_SIZE ranks that start on one host together; None where unknown."""
+    available = available_memory(torch.device("cpu"))
+    return None if available is None else available // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
 def format_bytes(n: float) -> str:

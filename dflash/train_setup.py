@@ -202,9 +202,10 @@ def check_step_memory(
         layer_parameters=memory.parameter_count(method.model_cls, dcfg, layers_only=True),
         embedding_on_host=embedding_on_host,
     )
-    available = None if cfg.ignore_memory_estimate else memory.available_memory(device)
-    if available is not None and device.type == "cpu":  # the ranks of one host share its memory
-        available //= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if cfg.ignore_memory_estimate:
+        available = None
+    else:  # on the CPU the step's memory is the host's, which its ranks share
+        available = memory.host_share() if device.type == "cpu" else memory.available_memory(device)
     return memory.check_memory(dcfg, shape, available, device)
 
 
@@ -219,19 +220,17 @@ def check_host_memory(cfg: TrainConfig, fields: dict, host_table_bytes: int, dev
     need = (cfg.prefetch + 1) * batches * row + host_table_bytes
     if device.type != "cuda" or cfg.ignore_memory_estimate:
         return need
-    available = memory.available_memory(torch.device("cpu"))
-    if available is None:
+    share = memory.host_share()
+    if share is None or need <= share:
         return need
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # the ranks of one host share its memory
-    if need <= available // ranks:
-        return need
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     shared = f" / {ranks} ranks on this host" if ranks > 1 else ""
     raise DflashError(
         f"the reader's page-locked host batches need about {memory.format_bytes(need)} ({cfg.prefetch + 1} batches "
         f"of {batches} rows of {memory.format_bytes(row)}, --prefetch {cfg.prefetch} steps ahead"
         f"{', with the held-out rows of --val-every' if cfg.val_every else ''}"
         f"{', and the host embedding table' if host_table_bytes else ''}) but this rank has "
-        f"{memory.format_bytes(available // ranks)} of host memory (MemAvailable{shared}): lower --prefetch (1 reads "
+        f"{memory.format_bytes(share)} of host memory (MemAvailable{shared}): lower --prefetch (1 reads "
         "one step ahead), --rows-per-step or --grad-accum, run fewer ranks on this host, or harvest shorter rows; "
         "--ignore-memory-estimate runs it anyway"
     )
