@@ -91,7 +91,7 @@ from bench.ranks import rank_view
 from bench.step_profile import profile_step
 from bench.synthetic import ENCODINGS, shared_data
 from bench.train_report import report, table_row, versions
-from bench.variants import METHOD_VARIANTS, parse_variants, split_variant
+from bench.variants import VARIANT_CHOICES, parse_variants, split_variant
 from dflash import graph, loss
 from dflash.attention_kernels import CUDA_KERNEL_OPTIONS
 from dflash.config import TrainConfig
@@ -367,7 +367,7 @@ def main():
     parser.add_argument(
         "--methods",
         default="dflash",
-        help=f"drafter methods to time, comma-separated, each on every drafter: {', '.join(METHOD_VARIANTS)}",
+        help=f"drafter methods to time, comma-separated, each on every drafter: {VARIANT_CHOICES}",
     )
     parser.add_argument(
         "--row-shapes",

@@ -3,6 +3,8 @@
 "dflash" is the paper's drafter with its decayed loss, every other variant's reference (named in full: the trainer's
 default method is DFlash 2)."""
 
+import re
+
 METHOD_VARIANTS = {
     "dflash": {"method": "dflash"},
     "dpace": {"method": "dflash", "position_weights": "dpace"},
@@ -10,12 +12,8 @@ METHOD_VARIANTS = {
     "dflash2-dpace": {"method": "dflash2", "position_weights": "dpace"},
     "dflash2-drop": {"method": "dflash2", "selector_outside": "drop"},
     "dflash2-b8": {"method": "dflash2", "block_size": 8},
-    # The sliding window over the context (issue 24): DFlash 2 slides over 2048 positions by default. The quality
-    # run's documents are ~250-400 tokens, so only windows of 64 and 128 cut them there.
-    "dflash-window64": {"method": "dflash", "drafter_overrides": {"sliding_window": 64}},
-    "dflash-window128": {"method": "dflash", "drafter_overrides": {"sliding_window": 128}},
-    "dflash-window512": {"method": "dflash", "drafter_overrides": {"sliding_window": 512}},
-    "dflash-window2048": {"method": "dflash", "drafter_overrides": {"sliding_window": 2048}},
+    # DFlash 2 with full attention over the context (its default slides over 2048 positions); any window is
+    # `dflash-windowN` or `dflash2-windowN` (WINDOW_VARIANT).
     "dflash2-full": {"method": "dflash2", "drafter_overrides": {"sliding_window": None}},
     # Memory for time (issue 24, TrainConfig.recompute): each layer's MLP run again in the backward, or only its
     # element-wise work.
@@ -32,8 +30,21 @@ METHOD_VARIANTS = {
 }
 
 
+# The sliding window over the context (issue 24), of any width: the quality run's documents are ~250-400 tokens, so
+# only windows below that cut them there; long rows time the 2048 of DFlash 2's released configs.
+WINDOW_VARIANT = re.compile(r"(dflash2?)-window([1-9][0-9]*)")
+VARIANT_CHOICES = f"{', '.join(METHOD_VARIANTS)}, dflash-windowN, dflash2-windowN (a sliding window of N tokens)"
+
+
+def is_variant(name: str) -> bool:
+    return name in METHOD_VARIANTS or WINDOW_VARIANT.fullmatch(name) is not None
+
+
 def split_variant(name: str) -> tuple[dict, str | None]:
     """(the TrainConfig options of variant `name`, the --teacher its store needs, or None)."""
+    window = WINDOW_VARIANT.fullmatch(name)
+    if window:
+        return {"method": window[1], "drafter_overrides": {"sliding_window": int(window[2])}}, None
     options = dict(METHOD_VARIANTS[name])
     return options, options.pop("teacher", None)
 
@@ -41,7 +52,7 @@ def split_variant(name: str) -> tuple[dict, str | None]:
 def parse_variants(text: str) -> list[str]:
     """`dflash,dflash2,...` -> the names, each known and given once (ValueError naming the choices otherwise)."""
     names = [part.strip() for part in text.split(",") if part.strip()]
-    unknown = [n for n in names if n not in METHOD_VARIANTS]
+    unknown = [n for n in names if not is_variant(n)]
     if unknown or len(set(names)) != len(names) or not names:
-        raise ValueError(f"{text!r}: give distinct names out of {', '.join(METHOD_VARIANTS)}")
+        raise ValueError(f"{text!r}: give distinct names out of {VARIANT_CHOICES}")
     return names

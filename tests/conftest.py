@@ -3,6 +3,7 @@ import json
 
 import pytest
 import torch
+from harvest_support import OPTIONS as HARVEST_OPTIONS
 from train_support import METHOD_TEACHER
 
 from dflash.config import HarvestConfig
@@ -96,3 +97,31 @@ def other_store(target, tmp_path_factory):
     )
     run_harvest(HarvestConfig(model=str(target), data=str(data), out=str(folder / "store"), token_budget=64, workers=1))
     return folder / "store"
+
+
+@pytest.fixture(scope="session")
+def harvest_data(tmp_path_factory):
+    """The harvest tests' data: corpus lines (chat and text) plus a 3-token document and a long one that splits into many pieces."""
+    lines = CORPUS.read_text().splitlines()[:100]
+    long_text = "\n\n".join(json.loads(line).get("text", "") for line in lines[:60])
+    lines += [json.dumps({"text": "Hi."}), json.dumps({"text": long_text})]
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def harvested(tiny_target, harvest_data, tmp_path_factory):
+    """Factory: a complete one-rank store of the data for a tiny target of `arch`, harvested in-process."""
+    stores = {}
+
+    def make(arch: str):
+        if arch not in stores:
+            out = tmp_path_factory.mktemp(f"store-{arch}") / "store"
+            run_harvest(
+                HarvestConfig(model=str(tiny_target(arch)), data=str(harvest_data), out=str(out), **HARVEST_OPTIONS)
+            )
+            stores[arch] = out
+        return stores[arch]
+
+    return make

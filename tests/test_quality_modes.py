@@ -172,8 +172,12 @@ def test_several_trained_drafters_in_one_run(tiny_target, tmp_path):
 def test_window_variants_train_with_their_window_and_survive_the_saved_json():
     # The window's tau cost next to full context (issue 24): a variant's drafter options go to the TrainConfig and
     # back from the mode's saved JSON unchanged.
-    modes = parse_modes("dflash-window512,dflash-window2048,dflash2-full")
+    modes = parse_modes("dflash-window512,dflash-window2048,dflash2-full,dflash2-window96")
     windows = [dict(m.train)["drafter_overrides"]["sliding_window"] for m in modes]
-    assert windows == [512, 2048, None] and all(m.on_bf16_store for m in modes)
+    assert windows == [512, 2048, None, 96] and all(m.on_bf16_store for m in modes)
+    assert [dict(m.train)["method"] for m in modes] == ["dflash", "dflash", "dflash2", "dflash2"]
     assert [StoreMode(**json.loads(json.dumps(asdict(m)))) for m in modes] == modes
-    assert len({m: m.folder for m in modes}) == 3  # run_modes keys its work by mode (dict values in `train`)
+    assert len({m: m.folder for m in modes}) == 4  # run_modes keys its work by mode (dict values in `train`)
+    for bad in ("dflash-window0", "dflash-window", "dflash3-window64", "dflash-window64x"):
+        with pytest.raises(ValueError, match="dflash-windowN"):
+            parse_modes(bad)

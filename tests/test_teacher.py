@@ -16,6 +16,7 @@ import pytest
 import torch
 import zarr
 from click.testing import CliRunner
+from harvest_support import OPTIONS, assert_hidden_close, bf16, cli_args, run_cli, store_files, stored_documents
 
 from cli.main import main
 from dflash import selfcheck, store
@@ -25,7 +26,6 @@ from dflash.harvest import run_harvest
 from dflash.plan import mode_bytes
 from dflash.store import Store
 from dflash.tiny import CORPUS
-from tests.test_harvest import OPTIONS, assert_hidden_close, bf16, cli_args, run_cli, store_files, stored_documents
 
 K = 8
 HEAD_SCALE = 16.0  # top-1 probabilities of about 0.05 to 0.9 on this target

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.variants import METHOD_VARIANTS, split_variant
+from bench.variants import VARIANT_CHOICES, is_variant, split_variant
 
 logger = logging.getLogger("quality")
 
@@ -56,7 +56,7 @@ def parse_modes(text: str) -> list[StoreMode]:
     for name in (part.strip() for part in text.split(",")):
         if not name:
             continue
-        if name in METHOD_VARIANTS and name != "dflash":  # the bf16 run itself is DFlash's (train_drafter)
+        if is_variant(name) and name != "dflash":  # the bf16 run itself is DFlash's (train_drafter)
             options, teacher = split_variant(name)
             mode = StoreMode(name, train=tuple(options.items()), teacher=teacher)
             if mode in modes:
@@ -69,7 +69,7 @@ def parse_modes(text: str) -> list[StoreMode]:
             raise ValueError(
                 f"--modes: {name!r} is not a store mode; give fp8, subK or subA/B (the top K directions, or A/B <= 1 "
                 "of the feature width), a subspace optionally +fp8, e.g. fp8,sub1/4,sub1/4+fp8 (bf16 is always run), "
-                f"or a drafter method: {', '.join(METHOD_VARIANTS)}"
+                f"or a drafter method: {VARIANT_CHOICES}"
             )
         if name == "fp8":
             mode = StoreMode(name, "fp8")
