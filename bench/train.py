@@ -98,17 +98,16 @@ from dflash.config import TrainConfig
 from dflash.drafter import check_kernel_options
 from dflash.errors import DflashError
 from dflash.metrics import MetricsLog
+from dflash.step_time import BENCH_DRAFTERS
 from dflash.train import Trainer
 from dflash.train_setup import Env, init_distributed
 
 WINDOW = (10, 50)  # steps whose records the summary uses (the "steps 10-50")
 
-# Drafter shapes: the target's width, heads and FFN (the drafter copies them) and the document layout.
-ROW = dict(doc_len=3072, docs_per_row=4, anchors_per_doc=512, vocab=248320)
-DRAFTERS = {
-    "a": dict(hidden=5120, heads=24, kv_heads=4, head_dim=256, ffn=17408, target_layers=64, **ROW),
-    "b": dict(hidden=2560, heads=16, kv_heads=4, head_dim=256, ffn=9216, target_layers=32, **ROW),
-}
+# Drafter shapes: the target's width, heads, FFN (the drafter copies them) and vocabulary (dflash.step_time prices
+# plan's train estimate at their measured steps), and the document layout.
+ROW = dict(doc_len=3072, docs_per_row=4, anchors_per_doc=512)
+DRAFTERS = {name: {**shape, **ROW} for name, shape in BENCH_DRAFTERS.items()}
 TINY_ROW = dict(doc_len=64, docs_per_row=4, anchors_per_doc=8, vocab=512)
 
 

@@ -126,12 +126,19 @@ def visible_pairs(anchors, valid, doc_ids, block_size, window: int | None = None
     starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
     doc_start = torch.where(starts, position, 0).cummax(dim=1).values
     context = anchors - doc_start.gather(1, anchors)
+    return (block_pairs(context, block_size, window) * valid).sum()
+
+
+def block_pairs(context: torch.Tensor, block_size: int, window: int | None = None) -> torch.Tensor:
+    """The pairs one block lets attend, per block whose anchor has `context` tokens of its document before it: each
+    of its B queries sees that context (with a window, the query at slot k at most window - 1 - k of it) and the
+    B tokens of the block."""
     if window is None:
         seen = block_size * context
     else:
-        reach = (window - 1 - torch.arange(block_size, device=anchors.device)).clamp(min=0)
+        reach = (window - 1 - torch.arange(block_size, device=context.device)).clamp(min=0)
         seen = torch.minimum(context[..., None], reach).sum(-1)
-    return ((seen + block_size * block_size) * valid).sum()
+    return seen + block_size * block_size
 
 
 # Model FLOPs of the counted work, with context tokens C (non-padding), drafted block tokens D, labelled positions

@@ -30,9 +30,9 @@ from dflash.harvest import (
     teacher_encoding,
 )
 from dflash.manifest import FeatureSpec, TeacherSpec, teacher_spec
-from dflash.metrics import step_flops
 from dflash.packing import PartPlan
 from dflash.parallel import checkpoint_bytes
+from dflash.step_time import fitted_rates, nearest_bench_drafter, pairs_per_anchor, row_flops
 from dflash.store import nearest_existing
 from dflash.target_files import checkpoint_file, load_config, tensor_files
 from dflash.train_setup import default_anchors
@@ -42,7 +42,8 @@ H200_MEMORY = 139 * 2**30  # what one H200 lends a process (docs/benchmarks.md)
 # What the benchmarks measured on one H200 (docs/benchmarks.md): the harvest's dense MFU end to end at full depth
 # of the 27B-like target (bf16 store; the compact one ran at 58.8 %), and the 4B-class drafter's train step MFU.
 HARVEST_MFU = 0.563
-TRAIN_MFU = 0.562
+# The window the train line prices for a method that sees its whole context: DFlash 2's released configs'.
+OTHER_WINDOW = 2048
 # Store size over the raw stored bytes: the largest the H200 runs measured (docs/benchmarks.md), so that the
 # estimate errs on the full side. bf16 values: 0.815 of raw on the quality target's trained activations, 0.848 for
 # its projected ones (sub1/4, sub1/8), 0.80-0.81 on the 27B-like random target; fp8 bytes: 0.80 (fp8), 0.88
@@ -77,10 +78,14 @@ class DataEstimate:
     truncated_tokens: float
     split: float
     mean_document: float
+    # contexts[c]: positions that can anchor a block (in the loss, a whole block before the document's end) with c
+    # tokens of their document before them; train draws its anchors uniformly from such positions
+    contexts: np.ndarray
 
 
-def estimate_data(cfg: HarvestConfig, sample: int | None) -> DataEstimate:
-    """Tokenize the data (or `sample` of its lines, seeded) and pack it as the harvest would."""
+def estimate_data(cfg: HarvestConfig, sample: int | None, block_size: int = 16) -> DataEstimate:
+    """Tokenize the data (or `sample` of its lines, seeded) and pack it as the harvest would; `block_size`: the
+    drafter's, whose blocks must fit before a document's end to anchor there."""
     data = data_config(cfg, max_length=cfg.max_length or cfg.token_budget, sample=sample)
     documents, stats = load_documents(data, cfg.model)
     scale = stats.lines / stats.lines_used
@@ -89,8 +94,11 @@ def estimate_data(cfg: HarvestConfig, sample: int | None) -> DataEstimate:
         for r in range(cfg.world_size or 1)
     )
     by_line: dict[int, int] = {}
+    contexts = np.zeros(cfg.token_budget, np.int64)
     for doc in documents:
         by_line[doc.doc_id] = by_line.get(doc.doc_id, 0) + len(doc.input_ids)
+        anchors = np.flatnonzero(doc.loss_mask[: max(0, len(doc.input_ids) - block_size + 1)])
+        contexts += np.bincount(anchors, minlength=cfg.token_budget)[: cfg.token_budget]
     per_line = np.array(list(by_line.values()) + [0] * (stats.lines_used - len(by_line)), np.float64)
     # Sampling without replacement: the standard error of N * mean, with the finite-population correction.
     error = 0.0
@@ -114,6 +122,7 @@ def estimate_data(cfg: HarvestConfig, sample: int | None) -> DataEstimate:
         truncated_tokens=stats.truncated_tokens * scale,
         split=stats.split * scale,
         mean_document=stats.tokens / max(1, stats.documents),
+        contexts=contexts,
     )
 
 
@@ -155,7 +164,7 @@ def plan_report(cfg: HarvestConfig, sample: int | None, epochs: int, draft_layer
     layers = tapped_layers(cfg, text.num_hidden_layers)
     feature_dim = len(layers) * text.hidden_size
     chosen_encoding = feature_encoding(cfg, len(layers), feature_dim)  # refuses invalid options
-    data = estimate_data(cfg, sample)
+    data = estimate_data(cfg, sample, block_size)
     lines = []
     sampled = (
         f"a seeded sample of {data.sampled} of {data.lines} records, scaled up"
@@ -223,36 +232,61 @@ def plan_report(cfg: HarvestConfig, sample: int | None, epochs: int, draft_layer
         f"{_size(weights / split)} per GPU split over --tensor-parallel {split}" if split > 1 else "whole on each GPU"
     )
     hours = data.tokens / harvest_tok_s / 3600
-    drafter = DrafterConfig.from_target_config(config, layers, 0, num_layers=draft_layers, block_size=block_size)
-    anchors = default_anchors(cfg.token_budget)
-    drafted = anchors * block_size
-    pairs = drafted * (min(data.mean_document, cfg.token_budget) / 2 + block_size)
-    flops_per_token = (
-        step_flops(drafter, cfg.token_budget, drafted, anchors * (block_size - 1), pairs) / cfg.token_budget
-    )
-    train_tok_s = TRAIN_MFU * H200_PEAK / flops_per_token
+    method = methods.get(TrainConfig.method)
+    dcfg = method.config_cls.from_target_config(config, layers, 0, num_layers=draft_layers, block_size=block_size)
     groups = f"; ~{hours / split:,.2f} hours on each group of {split} (the split's communication not counted)"
     lines += [
         f"target     {_size(weights)} of weights (the checkpoint's files): {per_gpu}",
         f"harvest    ~{hours:,.2f} H200-hours: {params / 1e9:.2f} B parameters run up to layer {max(layers)}, at the "
         f"{HARVEST_MFU:.1%} dense MFU bench/harvest.py measured ({harvest_tok_s:,.0f} tok/s)"
         + (groups if split > 1 else ""),
-        f"train      ~{epochs * data.rows * cfg.token_budget / train_tok_s / 3600:,.2f} H200-hours for {epochs} epochs "
-        f"of a {draft_layers}-layer drafter: {flops_per_token / 1e9:.2f} GFLOP per context token (docs/training.md, "
-        f"anchors 512 per 3072 tokens, attention over half a mean document), at the {TRAIN_MFU:.1%} MFU "
-        f"bench/train.py measured ({train_tok_s:,.0f} tok/s)",
-        _memory_line(config, layers, draft_layers, block_size, cfg.token_budget, raw, chosen_encoding),
+        *_train_lines(dcfg, method.name, data, cfg.token_budget, epochs),
+        _memory_line(method, dcfg, cfg.token_budget, raw, chosen_encoding),
         "These are estimates: the rates are one H200's on the benchmarks' shapes; the codec fractions are the "
         "largest the benchmarks measured (a small trained target, random-weight large ones).",
     ]
     return "\n".join(lines)
 
 
-def _memory_line(config, layers, draft_layers: int, block_size: int, token_budget: int, row_raw: int, encoding) -> str:
+def _train_lines(dcfg: DrafterConfig, method: str, data: DataEstimate, token_budget: int, epochs: int) -> list[str]:
+    """The default method's train time on one H200 (dflash.step_time), and the same with the other choice of
+    context: full where the method slides a window, DFlash 2's 2048-token window where it sees it all."""
+    anchors = default_anchors(token_budget)
+    bench = nearest_bench_drafter(dcfg.hidden_size)
+    rates = fitted_rates(bench)
+
+    def cost(window: int | None) -> str:
+        pairs = pairs_per_anchor(data.contexts, dcfg.block_size, window)
+        flops = row_flops(dcfg, token_budget, anchors, pairs)
+        seconds = rates.seconds(flops)
+        hours = epochs * data.rows * seconds / 3600
+        share = flops["attention"] / sum(flops.values())
+        return f"~{hours:,.2f} H200-hours, ~{seconds:.3g} s a row (attention {share:.0%} of its FLOPs)"
+
+    window = dcfg.sliding_window
+    other = None if window is not None else OTHER_WINDOW
+    name = f"its {window}-token window" if window is not None else "full context"
+    other_name = (
+        f"a {other}-token window (--drafter-option sliding_window={other})"
+        if other is not None
+        else "full context (--drafter-option sliding_window=none)"
+    )
+    longest = int(np.flatnonzero(data.contexts).max(initial=0))
+    reaches = max(window or 0, other or 0) <= longest
+    return [
+        f"train      {epochs} epochs of a {dcfg.num_layers}-layer {method} drafter (train's default method) with "
+        f"{name}, {anchors} anchors a row (train's default for {token_budget} tokens): {cost(window)}",
+        f"           with {other_name}: {cost(other)}"
+        + ("" if reaches else f" (no block's context here reaches {max(window or 0, other or 0)} tokens)"),
+        f"           (dflash.step_time: a row's matmul and attention FLOPs at the two rates that reproduce two "
+        f"measured steps of bench/train.py's drafter {bench} on one H200, {rates.matmul / 1e12:.0f} and "
+        f"{rates.attention / 1e12:.0f} TFLOP/s; docs/benchmarks.md, 'Step time model')",
+    ]
+
+
+def _memory_line(method, dcfg: DrafterConfig, token_budget: int, row_raw: int, encoding) -> str:
     """The default method's train step memory at train's default anchors for this token budget, and the anchors that
     fit one H200: long rows need fewer anchors than the default, which grows with the row."""
-    method = methods.get(TrainConfig.method)
-    dcfg = method.config_cls.from_target_config(config, layers, 0, num_layers=draft_layers, block_size=block_size)
     anchors = default_anchors(token_budget)
     shape = memory.StepShape(
         rows=1,
@@ -279,7 +313,7 @@ def _memory_line(config, layers, draft_layers: int, block_size: int, token_budge
         else "does not fit even at --anchors 1"
     )
     return (
-        f"memory     a train step of the {draft_layers}-layer {method.name} drafter (train's default method) on one "
+        f"memory     a train step of the {dcfg.num_layers}-layer {method.name} drafter (train's default method) on one "
         f"row with {anchors} anchors (train's default for {token_budget} tokens): ~{_size(need)} on a GPU, "
         f"~{_size(lighter)} with --recompute pointwise (dflash.memory, docs/training.md 'Memory'); an H200's 139 "
         f"GiB: {verdict}"

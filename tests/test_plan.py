@@ -4,11 +4,14 @@ import json
 import re
 from dataclasses import replace
 
+import numpy as np
 import pytest
+import torch
 from click.testing import CliRunner
 
 from cli.main import main
 from dflash import store
+from dflash.blocks import eligible_anchors
 from dflash.config import HarvestConfig
 from dflash.harvest import run_harvest
 from dflash.plan import estimate_data, mode_bytes, plan_report
@@ -36,6 +39,17 @@ def test_full_count_equals_the_harvest(model, tmp_path):
         counts.loss_tokens,
         counts.rows,
     )
+    # The anchor contexts: every position of the store's rows that can anchor a block, by its distance to its
+    # document's first position.
+    contexts = np.zeros(BUDGET, np.int64)
+    for r in range(counts.rows):
+        row = harvested.read_row(r)
+        doc_ids = torch.from_numpy(row["doc_ids"].astype(np.int64))[None]
+        eligible = eligible_anchors(torch.from_numpy(row["loss_mask"])[None], doc_ids, 16)[0].nonzero()[:, 0]
+        for position in eligible.tolist():
+            start = int((doc_ids[0] == doc_ids[0, position]).nonzero()[0])
+            contexts[position - start] += 1
+    np.testing.assert_array_equal(estimate.contexts, contexts)
     # The raw row size of the mode is what the store's arrays hold per row, before the codec.
     raw, _ = mode_bytes(harvested.features, BUDGET)
     per_row = sum(a.nbytes for name, a in harvested.parts[0].items() if name != "documents") / counts.rows
@@ -177,7 +191,29 @@ def test_plan_prints_the_train_steps_memory_and_the_anchors_that_fit(model, tmp_
     assert lighter < totals[default]
     assert f"~{plan._size(lighter)} with --recompute pointwise" in plan_report(cfg, None, 1, 2, 16)
     monkeypatch.setattr(plan, "H200_MEMORY", totals[default // 2])
-    line = plan._memory_line(config, layers, 2, 16, BUDGET, row_raw, encoding)
+    line = plan._memory_line(method, dcfg, BUDGET, row_raw, encoding)
     assert line.endswith(
         f"does not fit: --anchors {max(a for a, t in totals.items() if t <= totals[default // 2])} does"
     )
+
+
+def row_seconds(report: str) -> list[float]:
+    """The train lines' seconds a row: the default method's context choice, then the other."""
+    lines = report[report.index("\ntrain ") :].splitlines()[1:3]
+    return [float(re.search(r"~([\d.e+-]+) s a row", line)[1]) for line in lines]
+
+
+def test_plan_prices_the_window_against_full_context_where_the_documents_reach_it(model, tmp_path):
+    texts = [json.loads(line).get("text", "") for line in CORPUS.read_text().splitlines()]
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps({"text": " ".join(texts[i : i + 40])}) + "\n" for i in range(0, 120, 40)))
+    long = HarvestConfig(model=model, data=str(data), out=str(tmp_path / "s"), token_budget=8192, workers=1)
+    assert np.flatnonzero(estimate_data(long, None).contexts).max() > 2048
+    report = plan_report(long, None, epochs=1, draft_layers=5, block_size=16)
+    assert "dflash2 drafter (train's default method) with its 2048-token window" in report
+    window, full = row_seconds(report)
+    assert 0 < window < full and "no block's context here reaches" not in report
+    short = replace(long, data=str(CORPUS), token_budget=BUDGET)
+    report = plan_report(short, None, epochs=1, draft_layers=5, block_size=16)
+    window, full = row_seconds(report)
+    assert window == full and "(no block's context here reaches 2048 tokens)" in report
