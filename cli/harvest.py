@@ -157,7 +157,7 @@ def _describe(path, manifest) -> str:
 def _verify(opened) -> bool:
     from tqdm import tqdm
 
-    from dflash import verify
+    from dflash.store import verify
 
     total = sum(array.nbytes for part in opened.parts for array in part.values())
     with tqdm(total=total, unit="B", unit_scale=True, desc="verify", mininterval=1.0) as bar:

@@ -18,10 +18,11 @@ from click.testing import CliRunner
 from harvest_support import BUDGET, OPTIONS, ROOT, assert_same_content, cli_args, run_cli, store_files, subprocess_env
 
 from cli.main import main
-from dflash import store, store_writer
+from dflash import store
 from dflash.config import HarvestConfig
 from dflash.harvest import run_harvest
 from dflash.store import Store
+from dflash.store import writer as store_writer
 from dflash.tiny import CORPUS
 
 # -------------------------------------------------------------------------------------- resume and ranks

@@ -14,9 +14,9 @@ from dflash.tiny import CORPUS
 ROOT = Path(__file__).resolve().parent.parent
 
 
-# The store layer, whose names callers find in store.py: its bookkeeping files, its layout and read side, its write
-# side, its chunk verification.
-STORE_MODULES = ["bookkeeping.py", "store_reader.py", "store_writer.py", "verify.py"]
+# The store package, whose names callers find in dflash.store: its bookkeeping files, its layout and read side, its
+# write side, its chunk verification.
+STORE_MODULES = ["store/bookkeeping.py", "store/reader.py", "store/verify.py", "store/writer.py"]
 
 
 def test_only_the_store_modules_import_zarr():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from dflash import parallel, selfcheck, store, verify
+from dflash import parallel, selfcheck, store
 from dflash.config import HarvestConfig
 from dflash.data import load_documents
 from dflash.device import DTYPES
@@ -22,6 +22,7 @@ from dflash.harvest.header import document_sources, harvest_header
 from dflash.harvest.options import check_free_space, data_config, harvest_fingerprint, resolve, teacher_encoding
 from dflash.harvest.pipeline import run_rows
 from dflash.packing import PartPlan
+from dflash.store import verify
 from dflash.target import TappedTarget
 
 logger = logging.getLogger("dflash")

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash import features, manifest, parallel, sources, store, verify
+from dflash import features, manifest, parallel, sources, store
 from dflash.config import HarvestConfig, check_expert_parallel
 from dflash.data import DataConfig
 from dflash.device import DTYPES, local_device
 from dflash.errors import DflashError
+from dflash.store import verify
 from dflash.target import check_layer_ids, default_layer_ids
 from dflash.target_files import config_hash, load_config, weights_sha256
 

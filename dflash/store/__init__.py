@@ -13,10 +13,12 @@ do the same), so a killed harvest leaves committed rows intact and resumes from 
 The exact format, and how to read it with plain zarr, is in docs/shard-format.md.
 
 This module is where callers find the store's names: its layout and read side (`Store.open`) are
-dflash.store_reader's, its write side dflash.store_writer's, its JSON bookkeeping dflash.bookkeeping's.
+dflash.store.reader's, its write side dflash.store.writer's, its JSON bookkeeping dflash.store.bookkeeping's.
 """
 
-from dflash.bookkeeping import (  # noqa: F401  (re-exported: dflash.store is where callers find them)
+from dflash.locks import LOCK_FILE  # noqa: F401
+from dflash.manifest import FORMAT_VERSION, FeatureSpec  # noqa: F401
+from dflash.store.bookkeeping import (  # noqa: F401  (re-exported: dflash.store is where callers find them)
     CONTENT_KEYS,
     DOCUMENT_SOURCES,
     DOCUMENT_SOURCES_FIX,
@@ -48,15 +50,13 @@ from dflash.bookkeeping import (  # noqa: F401  (re-exported: dflash.store is wh
     write_json_atomic,
     write_json_exclusive,
 )
-from dflash.locks import LOCK_FILE  # noqa: F401
-from dflash.manifest import FORMAT_VERSION, FeatureSpec  # noqa: F401
-from dflash.store_folder import (  # noqa: F401  (re-exported)
+from dflash.store.folder import (  # noqa: F401  (re-exported)
     check_folder,
     check_writable,
     nearest_existing,
     part_lock,
 )
-from dflash.store_reader import (  # noqa: F401  (re-exported)
+from dflash.store.reader import (  # noqa: F401  (re-exported)
     BF16,
     CHUNK_BYTES,
     DIRECT_DECODERS,
@@ -83,7 +83,7 @@ from dflash.store_reader import (  # noqa: F401  (re-exported)
     teacher_arrays,
     token_compressors,
 )
-from dflash.store_writer import (  # noqa: F401  (re-exported)
+from dflash.store.writer import (  # noqa: F401  (re-exported)
     CHUNK_WRITTEN,
     DOC_CHUNK,
     HIDDEN_ENCODINGS,

@@ -1,6 +1,6 @@
 """The harvest store's layout (its arrays, their dtypes, chunks and codecs) and its read side: `Store.open` reads
 only the manifest and the arrays' metadata; rows are read chunk by chunk without zarr's copies (`ChunkReader`),
-checking each chunk's CRC32C. The writer (dflash.store_writer) builds on the layout here; dflash.store names both.
+checking each chunk's CRC32C. The writer (dflash.store.writer) builds on the layout here; dflash.store names both.
 The exact format, and how to read it with plain zarr, is in docs/shard-format.md.
 """
 
@@ -15,7 +15,15 @@ import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
-from dflash.bookkeeping import (
+from dflash.errors import DflashError
+from dflash.manifest import (
+    FeatureSpec,
+    Manifest,
+    PartEntry,
+    SelfCheck,
+    TeacherSpec,
+)
+from dflash.store.bookkeeping import (
     DOCUMENT_SOURCES,
     DOCUMENT_SOURCES_FIX,
     HARVEST_FILE,
@@ -27,14 +35,6 @@ from dflash.bookkeeping import (
     part_progress,
     read_manifest,
     read_whole,
-)
-from dflash.errors import DflashError
-from dflash.manifest import (
-    FeatureSpec,
-    Manifest,
-    PartEntry,
-    SelfCheck,
-    TeacherSpec,
 )
 
 CHUNK_BYTES = 32 << 20  # uncompressed size of one hidden chunk: a row is read in a few large, parallel reads

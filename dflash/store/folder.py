@@ -9,7 +9,13 @@ import logging
 import uuid
 from pathlib import Path
 
-from dflash.bookkeeping import (
+from dflash.errors import DflashError, describe_differences
+from dflash.locks import LOCK_FILE, FileLock
+from dflash.manifest import (
+    FORMAT_VERSION,
+    Manifest,
+)
+from dflash.store.bookkeeping import (
     FINGERPRINT_BEFORE,
     HARVEST_FILE,
     MANIFEST_FILE,
@@ -18,12 +24,6 @@ from dflash.bookkeeping import (
     part_name,
     read_json,
     read_manifest,
-)
-from dflash.errors import DflashError, describe_differences
-from dflash.locks import LOCK_FILE, FileLock
-from dflash.manifest import (
-    FORMAT_VERSION,
-    Manifest,
 )
 
 logger = logging.getLogger("dflash")

@@ -1,4 +1,4 @@
-"""The harvest store's write side (the checks of an output folder before it: dflash/store_folder.py): the store's creation (harvest.json first), the
+"""The harvest store's write side (the checks of an output folder before it: dflash/store/folder.py): the store's creation (harvest.json first), the
 part writer (its arrays' creation, the hidden-state chunk writer, the commits after each row group), the
 store-level arrays written once (projection, document sources) and the finishing step that writes manifest.json.
 Every file is replaced atomically, so a killed harvest leaves committed rows intact and resumes after them.
@@ -18,7 +18,19 @@ import numcodecs
 import numpy as np
 import zarr
 
-from dflash.bookkeeping import (
+from dflash.errors import DflashError, describe_differences
+from dflash.manifest import (
+    FORMAT_VERSION,
+    FeatureSpec,
+    Manifest,
+    PartEntry,
+    SelfCheck,
+    TargetSpec,
+    TeacherSpec,
+    TokenizerSpec,
+    identity_of,
+)
+from dflash.store.bookkeeping import (
     DOCUMENT_SOURCES,
     HARVEST_FILE,
     MANIFEST_FILE,
@@ -38,19 +50,7 @@ from dflash.bookkeeping import (
     write_json_atomic,
     write_json_exclusive,
 )
-from dflash.errors import DflashError, describe_differences
-from dflash.manifest import (
-    FORMAT_VERSION,
-    FeatureSpec,
-    Manifest,
-    PartEntry,
-    SelfCheck,
-    TargetSpec,
-    TeacherSpec,
-    TokenizerSpec,
-    identity_of,
-)
-from dflash.store_reader import (
+from dflash.store.reader import (
     BF16,
     DOCUMENT_COLUMNS,
     HIDDEN_BLOSC,
@@ -223,7 +223,7 @@ class PartWriter:
 
 def create_part_arrays(group: zarr.Group, spec: PartSpec) -> zarr.Array:
     """Create (metadata only, overwriting) every array of a part in `group`; returns the documents array. Also
-    what `--repair` rebuilds a damaged zarr.json from (dflash.verify.repair_metadata)."""
+    what `--repair` rebuilds a damaged zarr.json from (dflash.store.verify.repair_metadata)."""
     T, f = spec.token_budget, spec.features
     write = dict(overwrite=True, config=array_config(read=False))
     chunk = hidden_chunk_tokens(T, f.width * f.bytes_per_value)
