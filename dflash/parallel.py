@@ -134,7 +134,7 @@ class Group:
         if device.type == "cuda":
             torch.cuda.set_device(device)  # NCCL binds the group's communicator to the current device
         # The launch's store (torchrun's): the groups' worlds are set up on it, and an eval's groups hand their
-        # rows to the first process through it (dflash.eval_shares). One rendezvous per process: rank 0's would
+        # rows to the first process through it (dflash.evaluate.shares). One rendezvous per process: rank 0's would
         # start a second server on the same port.
         self.store = next(dist.rendezvous("env://"))[0]
         store = dist.PrefixStore(f"dflash-tp-group-{layout.group}/", self.store)

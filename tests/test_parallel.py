@@ -371,7 +371,7 @@ def test_a_world_that_groups_do_not_divide_is_refused_by_eval(tiny_target, monke
 
 
 def test_shares_merge_in_prompt_order_and_a_prompt_in_two_is_refused():
-    from dflash.eval_shares import merge_reports, share_of
+    from dflash.evaluate.shares import merge_reports, share_of
 
     shares = [{"target": "t", "prompts": [{"index": i} for i in range(n, 5, 2)]} for n in (0, 1)]
     assert [i for i in range(5) if share_of(i, (1, 2))] == [1, 3]

@@ -143,7 +143,7 @@ def test_several_trained_drafters_in_one_run(tiny_target, tmp_path):
     """{name: folder} drafters: one evaluate run reports each under its name, each as evaluated alone."""
     import dflash.evaluate as evaluation
     from dflash.config import EvalConfig
-    from dflash.eval_drafters import untrained_drafter
+    from dflash.evaluate.drafters import untrained_drafter
     from dflash.export import export_drafter
     from dflash.target import load_target
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dflash.answers import append_lines, completed_count, load_prompts, prompt_records, response_record
 from dflash.config import RegenerateConfig
 from dflash.data import DataConfig, load_documents
 from dflash.errors import DflashError
 from dflash.regenerate import encode_prompt, eos_token_ids, regenerate
+from dflash.regenerate.answers import append_lines, completed_count, load_prompts, prompt_records, response_record
 from dflash.target import load_target
 
 PROMPTS = [
@@ -235,14 +235,14 @@ def test_bad_prompts_name_the_line(tmp_path, line, message):
 
 
 def test_resume_with_other_generation_settings_is_refused_naming_them(tiny_target, prompts_file, tmp_path):
-    from dflash.answers import settings_path
+    from dflash.regenerate.answers import settings_path
 
     target_path = tiny_target("qwen3_5")
     out = tmp_path / "responses.jsonl"
     cfg = RegenerateConfig(target_path, prompts_file, out, max_new_tokens=4, batch_size=5, device="cpu")
     lines = [json.dumps({"messages": [*PROMPTS[0]["messages"], {"role": "assistant", "content": "x"}]}) + "\n"]
     out.write_text(lines[0])  # one answer of an earlier run, which recorded its settings
-    from dflash.answers import generation_settings
+    from dflash.regenerate.answers import generation_settings
 
     settings_path(out).write_text(json.dumps(generation_settings(cfg)))
     for change, field in (
@@ -336,7 +336,7 @@ def test_turns_all_has_the_target_write_every_assistant_turn_in_order(tiny_targe
 
 
 def test_an_output_without_the_record_of_target_turns_is_not_resumed(tmp_path):
-    from dflash.answers import check_output, settings_path
+    from dflash.regenerate.answers import check_output, settings_path
 
     out = write_jsonl(
         tmp_path / "old.jsonl",

@@ -24,12 +24,12 @@ import torch
 from click.testing import CliRunner
 from test_regenerate import MAX_NEW_TOKENS, MULTI_TURN, PROMPTS, read_lines, write_jsonl
 
-import dflash.remote
-from dflash.answers import load_prompts, prompt_records, settings_path
+import dflash.regenerate.remote
 from dflash.config import RegenerateConfig
 from dflash.errors import DflashError
 from dflash.regenerate import encode_prompt, eos_token_ids, regenerate
-from dflash.remote import Client, Refused, request_for
+from dflash.regenerate.answers import load_prompts, prompt_records, settings_path
+from dflash.regenerate.remote import Client, Refused, request_for
 from dflash.target import load_target
 
 SERVING = ("fastapi", "uvicorn", "openai", "pydantic", "starlette", "rich", "accelerate")
@@ -145,7 +145,7 @@ def proxy(served):
 
 @pytest.fixture(autouse=True)
 def quick_backoff(monkeypatch):
-    monkeypatch.setattr(dflash.remote, "BACKOFF_START", 0.01)
+    monkeypatch.setattr(dflash.regenerate.remote, "BACKOFF_START", 0.01)
 
 
 @pytest.fixture(scope="module")
@@ -435,8 +435,8 @@ def test_ctrl_c_taken_by_a_request_thread_still_stops_the_run(tmp_path):
     started = time.monotonic()
     try:
         with pytest.raises(KeyboardInterrupt):
-            dflash.remote.answer_in_order(ask, 0, 4, tmp_path / "out.jsonl", 2, Bar())
-        assert time.monotonic() - started < 10 * dflash.remote.SIGNAL_CHECK_SECONDS
+            dflash.regenerate.remote.answer_in_order(ask, 0, 4, tmp_path / "out.jsonl", 2, Bar())
+        assert time.monotonic() - started < 10 * dflash.regenerate.remote.SIGNAL_CHECK_SECONDS
     finally:
         hung.set()
         release.cancel()

@@ -311,7 +311,7 @@ def test_evaluate_report_and_cli(tiny_target, tmp_path, caplog):
 
 
 def test_evaluate_several_drafters_against_one_plain_run_within_a_time_budget(tiny_target, tmp_path):
-    from dflash.eval_drafters import untrained_drafter
+    from dflash.evaluate.drafters import untrained_drafter
     from dflash.export import export_drafter
 
     target_path = tiny_target("qwen3_5")
@@ -344,7 +344,7 @@ def test_eval_compares_several_drafters_paired_over_the_prompts(tiny_target, tmp
     from pathlib import Path
 
     from cli.main import main
-    from dflash.eval_drafters import untrained_drafter
+    from dflash.evaluate.drafters import untrained_drafter
     from dflash.export import export_drafter
 
     target_path = tiny_target("qwen3_5")

@@ -126,11 +126,11 @@ def evaluate_share(runs: dict, share: tuple[int, int], work: Path, budget: float
 def merge_shares(
     name: str, drafter: str | dict[str, str], records: list[dict], lookup: int, count: int, work: Path, settings: dict
 ):
-    """The workers' reports of one run as one report (`dflash.eval_shares.merge_reports`), then the whole report
+    """The workers' reports of one run as one report (`dflash.evaluate.shares.merge_reports`), then the whole report
     rebuilt (totals, histogram, tau) by `evaluate` resuming from it with nothing left to run."""
     from dflash.config import EvalConfig
-    from dflash.eval_shares import merge_reports
     from dflash.evaluate import evaluate
+    from dflash.evaluate.shares import merge_reports
 
     paths = [share_path(work, name, (w, count)) for w in range(count)]
     shares = [json.loads(path.read_text()) for path in paths if path.exists()]

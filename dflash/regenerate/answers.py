@@ -1,5 +1,5 @@
 """The files of `dflash regenerate`, whichever way the answers are made (dflash.regenerate with the target loaded
-here, dflash.remote through a serving engine): the prompt records read from the data, the response records
+here, dflash.regenerate.remote through a serving engine): the prompt records read from the data, the response records
 appended to the output, its resume check and the settings recorded beside it.
 
 Which turns the target writes (`--turns`): `last` answers the conversation's last user turn (a final assistant

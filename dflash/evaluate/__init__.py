@@ -21,17 +21,17 @@ import numpy as np
 import torch
 
 from dflash import methods as drafter_methods
-from dflash.answers import load_prompts, prompt_records
 from dflash.config import EvalConfig
 from dflash.decoding import Generation, generate_prompt_lookup, plain_decode, speculative_generate
 from dflash.device import local_device
 from dflash.errors import DflashError, describe_differences
-from dflash.eval_drafters import check_drafter_fits, drafter_and_config, drafter_label, drafter_names
-from dflash.eval_shares import merge_reports, share_of
+from dflash.evaluate.drafters import check_drafter_fits, drafter_and_config, drafter_label, drafter_names
+from dflash.evaluate.shares import merge_reports, share_of
 from dflash.export import read_drafter_config
 from dflash.parallel import open_group, shared_work
 from dflash.proposers import DecodingOptions, PromptLookupProposer, Proposer
 from dflash.regenerate import encode_prompt, eos_token_ids
+from dflash.regenerate.answers import load_prompts, prompt_records
 from dflash.target import load_target
 from dflash.target_files import check_target_folder
 

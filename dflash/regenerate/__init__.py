@@ -15,11 +15,13 @@ same samples), and only the first process of the launch reads the output's state
 several groups (G*T processes) they take the batches in turn and hand theirs to the first process, which
 appends them in prompt order: the output is the one a single process writes (`_answer`).
 
-Resuming: dflash.answers (the prompt and response records, the output's resume check and recorded settings,
-shared with `--server`, where dflash.remote asks a serving engine (vLLM, SGLang) for the answers instead).
+Resuming: dflash.regenerate.answers (the prompt and response records, the output's resume check and recorded settings,
+shared with `--server`, where dflash.regenerate.remote asks a serving engine (vLLM, SGLang) for the answers instead).
 """
 
-from dflash.answers import (
+from dflash.config import RegenerateConfig
+from dflash.errors import DflashError
+from dflash.regenerate.answers import (
     RegenerateStats,
     answer_records,
     append_lines,
@@ -31,8 +33,6 @@ from dflash.answers import (
     output_path,
     plain_messages,
 )
-from dflash.config import RegenerateConfig
-from dflash.errors import DflashError
 
 # ---------------------------------------------------------------------------------------------------------------
 # Generation
@@ -103,7 +103,7 @@ def regenerate(cfg: RegenerateConfig, progress: bool = True) -> RegenerateStats:
     `cfg.out` (resumable). Ctrl-C stops it at once, keeping the whole answers written."""
     try:
         if cfg.server is not None:
-            from dflash.remote import regenerate_remote
+            from dflash.regenerate.remote import regenerate_remote
 
             return regenerate_remote(cfg, progress)
         return _regenerate_local(cfg, progress)

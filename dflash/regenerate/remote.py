@@ -1,7 +1,7 @@
 """`dflash regenerate --server URL`: the target's answers from an OpenAI-compatible serving engine (vLLM, SGLang,
 `transformers serve`) instead of a local transformers generate.
 
-Prompts, output and resuming are dflash.answers', shared with the local path (dflash.regenerate): chat prompts go
+Prompts, output and resuming are dflash.regenerate.answers', shared with the local path (dflash.regenerate): chat prompts go
 to `/v1/chat/completions` (the server applies the target's chat template), text prompts to `/v1/completions`.
 `--concurrency` requests are in flight; an answer
 that arrives before an earlier prompt's waits in memory, and only the in-order prefix is appended (whole lines, one
@@ -24,7 +24,9 @@ import urllib.request
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
 
-from dflash.answers import (
+from dflash.config import RegenerateConfig
+from dflash.errors import DflashError
+from dflash.regenerate.answers import (
     RegenerateStats,
     answer_records,
     append_lines,
@@ -36,8 +38,6 @@ from dflash.answers import (
     output_path,
     plain_messages,
 )
-from dflash.config import RegenerateConfig
-from dflash.errors import DflashError
 
 log = logging.getLogger("dflash")
 
