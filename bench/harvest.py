@@ -64,7 +64,7 @@ from dflash.data import Document  # noqa: E402
 from dflash.manifest import Manifest, TargetSpec, TokenizerSpec  # noqa: E402
 from dflash.target import TappedTarget, default_layer_ids  # noqa: E402
 from dflash.tiny import tiny_config  # noqa: E402
-from dflash.train_setup import Env, init_distributed  # noqa: E402
+from dflash.train.setup import Env, init_distributed  # noqa: E402
 
 PEAK_FLOPS = 792e12
 TINY = dict(layers=8, groups=2, doc_length=96, token_budget=384, forward_tokens=768, out="/tmp/dflash-bench-store-tiny")

@@ -7,7 +7,7 @@ library entry points the CLI uses (details, sizes and measured runs: docs/benchm
   target      a small Qwen3.5 hybrid trained from scratch for a fixed time: a fixture whose answers are the data;
   regenerate  the target answers prompts from the drafter files, and 256 from the eval files (the held-out store);
   harvest     both, with the loss on the responses only;
-  drafter     `dflash.train_run.run_training` (5 layers, B = 16), validated on the held-out store;
+  drafter     `dflash.train.run.run_training` (5 layers, B = 16), validated on the held-out store;
   modes       only with --modes (issue 16): per store mode, both harvests in that encoding and the same drafter
               trained on them, `mode_workers` modes at a time in worker processes sharing the GPUs;
   eval        one prompt per held-out file, temperature 0: plain greedy, the trained drafter(s), prompt lookup and

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from dflash.train import Trainer
-from dflash.train_setup import Env
+from dflash.train.setup import Env
 
 
 def replica_check(trainer: Trainer) -> dict:

@@ -79,7 +79,7 @@ def train_config(path: Path, target: Path, out: Path):
 
 def first_step_rows(num_rows: int, cfg) -> list[int]:
     """The rows the trainer's first step (and its read-ahead) reads: the trainer's own plan."""
-    from dflash import reader
+    from dflash.train import reader
 
     train, val = reader.split_rows(num_rows, cfg.val_fraction)
     plan = reader.DataPlan(train, val, cfg.rows_per_step * cfg.grad_accum, cfg.seed, 0, 1)
@@ -133,11 +133,10 @@ def measure(path: Path, target: Path) -> dict:
     """Run in a fresh process: milliseconds of each startup stage."""
     import torch
 
-    from dflash import reader
     from dflash.metrics import MetricsLog
     from dflash.store import Store
-    from dflash.train import Trainer
-    from dflash.train_setup import init_distributed
+    from dflash.train import Trainer, reader
+    from dflash.train.setup import init_distributed
 
     torch.set_num_threads(1)
     out = Path(tempfile.mkdtemp(prefix="dflash-startup-run-"))

@@ -15,7 +15,7 @@ from dflash.errors import DflashError
 from dflash.harvest import RowEncoder, store_bits
 from dflash.manifest import FeatureSpec, Manifest, SubspaceSpec, TargetSpec, TokenizerSpec, teacher_spec
 from dflash.target import default_layer_ids
-from dflash.train_setup import Env
+from dflash.train.setup import Env
 
 
 def fake_target(folder: Path, s: dict, device: torch.device):

@@ -100,7 +100,7 @@ from dflash.errors import DflashError
 from dflash.metrics import MetricsLog
 from dflash.step_time import BENCH_DRAFTERS
 from dflash.train import Trainer
-from dflash.train_setup import Env, init_distributed
+from dflash.train.setup import Env, init_distributed
 
 WINDOW = (10, 50)  # steps whose records the summary uses (the "steps 10-50")
 

@@ -1,4 +1,4 @@
-"""`dflash train` and `dflash export`: thin click commands over dflash.train and dflash.checkpoint.
+"""`dflash train` and `dflash export`: thin click commands over dflash.train and dflash.train.checkpoint.
 
 The options come from the fields of `TrainConfig` / `ExportConfig` (dflash/config.py). torch is imported inside
 the commands so that `dflash --help` stays fast.
@@ -24,7 +24,7 @@ def train(**options):
     to OUT/drafter at the end. One run at a time owns OUT. Ctrl-C or SIGTERM saves a checkpoint after the
     current step and stops; the same command with --resume continues the run.
     """
-    from dflash.train_run import run_training
+    from dflash.train.run import run_training
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
@@ -55,7 +55,7 @@ def export(**options):
     temporary folder beside OUT and renamed into place, so an interrupted export leaves no half-written folder.
     The folder also loads with transformers: AutoModel.from_pretrained(OUT, trust_remote_code=True).
     """
-    from dflash.checkpoint import Checkpointer
+    from dflash.train.checkpoint import Checkpointer
 
     cfg = given(ExportConfig, options)
     path = Checkpointer(cfg.run).export(cfg.out, step=cfg.step, dtype=cfg.dtype, force=cfg.force)

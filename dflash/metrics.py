@@ -309,7 +309,7 @@ class MetricsLog:
         """The error of a failed write; the file is closed and dropped, so that `close` (in a finally) cannot
         replace it with the same OSError from flushing what is still buffered. A torn last line is dropped on
         resume."""
-        from dflash.checkpoint import DISK_ERRORS, disk_error
+        from dflash.errors import DISK_ERRORS, disk_error
 
         path, jsonl, self.jsonl = Path(self.jsonl.name), self.jsonl, None
         with contextlib.suppress(OSError):

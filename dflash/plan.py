@@ -35,7 +35,7 @@ from dflash.parallel import checkpoint_bytes
 from dflash.step_time import fitted_rates, nearest_bench_drafter, pairs_per_anchor, row_flops
 from dflash.store import nearest_existing
 from dflash.target_files import checkpoint_file, load_config, tensor_files
-from dflash.train_setup import default_anchors
+from dflash.train.setup import default_anchors
 
 H200_PEAK = 792e12
 H200_MEMORY = 139 * 2**30  # what one H200 lends a process (docs/benchmarks.md)

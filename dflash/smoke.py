@@ -35,7 +35,7 @@ def run_smoke(cfg: SmokeConfig) -> dict:
     from dflash.harvest import run_harvest
     from dflash.regenerate import regenerate
     from dflash.store import Store, disk_bytes
-    from dflash.train_run import run_training
+    from dflash.train.run import run_training
 
     work = Path(cfg.work)
     for stale in ("store", "run"):  # every stage but the target reruns from scratch

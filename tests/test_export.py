@@ -203,7 +203,7 @@ def test_shipped_modeling_file_is_self_contained():
 def test_export_of_a_damaged_checkpoint_is_one_line(tmp_path):
     import dataclasses
 
-    from dflash.checkpoint import Checkpointer
+    from dflash.train.checkpoint import Checkpointer
 
     step = Checkpointer(tmp_path / "run").path(5)
     step.mkdir(parents=True)

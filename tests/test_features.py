@@ -222,11 +222,11 @@ def test_a_drafter_trained_on_a_compact_store_exports_a_standard_one(harvest, ti
     """Training reads the compact rows (fp8 decoded inside the step) and the export is the standard layout: fed
     full features h, the exported drafter gives the logits the trained drafter gives on P h (float32)."""
     from dflash import methods
-    from dflash.checkpoint import Checkpointer, drafter_config_of, read_state
     from dflash.config import TrainConfig
     from dflash.export import load_drafter
     from dflash.target_files import load_embedding_and_head
-    from dflash.train_run import run_training
+    from dflash.train.checkpoint import Checkpointer, drafter_config_of, read_state
+    from dflash.train.run import run_training
 
     path = harvest(**encoding)
     run = tmp_path / "run"

@@ -325,8 +325,8 @@ def test_the_readers_host_memory_is_what_they_pin_and_a_host_too_small_is_refuse
     naming the options that lower it; --ignore-memory-estimate lets it run."""
     from dflash import memory as memory_module
     from dflash.config import TrainConfig
-    from dflash.reader import BatchShape, allocate_batch, row_fields
-    from dflash.train_setup import check_host_memory
+    from dflash.train.reader import BatchShape, allocate_batch, row_fields
+    from dflash.train.setup import check_host_memory
 
     T, width = 512, 320
     layout = {"hidden": ((T, width), "uint16"), "input_ids": ((T,), "int32"), "loss_mask": ((T,), "uint8")}

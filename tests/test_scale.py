@@ -6,11 +6,12 @@ import json
 import numpy as np
 import pytest
 
-from dflash import reader, store
+from dflash import store
 from dflash.data import Document
 from dflash.errors import DflashError
 from dflash.manifest import TargetSpec, TokenizerSpec
 from dflash.packing import PartPlan, first_fit_decreasing
+from dflash.train import reader
 
 T, W = 16, 8
 

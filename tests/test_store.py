@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 import zarr
 
-from dflash import reader, store
+from dflash import store
 from dflash.errors import DflashError
 from dflash.manifest import FeatureSpec, TargetSpec, TokenizerSpec
 from dflash.packing import first_fit_decreasing
 from dflash.store import reader as store_reader
 from dflash.store import verify
 from dflash.store import writer as store_writer
+from dflash.train import reader
 
 T, F = 32, 24
 BF16 = FeatureSpec("bf16", F, 0, None)

@@ -42,7 +42,7 @@ def test_training_loads_no_transformers_modeling_code(tiny_target, tmp_path):
     script = (
         "import json, sys\n"
         "from dflash.config import TrainConfig\n"
-        "from dflash.train_run import run_training\n"
+        "from dflash.train.run import run_training\n"
         f"run_training(TrainConfig(store={str(store)!r}, out={str(tmp_path / 'run')!r}, draft_layers=1, block_size=4,"
         " max_steps=2, tensorboard=False, device='cpu', reader_workers=1))\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.startswith('transformers'))))\n"

@@ -16,18 +16,18 @@ import zarr
 from torch.nn.attention.flex_attention import create_block_mask
 from train_support import METHOD_OPTIONS, B, assert_same_validation, config
 
-from dflash import blocks, graph, reader
+from dflash import blocks, graph
 from dflash.attention_kernels import default_mask_tile
-from dflash.checkpoint import Checkpointer, fingerprint
 from dflash.config import TrainConfig
 from dflash.errors import DflashError
 from dflash.export import load_drafter
 from dflash.metrics import visible_pairs
 from dflash.store import Store
 from dflash.target_files import load_embedding_and_head
-from dflash.train import Trainer
-from dflash.train_run import run_training
-from dflash.train_setup import init_distributed
+from dflash.train import Trainer, reader
+from dflash.train.checkpoint import Checkpointer, fingerprint
+from dflash.train.run import run_training
+from dflash.train.setup import init_distributed
 
 # ---------------------------------------------------------------------------------------------- label alignment
 

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 from train_support import ROOT, B, assert_same_validation, config, free_port, metrics_records
 
-from dflash import reader
-from dflash.train_run import run_training
+from dflash.train import reader
+from dflash.train.run import run_training
 
 # ---------------------------------------------------------------------------------------------- distributed
 

@@ -13,15 +13,15 @@ from click.testing import CliRunner
 from train_support import METHOD_OPTIONS, B, assert_same_validation, config, copy_store, manifest_edit, train_cli
 
 from cli.main import main
-from dflash import graph, reader
-from dflash.checkpoint import fingerprint
+from dflash import graph
 from dflash.config import TrainConfig
 from dflash.errors import DflashError
 from dflash.export import load_drafter
 from dflash.store import Store
-from dflash.train import Trainer
-from dflash.train_run import run_training
-from dflash.train_setup import init_distributed
+from dflash.train import Trainer, reader
+from dflash.train.checkpoint import fingerprint
+from dflash.train.run import run_training
+from dflash.train.setup import init_distributed
 
 # ---------------------------------------------------------------------------------------------- export, CLI
 

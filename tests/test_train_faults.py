@@ -24,20 +24,19 @@ from train_support import (
     train_cli,
 )
 
-from dflash import reader
-from dflash.checkpoint import Checkpointer
 from dflash.errors import DflashError
 from dflash.store import Store
 from dflash.target_files import load_embedding_and_head
-from dflash.train import Trainer
-from dflash.train_run import run_training
-from dflash.train_setup import init_distributed
+from dflash.train import Trainer, reader
+from dflash.train.checkpoint import Checkpointer
+from dflash.train.run import run_training
+from dflash.train.setup import init_distributed
 
 # ---------------------------------------------------------------------------------------------- faults (issue 17)
 
 
 def test_a_second_run_into_a_locked_out_is_refused_naming_the_pid(store, tmp_path):
-    from dflash.checkpoint import run_lock
+    from dflash.train.checkpoint import run_lock
 
     (tmp_path / "run").mkdir()
     held = run_lock(tmp_path / "run").acquire()  # as another live run would hold it
@@ -74,7 +73,7 @@ def test_resume_skips_a_checkpoint_mixing_two_saves_or_cut_short(store, tmp_path
 
 
 def test_checkpoint_files_and_folder_are_flushed_before_the_rename(store, tmp_path, monkeypatch):
-    from dflash import checkpoint
+    from dflash.train import checkpoint
 
     synced, real_fsync, real_replace = [], os.fsync, os.replace
 
@@ -100,7 +99,7 @@ def test_checkpoint_files_and_folder_are_flushed_before_the_rename(store, tmp_pa
 def test_a_full_disk_while_saving_is_one_line_and_keeps_the_previous_checkpoint(error, store, tmp_path, monkeypatch):
     import errno
 
-    from dflash import checkpoint
+    from dflash.train import checkpoint
 
     real = checkpoint._write
 
@@ -328,12 +327,12 @@ def test_a_damaged_row_on_one_of_two_ranks_stops_both_with_a_checkpoint(store, t
 
 
 def test_an_interrupt_before_the_first_step_is_one_line(store, tmp_path, monkeypatch):
-    import dflash.train_run
+    import dflash.train.run
 
     def interrupted(cfg):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(dflash.train_run, "run_training", interrupted)
+    monkeypatch.setattr(dflash.train.run, "run_training", interrupted)
     result = train_cli(store, tmp_path / "run")
     assert result.exit_code == 130 and "Traceback" not in result.output, result.output
     assert "interrupted without a new checkpoint" in result.output and "--resume" in result.output
@@ -431,7 +430,7 @@ def test_a_full_disk_inside_torch_save_is_one_line_and_keeps_the_previous_checkp
     """torch.save turns its file's OSError into a RuntimeError of its own: the disk's error is still the one named."""
     import errno
 
-    from dflash import checkpoint
+    from dflash.train import checkpoint
 
     class SecondWriteFails(io.FileIO):  # torch.save reports a failure of its second write as "unexpected pos"
         writes = 0

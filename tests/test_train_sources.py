@@ -12,7 +12,7 @@ from dflash.config import HarvestConfig
 from dflash.harvest import run_harvest
 from dflash.store import Store
 from dflash.tiny import CORPUS
-from dflash.train_run import run_training
+from dflash.train.run import run_training
 
 # ---------------------------------------------------------------------------------------------- per data source
 

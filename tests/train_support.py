@@ -13,9 +13,9 @@ import numpy as np
 from click.testing import CliRunner
 
 from cli.main import main
-from dflash import reader
 from dflash.config import TrainConfig
 from dflash.store import Store
+from dflash.train import reader
 
 ROOT = Path(__file__).resolve().parent.parent
 B = 4  # block size of these tests: 3 drafted tokens fit the features of the tiny target (5 layers x 64)

@@ -67,7 +67,7 @@ def train_drafter(
     `store`, validated on `val_store` 8 times over the run; its final numbers, held-out curve and metric records."""
     overrides = {"method": "dflash", **(overrides or {})}
     from dflash.config import TrainConfig
-    from dflash.train_run import run_training
+    from dflash.train.run import run_training
 
     cuda = str(device).startswith("cuda")
     result = run_training(

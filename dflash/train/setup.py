@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 from dflash import loss, memory, methods
-from dflash.checkpoint import Checkpointer, on_rank0, read_state
 from dflash.config import TrainConfig
 from dflash.device import local_device
 from dflash.drafter import DrafterConfig
@@ -29,6 +28,7 @@ from dflash.manifest import Manifest
 from dflash.metrics import SumsLayout, Tally, read_records
 from dflash.store import Store, target_path
 from dflash.target_files import MASK_TOKEN, load_config, load_embedding_and_head
+from dflash.train.checkpoint import Checkpointer, on_rank0, read_state
 
 logger = logging.getLogger("dflash")
 

@@ -1,6 +1,6 @@
 """The DFlash trainer: one process per device, one compiled and CUDA-graphed step, rows streamed from the store.
 
-    run_training(cfg)    (dflash.train_run: the run's folder, lock, resume point, export)
+    run_training(cfg)    (dflash.train.run: the run's folder, lock, resume point, export)
       Trainer.__init__   store, drafter, frozen embedding / LM head, static buffers, optimizer, data plan
       Trainer.prepare    warmup + capture on synthetic rows, restore the initial (or checkpointed) state
       Trainer.fit        feed -> replay -> metrics / checkpoints, then validation and export
@@ -8,9 +8,9 @@
 Everything a step does happens on the device inside `_train_step` (captured once, replayed every step). The
 host only copies the next rows into the static buffers and, on log steps, reads the metric sums: the hot loop
 has no host synchronisation and allocates nothing. Around the trainer: `dflash.config.TrainConfig` (the
-options), `dflash.train_setup` (the checks and decisions before any work: store, drafter config, memory, run
-folder, ranks), `dflash.attention_kernels` (the flex_attention options and BlockMask tiles of a CUDA step), `dflash.reader` (the data plan and the row streaming), `dflash.metrics` (the sums, records and FLOP
-count), `dflash.checkpoint` (save, load, resume checks, export). Formulas (MFU, metrics) and resume semantics are
+options), `dflash.train.setup` (the checks and decisions before any work: store, drafter config, memory, run
+folder, ranks), `dflash.attention_kernels` (the flex_attention options and BlockMask tiles of a CUDA step), `dflash.train.reader` (the data plan and the row streaming), `dflash.metrics` (the sums, records and FLOP
+count), `dflash.train.checkpoint` (save, load, resume checks, export). Formulas (MFU, metrics) and resume semantics are
 documented in docs/training.md.
 """
 
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dflash import blocks, features, graph, loss, memory, methods, reader
+from dflash import blocks, features, graph, loss, memory, methods
 from dflash.attention_kernels import (
     attention_kernel_errors,
     attention_kernel_options,
@@ -34,16 +34,17 @@ from dflash.attention_kernels import (
     describe_choice,
     mask_function,
 )
-from dflash.checkpoint import (
-    Checkpointer,
-    any_rank,
-    max_over_ranks,
-)
 from dflash.config import TrainConfig
 from dflash.errors import DflashError
 from dflash.metrics import Meter, MetricsLog, Tally, source_sums, visible_pairs
 from dflash.store import Store
-from dflash.train_setup import (
+from dflash.train import reader
+from dflash.train.checkpoint import (
+    Checkpointer,
+    any_rank,
+    max_over_ranks,
+)
+from dflash.train.setup import (
     Env,
     StopSignals,
     anchors_per_row,
