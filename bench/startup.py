@@ -177,8 +177,8 @@ def bookkeeping_bytes(path: Path) -> dict:
 
 def resume_pieces(docs: int, work: Path) -> dict:
     """Seconds of the harvest's resume path at `docs` documents, without the target: what grows with the data."""
-    from dflash import manifest, packing, sources, store
-    from dflash.data import Document
+    from dflash import manifest, packing, store
+    from dflash.data import Document, sources
 
     lengths = np.random.default_rng(0).integers(16, 3000, docs)  # a 4096-token budget: a few documents per row
     ids, mask = np.ones(3000, np.int32), np.ones(3000, np.uint8)  # views of these: no 10 GB of documents

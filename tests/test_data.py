@@ -276,7 +276,7 @@ CONVERSATIONS = [
 
 def _reference_chat_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
     """The mask as dflash computed it before renderings were shared and batched: every prefix rendered anew."""
-    from dflash.chat import _close_turn, _content_spans
+    from dflash.data.chat import _close_turn, _content_spans
 
     def render(history, prompt):
         try:

@@ -1,4 +1,4 @@
-"""dflash/sources.py: record shapes, file kinds, folders, mixtures, dedup, --limit and every bad input."""
+"""dflash/data/sources.py: record shapes, file kinds, folders, mixtures, dedup, --limit and every bad input."""
 
 import gzip
 import json
@@ -9,8 +9,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from dflash.data import DataConfig, load_documents
+from dflash.data.sources import iter_records, parse_source
 from dflash.errors import DflashError
-from dflash.sources import iter_records, parse_source
 
 SYSTEM, QUESTION, ANSWER = "You answer briefly.", "What does a hash map store?", "Key and value pairs."
 OPENAI = {
@@ -357,7 +357,7 @@ def test_mixing_holds_no_record_in_memory(tmp_path):
     import tracemalloc
 
     from dflash.data import _parse_document
-    from dflash.sources import mix
+    from dflash.data.sources import mix
 
     filler = "x" * 5000
     records = [{"text": f"{i} {filler}"} for i in range(5000)] + [{"text": f"0 {filler}"}]  # one copy

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash import features, manifest, parallel, sources, store
+from dflash import features, manifest, parallel, store
 from dflash.config import HarvestConfig, check_expert_parallel
-from dflash.data import DataConfig
+from dflash.data import DataConfig, sources
 from dflash.device import DTYPES, local_device
 from dflash.errors import DflashError
 from dflash.store import verify

@@ -7,7 +7,7 @@ turn of the data is dropped first) and keeps the earlier assistant turns as the 
 every assistant turn in order, each answering the history the target itself wrote before it (an assistant turn
 holding `tool_calls` stays the data's, since the tool results after it answer that call). Every assistant turn
 the target wrote is marked `"target": true` in the output; `dflash harvest` puts the loss on the marked turns
-only, so an earlier turn kept from the data is context, never training text (dflash/data.py). An answer cut at
+only, so an earlier turn kept from the data is context, never training text (dflash/data/__init__.py). An answer cut at
 `--max-new-tokens` before the target ended it is marked `"unfinished": true` (on its turn, or on a completion
 record): harvest keeps the end-of-turn token the template closes it with out of the loss, since the target never
 wrote it there.
@@ -23,11 +23,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash import sources
 from dflash.config import RegenerateConfig
-from dflash.data import jsonl_lines
+from dflash.data import jsonl_lines, sources
+from dflash.data.records import check_record
 from dflash.errors import DISK_ERRORS, DflashError, describe_differences, disk_error
-from dflash.records import check_record
 
 TARGET = "target"  # on an assistant message: the target wrote it (dflash harvest puts the loss on those only)
 UNFINISHED = "unfinished"  # on a target turn or completion: cut at --max-new-tokens, the target did not end it

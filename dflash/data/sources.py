@@ -6,7 +6,7 @@ name holding ':' still works). The path is one file or a folder, read recursivel
   stream, line by line;
 - Parquet: `.parquet`, read in record batches; each row is one record (a null column is an absent key).
 
-Every record is normalised to one of the kinds dflash/data.py tokenises (`messages`, `text`, `prompt` /
+Every record is normalised to one of the kinds dflash/data/__init__.py tokenises (`messages`, `text`, `prompt` /
 `completion`): a ShareGPT `{"conversations": [{"from": ..., "value": ...}]}` becomes `messages`, its roles
 mapped (human -> user, gpt -> assistant, ...); tool turns keep their role for the chat template to render.
 

@@ -1,15 +1,14 @@
 """The record kinds of dflash's data, checked for shape before anything is tokenised (docs/data.md).
 
-`check_record` turns one decoded record (ShareGPT already normalised to messages by dflash.sources) into
+`check_record` turns one decoded record (ShareGPT already normalised to messages by dflash.data.sources) into
 ("chat", messages), ("text", text) or ("completion", (prompt, completion, unfinished)), raising a DflashError that
 names `where` (the file and line) and the fix. OpenAI list content becomes its text parts joined; an assistant
 turn of tool calls only (`"content": null`) gets content "". The marks `dflash regenerate` writes (`"target"`,
-`"unfinished"`) are checked here and read by dflash/data.py's loss masks.
+`"unfinished"`) are checked here and read by dflash/data/__init__.py's loss masks.
 """
 
-from dflash import sources
+from dflash.data.sources import LINE_EXAMPLE, normalise
 from dflash.errors import DflashError
-from dflash.sources import LINE_EXAMPLE
 
 KINDS = {"messages": "chat", "text": "text", "prompt": "completion"}  # the key that names a line's kind
 TARGET = "target"  # an assistant message's mark that the target wrote it (dflash regenerate)
@@ -18,7 +17,7 @@ UNFINISHED = "unfinished"  # a target answer's mark that it was cut at --max-new
 
 def check_record(record, where: str) -> tuple[str, object]:
     """data.parse_line for a record already decoded (a prompt given in memory, say); ShareGPT records are accepted."""
-    record = sources.normalise(record, where)
+    record = normalise(record, where)
     if not isinstance(record, dict):
         raise DflashError(f"{where}: expected a JSON object, got {type(record).__name__}; write {LINE_EXAMPLE}")
     keys = [key for key in KINDS if key in record]

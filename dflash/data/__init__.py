@@ -1,6 +1,6 @@
 """Documents -> token ids and loss masks, validated in full before anything is written.
 
-dflash/sources.py reads the records (JSONL, compressed JSONL, Parquet, folders, weighted mixtures) and turns
+dflash/data/sources.py reads the records (JSONL, compressed JSONL, Parquet, folders, weighted mixtures) and turns
 ShareGPT `conversations` into `messages`; each record is one document:
 - `{"messages": [{"role": ..., "content": ...}, ...]}` is rendered with the tokenizer's chat template; the loss
   mask is on for the tokens of each assistant turn as the model generates it: from the first character after
@@ -42,9 +42,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash import chat, sources
+from dflash.data import chat, sources
+from dflash.data.records import check_record
 from dflash.errors import DflashError
-from dflash.records import check_record
 
 logger = logging.getLogger("dflash")
 
@@ -64,7 +64,9 @@ class Document:
 
 @dataclass
 class DataConfig:
-    path: str | Path | list  # one source or several: PATH or PATH:WEIGHT, each a file or a folder (dflash/sources.py)
+    path: (
+        str | Path | list
+    )  # one source or several: PATH or PATH:WEIGHT, each a file or a folder (dflash/data/sources.py)
     max_length: int = 3072
     overflow: str = "truncate"  # "truncate" | "split"
     workers: int = 1

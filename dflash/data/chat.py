@@ -1,12 +1,12 @@
 """A chat rendered through the target's chat template, and the character spans of the assistant turns on the
-loss (dflash/data.py's module docstring has the rules: from the first character after the generation prompt to the
+loss (dflash/data/__init__.py's module docstring has the rules: from the first character after the generation prompt to the
 end of the turn, its end-of-turn token included, the whitespace after it excluded)."""
 
 import re
 
-from dflash import sources
+from dflash.data.records import TARGET, UNFINISHED
+from dflash.data.sources import TOOL_ROLES
 from dflash.errors import DflashError
-from dflash.records import TARGET, UNFINISHED
 
 
 def rendered_with_spans(tokenizer, payload: list[dict], where: str) -> tuple[str, list[tuple[int, int]], tuple]:
@@ -32,7 +32,7 @@ def _render(tokenizer, messages: list[dict], where: str, generation_prompt: bool
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     except Exception as exc:  # jinja raises anything, including the template's own raise_exception
-        if any(message["role"] in sources.TOOL_ROLES for message in messages):
+        if any(message["role"] in TOOL_ROLES for message in messages):
             raise DflashError(f"{where}: the chat template cannot render its tool turns ({exc}); {TOOL_FIX}") from exc
         raise DflashError(
             f"{where}: the chat template cannot render this conversation ({exc}); fix the conversation"
@@ -49,7 +49,7 @@ def _check_tool_turns(messages: list[dict], full: str, where: str) -> None:
     """A template may skip roles it does not know, or the tool calls of an assistant turn: every tool turn's
     content, and every tool call's function name, must be in the rendering."""
     for number, message in enumerate(messages):
-        if message["role"] in sources.TOOL_ROLES and message["content"].strip() not in full:
+        if message["role"] in TOOL_ROLES and message["content"].strip() not in full:
             raise DflashError(
                 f"{where}: the chat template does not render message {number} (role {message['role']!r}); {TOOL_FIX}"
             )
