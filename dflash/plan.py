@@ -251,6 +251,12 @@ def plan_report(cfg: HarvestConfig, sample: int | None, epochs: int, draft_layer
 def _train_lines(dcfg: DrafterConfig, method: str, data: DataEstimate, token_budget: int, epochs: int) -> list[str]:
     """The default method's train time on one H200 (dflash.step_time), and the same with the other choice of
     context: full where the method slides a window, DFlash 2's 2048-token window where it sees it all."""
+    if not data.contexts.any():
+        return [
+            f"train      nothing to train on: no position here can anchor a block of {dcfg.block_size} tokens (one in "
+            f"the loss with {dcfg.block_size - 1} more tokens of its document after it; documents here: mean "
+            f"{data.mean_document:,.0f} tokens); give longer answers or a smaller --block-size"
+        ]
     anchors = default_anchors(token_budget)
     bench = nearest_bench_drafter(dcfg.hidden_size)
     rates = fitted_rates(bench)

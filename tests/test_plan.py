@@ -217,3 +217,12 @@ def test_plan_prices_the_window_against_full_context_where_the_documents_reach_i
     report = plan_report(short, None, epochs=1, draft_layers=5, block_size=16)
     window, full = row_seconds(report)
     assert window == full and "(no block's context here reaches 2048 tokens)" in report
+
+
+def test_plan_says_when_no_document_can_anchor_a_block(model, tmp_path):
+    data = tmp_path / "short.jsonl"
+    data.write_text("".join(json.dumps({"text": "Hi there."}) + "\n" for _ in range(5)))
+    cfg = HarvestConfig(model=model, data=str(data), out=str(tmp_path / "s"), token_budget=BUDGET, workers=1)
+    report = plan_report(cfg, None, epochs=1, draft_layers=5, block_size=16)
+    assert "nothing to train on: no position here can anchor a block of 16 tokens" in report
+    assert "nan" not in report and "H200-hours for" not in report
