@@ -24,7 +24,9 @@ from train_support import (
     train_cli,
 )
 
+from dflash.config import HarvestConfig
 from dflash.errors import DflashError
+from dflash.harvest import run_harvest
 from dflash.store import Store
 from dflash.target_files import load_embedding_and_head
 from dflash.train import Trainer, reader
@@ -522,3 +524,23 @@ def test_a_finished_run_resumed_says_so_before_any_work_and_cannot_be_extended(s
     assert (tmp_path / "run" / "drafter" / "model.safetensors").read_bytes() == weights  # exported again, the same
     with pytest.raises(DflashError, match=r"max_steps: checkpoint 2, now 4.*cannot be extended or shortened exactly"):
         run_training(config(store, tmp_path / "run", max_steps=4, resume=True))
+
+
+def test_a_store_where_no_document_holds_a_block_is_refused_naming_the_block_size_that_fits(tiny_target, tmp_path):
+    """Every document shorter than a block: no position can anchor one, so a run would train on nothing and
+    export an untrained drafter. Refused before any work; the block size it names trains."""
+    data = tmp_path / "short.jsonl"
+    data.write_text("".join(json.dumps({"text": f"Hi there {i}."}) + "\n" for i in range(40)))
+    shards = tmp_path / "store"
+    run_harvest(
+        HarvestConfig(
+            model=str(tiny_target("qwen3")), data=str(data), out=str(shards), token_budget=64, workers=1, device="cpu"
+        )
+    )
+    longest = int(Store.open(shards).documents()[:, 4].max())
+    assert B < longest < 16
+    result = train_cli(shards, tmp_path / "run", "--block-size", "16")
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert f"no document of {shards} holds a block of 16 tokens (the longest has {longest})" in result.output
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "metrics.jsonl").exists()
+    run_training(config(shards, tmp_path / "fits", block_size=longest, max_steps=1, val_fraction=0))

@@ -48,6 +48,7 @@ from dflash.train.setup import (
     Env,
     StopSignals,
     anchors_per_row,
+    check_anchorable,
     check_host_memory,
     check_self_check,
     check_shapes,
@@ -104,6 +105,7 @@ class Trainer:
         T = self.store.token_budget
         self.num_anchors = anchors_per_row(cfg, T)
         check_shapes(cfg, T, self.num_anchors, manifest.feature_dim, self.dcfg)
+        check_anchorable(self.store, self.dcfg.span, cfg.store)
         # The block geometry: B query slots per block, labels over the S tokens from its anchor to its last draft.
         self.block_size, self.span = self.dcfg.block_size, self.dcfg.span
         self.gamma = blocks.default_gamma(self.span) if cfg.gamma is None else cfg.gamma
@@ -183,6 +185,7 @@ class Trainer:
         if cfg.val_store:
             self.val_store = Store.open(cfg.val_store)
             check_val_store(self.store, self.val_store, cfg.store, cfg.val_store)
+            check_anchorable(self.val_store, self.span, cfg.val_store)
             check_teacher(self.method, self.val_store, cfg.val_store)
             self.val_tally = tally_for(self.val_store, self.span, self.device)  # its own sources
             train_rows, val_rows = np.arange(self.store.num_rows), np.arange(self.val_store.num_rows)

@@ -100,6 +100,24 @@ STORE_FIXED_FIELDS = {
 }
 
 
+def check_anchorable(store: Store, span: int, path: str) -> None:
+    """A store with no token in the loss, or whose every document is shorter than a block, has no position to
+    anchor one: each step would train on nothing and the export be an untrained drafter. Refused before any work
+    (the documents table only: a store whose answers all sit in a document's last few tokens is not caught)."""
+    counts = store.manifest.counts
+    if counts.loss_tokens == 0:
+        raise DflashError(
+            f"{path} has no token in the loss ({counts.documents} documents, {counts.tokens} tokens): nothing to train "
+            "on; harvest data whose answers are in the loss (assistant turns, completions or plain text; docs/data.md)"
+        )
+    longest = int(store.documents()[:, 4].max(initial=0))
+    if longest < span:
+        raise DflashError(
+            f"no document of {path} holds a block of {span} tokens (the longest has {longest}), so no position can "
+            f"anchor one: train with a --block-size whose blocks fit {longest} tokens, or harvest longer documents"
+        )
+
+
 def tally_for(store: Store, block_size: int, device) -> Tally:
     """Zeroed metric sums for the steps over `store`: split by its data sources when it has several, with each doc
     id's source on the device."""
