@@ -8,7 +8,7 @@ import logging
 import click
 
 from cli.options import config_option, config_options, reports_errors
-from dflash.config import HarvestConfig, given
+from dflash.config import DRAFTER_METHODS, HarvestConfig, TrainConfig, given
 
 
 @click.command()
@@ -61,19 +61,34 @@ def harvest(**options):
     show_default=True,
     help="Drafter layers to estimate (dflash train --draft-layers).",
 )
-@click.option("--block-size", type=int, default=16, show_default=True, help="Drafter block size to estimate.")
+@click.option(
+    "--block-size",
+    type=int,
+    help="Drafter block size to estimate (dflash train --block-size).  [default: 16; 7 for dspark]",
+)
+@click.option(
+    "--method",
+    type=click.Choice(list(DRAFTER_METHODS)),
+    help=f"Drafter method to estimate (dflash train --method).  [default: {TrainConfig.method}]",
+)
+@click.option(
+    "--anchors",
+    type=int,
+    help="Anchors per row to estimate (dflash train --anchors).  [default: 512 per 3072 tokens of the token budget]",
+)
 @reports_errors
-def plan(sample, epochs, draft_layers, block_size, **options):
+def plan(sample, epochs, draft_layers, block_size, method, anchors, **options):
     """Estimate a harvest and a training run before running the target.
 
     Tokenizes the data (or --sample lines of it) and packs it at the token budget: documents, tokens, rows,
     padding; prints the store's size in every store mode, the harvest and train GPU-hours scaled from the H200
     benchmarks, and whether the store fits in the free space at --out.
     """
-    from dflash.plan import check_plan_options, plan_report
+    from dflash.plan import TrainPlan, check_plan_options, plan_report
 
-    check_plan_options(sample)
-    click.echo(plan_report(given(HarvestConfig, options), sample, epochs, draft_layers, block_size))
+    train = TrainPlan(epochs, draft_layers, block_size, method, anchors)
+    check_plan_options(sample, train)
+    click.echo(plan_report(given(HarvestConfig, options), sample, train))
 
 
 @click.command()

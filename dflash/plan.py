@@ -83,9 +83,9 @@ class DataEstimate:
     contexts: np.ndarray
 
 
-def estimate_data(cfg: HarvestConfig, sample: int | None, block_size: int = 16) -> DataEstimate:
-    """Tokenize the data (or `sample` of its lines, seeded) and pack it as the harvest would; `block_size`: the
-    drafter's, whose blocks must fit before a document's end to anchor there."""
+def estimate_data(cfg: HarvestConfig, sample: int | None, span: int = 16) -> DataEstimate:
+    """Tokenize the data (or `sample` of its lines, seeded) and pack it as the harvest would; `span`: the tokens a
+    drafter's block covers from its anchor, which must fit before a document's end to anchor there."""
     data = data_config(cfg, max_length=cfg.max_length or cfg.token_budget, sample=sample)
     documents, stats = load_documents(data, cfg.model)
     scale = stats.lines / stats.lines_used
@@ -97,7 +97,7 @@ def estimate_data(cfg: HarvestConfig, sample: int | None, block_size: int = 16) 
     contexts = np.zeros(cfg.token_budget, np.int64)
     for doc in documents:
         by_line[doc.doc_id] = by_line.get(doc.doc_id, 0) + len(doc.input_ids)
-        anchors = np.flatnonzero(doc.loss_mask[: max(0, len(doc.input_ids) - block_size + 1)])
+        anchors = np.flatnonzero(doc.loss_mask[: max(0, len(doc.input_ids) - span + 1)])
         contexts += np.bincount(anchors, minlength=cfg.token_budget)[: cfg.token_budget]
     per_line = np.array(list(by_line.values()) + [0] * (stats.lines_used - len(by_line)), np.float64)
     # Sampling without replacement: the standard error of N * mean, with the finite-population correction.
@@ -157,14 +157,34 @@ def mode_bytes(features: FeatureSpec, token_budget: int, teacher: TeacherSpec | 
     return raw, on_disk / raw
 
 
-def plan_report(cfg: HarvestConfig, sample: int | None, epochs: int, draft_layers: int, block_size: int) -> str:
+@dataclass(frozen=True)
+class TrainPlan:
+    """What `dflash plan` prices the training at: train's options, None where train's default applies."""
+
+    epochs: int = 6
+    draft_layers: int = 5
+    block_size: int | None = None  # the method's own default (16; 7 for DSpark)
+    method: str | None = None  # train's default method
+    anchors: int | None = None  # train's default for the token budget
+
+
+def plan_report(cfg: HarvestConfig, sample: int | None, train: TrainPlan = TrainPlan()) -> str:
     cfg = check_options(cfg)  # harvest's checks, in harvest's words
     config = load_config(cfg.model)
     text = config.get_text_config()
     layers = tapped_layers(cfg, text.num_hidden_layers)
     feature_dim = len(layers) * text.hidden_size
     chosen_encoding = feature_encoding(cfg, len(layers), feature_dim)  # refuses invalid options
-    data = estimate_data(cfg, sample, block_size)
+    method = methods.get(train.method or TrainConfig.method)
+    block = {"block_size": train.block_size} if train.block_size else {}
+    dcfg = method.config_cls.from_target_config(config, layers, 0, num_layers=train.draft_layers, **block)
+    anchors = train.anchors or default_anchors(cfg.token_budget)
+    if not 1 <= anchors <= cfg.token_budget - dcfg.span + 1:
+        raise DflashError(
+            f"--anchors {anchors} cannot fit a {cfg.token_budget}-token row with blocks of {dcfg.span} tokens (at "
+            f"most {cfg.token_budget - dcfg.span + 1}); lower --anchors"
+        )
+    data = estimate_data(cfg, sample, dcfg.span)
     lines = []
     sampled = (
         f"a seeded sample of {data.sampled} of {data.lines} records, scaled up"
@@ -232,32 +252,39 @@ def plan_report(cfg: HarvestConfig, sample: int | None, epochs: int, draft_layer
         f"{_size(weights / split)} per GPU split over --tensor-parallel {split}" if split > 1 else "whole on each GPU"
     )
     hours = data.tokens / harvest_tok_s / 3600
-    method = methods.get(TrainConfig.method)
-    dcfg = method.config_cls.from_target_config(config, layers, 0, num_layers=draft_layers, block_size=block_size)
+    options = _train_options(method.name, anchors, cfg.token_budget, train)
     groups = f"; ~{hours / split:,.2f} hours on each group of {split} (the split's communication not counted)"
     lines += [
         f"target     {_size(weights)} of weights (the checkpoint's files): {per_gpu}",
         f"harvest    ~{hours:,.2f} H200-hours: {params / 1e9:.2f} B parameters run up to layer {max(layers)}, at the "
         f"{HARVEST_MFU:.1%} dense MFU bench/harvest.py measured ({harvest_tok_s:,.0f} tok/s)"
         + (groups if split > 1 else ""),
-        *_train_lines(dcfg, method.name, data, cfg.token_budget, epochs),
-        _memory_line(method, dcfg, cfg.token_budget, raw, chosen_encoding),
+        *_train_lines(dcfg, options, data, cfg.token_budget, anchors, train.epochs),
+        _memory_line(method, dcfg, options, cfg.token_budget, anchors, raw, chosen_encoding),
         "These are estimates: the rates are one H200's on the benchmarks' shapes; the codec fractions are the "
         "largest the benchmarks measured (a small trained target, random-weight large ones).",
     ]
     return "\n".join(lines)
 
 
-def _train_lines(dcfg: DrafterConfig, method: str, data: DataEstimate, token_budget: int, epochs: int) -> list[str]:
-    """The default method's train time on one H200 (dflash.step_time), and the same with the other choice of
-    context: full where the method slides a window, DFlash 2's 2048-token window where it sees it all."""
+def _train_options(method: str, anchors: int, token_budget: int, train: TrainPlan) -> str:
+    """The drafter and anchors the train and memory lines price, each marked as train's default where it is."""
+    method_note = " (train's default method)" if train.method is None else ""
+    anchors_note = f" (train's default for {token_budget} tokens)" if train.anchors is None else ""
+    return f"{train.draft_layers}-layer {method} drafter{method_note}, {anchors} anchors a row{anchors_note}"
+
+
+def _train_lines(
+    dcfg: DrafterConfig, options: str, data: DataEstimate, token_budget: int, anchors: int, epochs: int
+) -> list[str]:
+    """The method's train time on one H200 (dflash.step_time), and the same with the other choice of context:
+    full where the method slides a window, DFlash 2's 2048-token window where it sees it all."""
     if not data.contexts.any():
         return [
-            f"train      nothing to train on: no position here can anchor a block of {dcfg.block_size} tokens (one in "
-            f"the loss with {dcfg.block_size - 1} more tokens of its document after it; documents here: mean "
+            f"train      nothing to train on: no position here can anchor a block of {dcfg.span} tokens (one in "
+            f"the loss with {dcfg.span - 1} more tokens of its document after it; documents here: mean "
             f"{data.mean_document:,.0f} tokens); give longer answers or a smaller --block-size"
         ]
-    anchors = default_anchors(token_budget)
     bench = nearest_bench_drafter(dcfg.hidden_size)
     rates = fitted_rates(bench)
 
@@ -280,8 +307,7 @@ def _train_lines(dcfg: DrafterConfig, method: str, data: DataEstimate, token_bud
     longest = int(np.flatnonzero(data.contexts).max(initial=0))
     reaches = max(window or 0, other or 0) <= longest
     return [
-        f"train      {epochs} epochs of a {dcfg.num_layers}-layer {method} drafter (train's default method) with "
-        f"{name}, {anchors} anchors a row (train's default for {token_budget} tokens): {cost(window)}",
+        f"train      {epochs} epochs of a {options}, {name}: {cost(window)}",
         f"           with {other_name}: {cost(other)}"
         + ("" if reaches else f" (no block's context here reaches {max(window or 0, other or 0)} tokens)"),
         f"           (dflash.step_time: a row's matmul and attention FLOPs at the two rates that reproduce two "
@@ -290,10 +316,11 @@ def _train_lines(dcfg: DrafterConfig, method: str, data: DataEstimate, token_bud
     ]
 
 
-def _memory_line(method, dcfg: DrafterConfig, token_budget: int, row_raw: int, encoding) -> str:
-    """The default method's train step memory at train's default anchors for this token budget, and the anchors that
-    fit one H200: long rows need fewer anchors than the default, which grows with the row."""
-    anchors = default_anchors(token_budget)
+def _memory_line(
+    method, dcfg: DrafterConfig, options: str, token_budget: int, anchors: int, row_raw: int, encoding
+) -> str:
+    """The method's train step memory at these anchors (train's default grows with the row), and the anchors that
+    fit one H200."""
     shape = memory.StepShape(
         rows=1,
         micro_batches=1,
@@ -319,8 +346,7 @@ def _memory_line(method, dcfg: DrafterConfig, token_budget: int, row_raw: int, e
         else "does not fit even at --anchors 1"
     )
     return (
-        f"memory     a train step of the {dcfg.num_layers}-layer {method.name} drafter (train's default method) on one "
-        f"row with {anchors} anchors (train's default for {token_budget} tokens): ~{_size(need)} on a GPU, "
+        f"memory     a train step of a {options}, on one row: ~{_size(need)} on a GPU, "
         f"~{_size(lighter)} with --recompute pointwise (dflash.memory, docs/training.md 'Memory'); an H200's 139 "
         f"GiB: {verdict}"
     )
@@ -348,6 +374,15 @@ def _size(n: float) -> str:
     return f"{n:,.1f} TB"
 
 
-def check_plan_options(sample: int | None) -> None:
+def check_plan_options(sample: int | None, train: TrainPlan) -> None:
     if sample is not None and sample < 2:
         raise DflashError(f"--sample {sample}: give at least 2 lines (the sampling error needs two), or leave it out")
+    for flag, value in (
+        ("--epochs", train.epochs),
+        ("--draft-layers", train.draft_layers),
+        ("--anchors", train.anchors),
+    ):
+        if value is not None and value < 1:
+            raise DflashError(f"{flag} {value}: give at least 1, as dflash train takes")
+    if train.block_size is not None and train.block_size < 2:
+        raise DflashError(f"--block-size {train.block_size}: give at least 2 (a block drafts at least one token)")

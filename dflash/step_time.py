@@ -103,8 +103,8 @@ def uniform_contexts(doc_len: int, block_size: int) -> np.ndarray:
 
 def row_flops(dcfg: DrafterConfig, tokens: int, anchors: int, pairs_per_block: float) -> dict[str, float]:
     """step_flops_by_kind of one row of `tokens` with `anchors` blocks, each seeing `pairs_per_block` pairs."""
-    B = dcfg.block_size
-    return step_flops_by_kind(dcfg, tokens, anchors * B, anchors * (B - 1), anchors * pairs_per_block)
+    drafted, labelled = anchors * dcfg.block_size, anchors * dcfg.drafts_per_block
+    return step_flops_by_kind(dcfg, tokens, drafted, labelled, anchors * pairs_per_block)
 
 
 def measured_flops(step: MeasuredStep) -> dict[str, float]:

@@ -14,7 +14,7 @@ from dflash import store
 from dflash.blocks import eligible_anchors
 from dflash.config import HarvestConfig
 from dflash.harvest import run_harvest
-from dflash.plan import estimate_data, mode_bytes, plan_report
+from dflash.plan import TrainPlan, estimate_data, mode_bytes, plan_report
 from dflash.tiny import CORPUS
 
 BUDGET = 256
@@ -149,7 +149,7 @@ def test_a_padded_stores_size_on_disk_counts_its_padding_as_zeros(model, tmp_pat
     data.write_text(json.dumps({"text": text}) + "\n")
     cfg = HarvestConfig(model=model, data=str(data), out=str(tmp_path / "s"), token_budget=2048, workers=1)
     assert estimate_data(cfg, None).padding > 0.6
-    report = plan_report(cfg, None, epochs=1, draft_layers=1, block_size=16)
+    report = plan_report(cfg, None, TrainPlan(epochs=1, draft_layers=1))
     units = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9}
     sizes = re.search(r"needs ([\d.]+) (\w+) raw, ~([\d.]+) (\w+) on disk", report).groups()
     raw, on_disk = (float(sizes[i]) * units[sizes[i + 1]] for i in (0, 2))
@@ -165,7 +165,11 @@ def test_plan_prints_the_train_steps_memory_and_the_anchors_that_fit(model, tmp_
 
     cfg = HarvestConfig(model=model, data=[str(CORPUS)], out=str(tmp_path / "s"), token_budget=BUDGET, workers=1)
     default = round(BUDGET * 512 / 3072)
-    fits = re.search(r"with (\d+) anchors .*: ~[\d.,]+ \w+ on a GPU, .*: fits$", plan_report(cfg, None, 1, 2, 16), re.M)
+    fits = re.search(
+        r"drafter \(train's default method\), (\d+) anchors a row .*: ~[\d.,]+ \w+ on a GPU, .*: fits$",
+        plan_report(cfg, None, TrainPlan(epochs=1, draft_layers=2)),
+        re.M,
+    )
     assert fits and int(fits.group(1)) == default
     # on a GPU with the memory the estimate gives half the default anchors, the line names the most that fit
     config = plan.load_config(model)
@@ -189,9 +193,11 @@ def test_plan_prints_the_train_steps_memory_and_the_anchors_that_fit(model, tmp_
     )
     lighter = sum(plan.memory.step_memory(dcfg, pointwise).values())
     assert lighter < totals[default]
-    assert f"~{plan._size(lighter)} with --recompute pointwise" in plan_report(cfg, None, 1, 2, 16)
+    assert f"~{plan._size(lighter)} with --recompute pointwise" in plan_report(
+        cfg, None, TrainPlan(epochs=1, draft_layers=2)
+    )
     monkeypatch.setattr(plan, "H200_MEMORY", totals[default // 2])
-    line = plan._memory_line(method, dcfg, BUDGET, row_raw, encoding)
+    line = plan._memory_line(method, dcfg, "options", BUDGET, default, row_raw, encoding)
     assert line.endswith(
         f"does not fit: --anchors {max(a for a, t in totals.items() if t <= totals[default // 2])} does"
     )
@@ -209,12 +215,15 @@ def test_plan_prices_the_window_against_full_context_where_the_documents_reach_i
     data.write_text("".join(json.dumps({"text": " ".join(texts[i : i + 40])}) + "\n" for i in range(0, 120, 40)))
     long = HarvestConfig(model=model, data=str(data), out=str(tmp_path / "s"), token_budget=8192, workers=1)
     assert np.flatnonzero(estimate_data(long, None).contexts).max() > 2048
-    report = plan_report(long, None, epochs=1, draft_layers=5, block_size=16)
-    assert "dflash2 drafter (train's default method) with its 2048-token window" in report
+    report = plan_report(long, None, TrainPlan(epochs=1))
+    assert (
+        "dflash2 drafter (train's default method), 1365 anchors a row (train's default for 8192 tokens), its "
+        "2048-token window:" in report
+    )
     window, full = row_seconds(report)
     assert 0 < window < full and "no block's context here reaches" not in report
     short = replace(long, data=str(CORPUS), token_budget=BUDGET)
-    report = plan_report(short, None, epochs=1, draft_layers=5, block_size=16)
+    report = plan_report(short, None, TrainPlan(epochs=1))
     window, full = row_seconds(report)
     assert window == full and "(no block's context here reaches 2048 tokens)" in report
 
@@ -223,6 +232,22 @@ def test_plan_says_when_no_document_can_anchor_a_block(model, tmp_path):
     data = tmp_path / "short.jsonl"
     data.write_text("".join(json.dumps({"text": "Hi there."}) + "\n" for _ in range(5)))
     cfg = HarvestConfig(model=model, data=str(data), out=str(tmp_path / "s"), token_budget=BUDGET, workers=1)
-    report = plan_report(cfg, None, epochs=1, draft_layers=5, block_size=16)
+    report = plan_report(cfg, None, TrainPlan(epochs=1))
     assert "nothing to train on: no position here can anchor a block of 16 tokens" in report
     assert "nan" not in report and "H200-hours for" not in report
+
+
+def test_plan_prices_the_method_and_anchors_given_and_refuses_anchors_that_do_not_fit(model, tmp_path):
+    args = ["plan", "--model", model, "--data", str(CORPUS), "--out", str(tmp_path / "s"), "--workers", "1"]
+    args += ["--token-budget", str(BUDGET)]
+    result = CliRunner().invoke(main, [*args, "--method", "dflash", "--anchors", "20"])
+    assert result.exit_code == 0, result.output
+    train = result.output[result.output.index("\ntrain ") :]
+    assert "epochs of a 5-layer dflash drafter, 20 anchors a row, full context: ~" in train
+    assert "with a 2048-token window (--drafter-option sliding_window=2048)" in train
+    assert "memory     a train step of a 5-layer dflash drafter, 20 anchors a row, on one row" in train
+    fewer = CliRunner().invoke(main, [*args, "--method", "dflash", "--anchors", "10"]).output
+    assert row_seconds(fewer)[0] < row_seconds(result.output)[0]  # half the blocks: less of everything but fc
+    bad = CliRunner().invoke(main, [*args, "--anchors", str(BUDGET)])
+    assert bad.exit_code == 2 and f"--anchors {BUDGET} cannot fit a {BUDGET}-token row" in bad.output, bad.output
+    assert len(bad.output.strip().splitlines()) == 1
