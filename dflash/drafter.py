@@ -68,6 +68,13 @@ class DrafterConfig:
     # Otherwise (DFlash) slot 0 only holds the anchor token and slot k >= 1 predicts the token at a + k.
     anchor_predicts: ClassVar[bool] = False
 
+    def __post_init__(self):
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise DflashError(
+                f"sliding_window {self.sliding_window} leaves a block no context; give a window of at least 1 token "
+                "with --drafter-option sliding_window=N, or sliding_window=none for the whole context"
+            )
+
     @property
     def drafts_per_block(self) -> int:
         return self.block_size - 1 + self.anchor_predicts

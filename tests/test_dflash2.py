@@ -129,6 +129,8 @@ def test_config_checks_and_round_trip():
         dflash2_config(selector_top_k=0)
     with pytest.raises(DflashError, match="exceeds block_size 4"):
         dflash2_config(conv_kernel_size=5, block_size=4)
+    with pytest.raises(DflashError, match="sliding_window 0 leaves a block no context"):
+        dflash2_config(sliding_window=0)  # the base config's check, through DFlash 2's own
 
 
 # ---- the selector

@@ -399,3 +399,5 @@ def test_config_round_trip_and_refusals():
         DSparkConfig.from_hf_config(hf | {"markov_head_type": "rnn"})
     with pytest.raises(DflashError, match="markov_rank"):
         dspark_config(markov_rank=0)
+    with pytest.raises(DflashError, match="sliding_window -1 leaves a block no context"):
+        dspark_config(sliding_window=-1)

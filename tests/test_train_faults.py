@@ -544,3 +544,11 @@ def test_a_store_where_no_document_holds_a_block_is_refused_naming_the_block_siz
     assert f"no document of {shards} holds a block of 16 tokens (the longest has {longest})" in result.output
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "metrics.jsonl").exists()
     run_training(config(shards, tmp_path / "fits", block_size=longest, max_steps=1, val_fraction=0))
+
+
+@pytest.mark.parametrize("window", [0, -5])
+def test_a_window_that_leaves_a_block_no_context_is_refused_before_any_work(store, tmp_path, window):
+    result = train_cli(store, tmp_path / "run", "--drafter-option", f"sliding_window={window}")
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert f"sliding_window {window} leaves a block no context" in result.output
+    assert not (tmp_path / "run" / "checkpoints").exists()

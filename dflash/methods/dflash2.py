@@ -45,6 +45,7 @@ class DFlash2Config(DrafterConfig):
     architecture: ClassVar[str] = "DFlash2DraftModel"
 
     def __post_init__(self):
+        super().__post_init__()
         problems = []
         if self.conv_kernel_size < 1 or self.conv_group_size < 1 or self.hidden_size % self.conv_group_size:
             problems.append(

@@ -47,6 +47,7 @@ class DSparkConfig(DrafterConfig):
     anchor_predicts: ClassVar[bool] = True
 
     def __post_init__(self):
+        super().__post_init__()
         if self.markov_rank < 1 or self.block_size < 1:
             raise DflashError(
                 f"invalid DSpark drafter: markov_rank {self.markov_rank} and block_size {self.block_size} must be "
