@@ -69,9 +69,10 @@ class DrafterConfig:
     anchor_predicts: ClassVar[bool] = False
 
     def __post_init__(self):
-        if self.sliding_window is not None and self.sliding_window < 1:
+        # A query sees the window - 1 positions before its own: the anchor's slot sees none of the context below 2.
+        if self.sliding_window is not None and self.sliding_window < 2:
             raise DflashError(
-                f"sliding_window {self.sliding_window} leaves a block no context; give a window of at least 1 token "
+                f"sliding_window {self.sliding_window} leaves a block no context; give a window of at least 2 tokens "
                 "with --drafter-option sliding_window=N, or sliding_window=none for the whole context"
             )
 

@@ -546,7 +546,7 @@ def test_a_store_where_no_document_holds_a_block_is_refused_naming_the_block_siz
     run_training(config(shards, tmp_path / "fits", block_size=longest, max_steps=1, val_fraction=0))
 
 
-@pytest.mark.parametrize("window", [0, -5])
+@pytest.mark.parametrize("window", [1, 0, -5])
 def test_a_window_that_leaves_a_block_no_context_is_refused_before_any_work(store, tmp_path, window):
     result = train_cli(store, tmp_path / "run", "--drafter-option", f"sliding_window={window}")
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
