@@ -97,8 +97,8 @@ def estimate_data(cfg: HarvestConfig, sample: int | None, span: int = 16) -> Dat
     contexts = np.zeros(cfg.token_budget, np.int64)
     for doc in documents:
         by_line[doc.doc_id] = by_line.get(doc.doc_id, 0) + len(doc.input_ids)
-        anchors = np.flatnonzero(doc.loss_mask[: max(0, len(doc.input_ids) - span + 1)])
-        contexts += np.bincount(anchors, minlength=cfg.token_budget)[: cfg.token_budget]
+        anchorable = max(0, len(doc.input_ids) - span + 1)  # a position's context is its offset in the document
+        contexts[:anchorable] += doc.loss_mask[:anchorable] != 0
     per_line = np.array(list(by_line.values()) + [0] * (stats.lines_used - len(by_line)), np.float64)
     # Sampling without replacement: the standard error of N * mean, with the finite-population correction.
     error = 0.0
