@@ -98,7 +98,7 @@ from dflash.config import TrainConfig
 from dflash.drafter import check_kernel_options
 from dflash.errors import DflashError
 from dflash.metrics import MetricsLog
-from dflash.step_time import BENCH_DRAFTERS
+from dflash.step_time import BENCH_DRAFTERS, fitted_rates, nearest_bench_drafter
 from dflash.train import Trainer
 from dflash.train.setup import Env, init_distributed
 
@@ -262,6 +262,10 @@ def summarise(name: str, s: dict, trainer: Trainer, records: list[dict], steps: 
         "recompiles": records[-1]["recompiles"],
         "loss_first_last": [records[0]["loss"], records[-1]["loss"]],
     }
+    # What dflash.step_time (dflash plan's estimate) says this step takes, from its counted FLOPs: each run checks it.
+    bench = nearest_bench_drafter(s["hidden"])
+    flops = {kind: tflop * 1e12 for kind, tflop in result["step_tflop"].items()}
+    result["model_step_ms"] = {"rates_of": bench, "ms": 1000 * fitted_rates(bench).seconds(flops)}
     if trainer.cuda:
         allocated = [r["mem_allocated"] for r in window]
         reserved = [r["mem_reserved"] for r in window]
