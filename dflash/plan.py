@@ -252,25 +252,37 @@ def plan_report(cfg: HarvestConfig, sample: int | None, train: TrainPlan = Train
         f"{_size(weights / split)} per GPU split over --tensor-parallel {split}" if split > 1 else "whole on each GPU"
     )
     hours = data.tokens / harvest_tok_s / 3600
-    options = _train_options(method.name, anchors, cfg.token_budget, train)
+    step = _step_memory(method, dcfg, cfg.token_budget, anchors, raw, chosen_encoding)
+    # Train refuses a step over the GPU's memory, naming the anchors that fit: price those when the default is over.
+    priced = step.fitting if train.anchors is None and 0 < step.fitting < anchors else anchors
     groups = f"; ~{hours / split:,.2f} hours on each group of {split} (the split's communication not counted)"
     lines += [
         f"target     {_size(weights)} of weights (the checkpoint's files): {per_gpu}",
         f"harvest    ~{hours:,.2f} H200-hours: {params / 1e9:.2f} B parameters run up to layer {max(layers)}, at the "
         f"{HARVEST_MFU:.1%} dense MFU bench/harvest.py measured ({harvest_tok_s:,.0f} tok/s)"
         + (groups if split > 1 else ""),
-        *_train_lines(dcfg, options, data, cfg.token_budget, anchors, train.epochs),
-        _memory_line(method, dcfg, options, cfg.token_budget, anchors, raw, chosen_encoding),
+        *_train_lines(
+            dcfg,
+            _train_options(method.name, priced, anchors, cfg.token_budget, train),
+            data,
+            cfg.token_budget,
+            priced,
+            train.epochs,
+        ),
+        _memory_line(_train_options(method.name, anchors, anchors, cfg.token_budget, train), step, anchors),
         "These are estimates: the rates are one H200's on the benchmarks' shapes; the codec fractions are the "
         "largest the benchmarks measured (a small trained target, random-weight large ones).",
     ]
     return "\n".join(lines)
 
 
-def _train_options(method: str, anchors: int, token_budget: int, train: TrainPlan) -> str:
-    """The drafter and anchors the train and memory lines price, each marked as train's default where it is."""
+def _train_options(method: str, anchors: int, asked: int, token_budget: int, train: TrainPlan) -> str:
+    """The drafter and anchors a train or memory line prices, each marked as train's default where it is;
+    `asked`: the anchors train would take (priced at fewer where those do not fit an H200)."""
     method_note = " (train's default method)" if train.method is None else ""
     anchors_note = f" (train's default for {token_budget} tokens)" if train.anchors is None else ""
+    if anchors != asked:
+        anchors_note = f" (the most that fit an H200: train's default for {token_budget} tokens, {asked}, does not)"
     return f"{train.draft_layers}-layer {method} drafter{method_note}, {anchors} anchors a row{anchors_note}"
 
 
@@ -316,9 +328,14 @@ def _train_lines(
     ]
 
 
-def _memory_line(
-    method, dcfg: DrafterConfig, options: str, token_budget: int, anchors: int, row_raw: int, encoding
-) -> str:
+@dataclass(frozen=True)
+class StepMemory:
+    need: float  # bytes of a train step on one GPU (dflash.memory)
+    pointwise: float  # the same with --recompute pointwise
+    fitting: int  # the most anchors up to the asked ones that fit an H200 (0: not even one)
+
+
+def _step_memory(method, dcfg: DrafterConfig, token_budget: int, anchors: int, row_raw: int, encoding) -> StepMemory:
     """The method's train step memory at these anchors (train's default grows with the row), and the anchors that
     fit one H200."""
     shape = memory.StepShape(
@@ -333,22 +350,27 @@ def _memory_line(
         cuda=True,
         embedding_on_host=memory.embedding_on_host(TrainConfig.embedding, True, token_budget, dcfg.vocab_size),
     )
-    need = sum(memory.step_memory(dcfg, shape).values())
     layer_parameters = memory.parameter_count(method.model_cls, dcfg, layers_only=True)
     pointwise = replace(shape, recompute="pointwise", layer_parameters=layer_parameters)
-    lighter = sum(memory.step_memory(dcfg, pointwise).values())
-    fitting = memory.fitting_anchors(dcfg, shape, H200_MEMORY)
+    return StepMemory(
+        need=sum(memory.step_memory(dcfg, shape).values()),
+        pointwise=sum(memory.step_memory(dcfg, pointwise).values()),
+        fitting=memory.fitting_anchors(dcfg, shape, H200_MEMORY),
+    )
+
+
+def _memory_line(options: str, step: StepMemory, anchors: int) -> str:
     verdict = (
         "fits"
-        if fitting == anchors
-        else f"does not fit: --anchors {fitting} does"
-        if fitting
+        if step.fitting == anchors
+        else f"does not fit: --anchors {step.fitting} does"
+        if step.fitting
         else "does not fit even at --anchors 1"
     )
     return (
-        f"memory     a train step of a {options}, on one row: ~{_size(need)} on a GPU, "
-        f"~{_size(lighter)} with --recompute pointwise (dflash.memory, docs/training.md 'Memory'); an H200's 139 "
-        f"GiB: {verdict}"
+        f"memory     a train step of a {options}, on one row: ~{_size(step.need)} on a GPU, "
+        f"~{_size(step.pointwise)} with --recompute pointwise (dflash.memory, docs/training.md 'Memory'); an H200's "
+        f"139 GiB: {verdict}"
     )
 
 

@@ -197,9 +197,15 @@ def test_plan_prints_the_train_steps_memory_and_the_anchors_that_fit(model, tmp_
         cfg, None, TrainPlan(epochs=1, draft_layers=2)
     )
     monkeypatch.setattr(plan, "H200_MEMORY", totals[default // 2])
-    line = plan._memory_line(method, dcfg, "options", BUDGET, default, row_raw, encoding)
-    assert line.endswith(
-        f"does not fit: --anchors {max(a for a, t in totals.items() if t <= totals[default // 2])} does"
+    report = plan_report(cfg, None, TrainPlan(epochs=1, draft_layers=2))
+    most = max(a for a, t in totals.items() if t <= totals[default // 2])
+    assert next(line for line in report.splitlines() if line.startswith("memory ")).endswith(
+        f"does not fit: --anchors {most} does"
+    )
+    # train would refuse the default and name `most`: the hours are priced at those
+    train = next(line for line in report.splitlines() if line.startswith("train "))
+    assert (
+        f", {most} anchors a row (the most that fit an H200: train's default for {BUDGET} tokens, {default}, " in train
     )
 
 
