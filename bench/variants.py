@@ -33,18 +33,26 @@ METHOD_VARIANTS = {
 # The sliding window over the context (issue 24), of any width: the quality run's documents are ~250-400 tokens, so
 # only windows below that cut them there; long rows time the 2048 of DFlash 2's released configs.
 WINDOW_VARIANT = re.compile(r"(dflash2?)-window([1-9][0-9]*)")
-VARIANT_CHOICES = f"{', '.join(METHOD_VARIANTS)}, dflash-windowN, dflash2-windowN (a sliding window of N tokens)"
+# The drafter's attention at another head dim, the target's attention widths kept (heads scaled): flex_attention's
+# kernels at 128 against 256, the long rows' bound (issue 24).
+HEAD_DIM_VARIANT = re.compile(r"(dflash2?)-hd([1-9][0-9]*)")
+VARIANT_CHOICES = (
+    f"{', '.join(METHOD_VARIANTS)}, dflash-windowN, dflash2-windowN (a sliding window of N tokens), dflash-hdN, "
+    "dflash2-hdN (head_dim N, the target's attention widths kept)"
+)
+DRAFTER_OPTION_VARIANTS = {WINDOW_VARIANT: "sliding_window", HEAD_DIM_VARIANT: "head_dim"}
 
 
 def is_variant(name: str) -> bool:
-    return name in METHOD_VARIANTS or WINDOW_VARIANT.fullmatch(name) is not None
+    return name in METHOD_VARIANTS or any(pattern.fullmatch(name) for pattern in DRAFTER_OPTION_VARIANTS)
 
 
 def split_variant(name: str) -> tuple[dict, str | None]:
     """(the TrainConfig options of variant `name`, the --teacher its store needs, or None)."""
-    window = WINDOW_VARIANT.fullmatch(name)
-    if window:
-        return {"method": window[1], "drafter_overrides": {"sliding_window": int(window[2])}}, None
+    for pattern, option in DRAFTER_OPTION_VARIANTS.items():
+        match = pattern.fullmatch(name)
+        if match:
+            return {"method": match[1], "drafter_overrides": {option: int(match[2])}}, None
     options = dict(METHOD_VARIANTS[name])
     return options, options.pop("teacher", None)
 

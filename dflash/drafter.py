@@ -114,6 +114,8 @@ class DrafterConfig:
             num_target_layers=_get(text, "num_hidden_layers"),
         )
         check_overrides(cls, overrides)
+        if "head_dim" in overrides and not {"num_attention_heads", "num_key_value_heads"} & set(overrides):
+            fields.update(heads_at_head_dim(fields, overrides["head_dim"]))
         fields.update(overrides)
         return cls(**fields)
 
@@ -236,6 +238,20 @@ def sliding_window_of(config: dict) -> int | None:
     """The drafter's window: set when config.json says its layers slide (layer_types, or use_sliding_window)."""
     slides = "sliding_attention" in (config.get("layer_types") or []) or config.get("use_sliding_window")
     return int(config["sliding_window"]) if slides and config.get("sliding_window") else None
+
+
+def heads_at_head_dim(fields: dict, head_dim: int) -> dict:
+    """The heads and KV heads that keep the target's attention widths (heads x head_dim) at another head_dim: a
+    drafter of the same size whose attention runs on other kernel tiles (flex_attention's at 128 run closer to the
+    GPU's peak than at 256, docs/training.md)."""
+    heads, kv_heads, old = fields["num_attention_heads"], fields["num_key_value_heads"], fields["head_dim"]
+    if head_dim < 1 or (heads * old) % head_dim or (kv_heads * old) % head_dim:
+        raise DflashError(
+            f"--drafter-option head_dim={head_dim} does not divide the target's attention widths ({heads} heads and "
+            f"{kv_heads} KV heads of {old}: {heads * old} and {kv_heads * old}); give a head_dim that divides both, or "
+            "set num_attention_heads and num_key_value_heads beside it"
+        )
+    return {"num_attention_heads": heads * old // head_dim, "num_key_value_heads": kv_heads * old // head_dim}
 
 
 def check_overrides(config_cls: type, overrides: dict) -> None:

@@ -172,9 +172,10 @@ def assert_inference_form_equals_training_form(model, cfg, s: int = 13):
     torch.testing.assert_close(inferred, trained, rtol=1e-12, atol=1e-12)
 
 
-# Windows that hide context (1: slot 0 sees none), one that hides the first position from the last slot only (16 =
-# s + B - 1) and one just past it (17: decoding passes no mask at all), with 13 context tokens and B = 4.
-@pytest.mark.parametrize("window", [None, 1, 6, 16, 17])
+# Windows that hide context (2, the smallest a config takes: slot 0 sees one token, the later slots none), one that
+# hides the first position from the last slot only (16 = s + B - 1) and one just past it (17: decoding passes no
+# mask at all), with 13 context tokens and B = 4.
+@pytest.mark.parametrize("window", [None, 2, 6, 16, 17])
 def test_inference_form_equals_training_form_with_one_anchor_at_the_end(window):
     cfg = small_config(sliding_window=window)
     assert_inference_form_equals_training_form(make_drafter(cfg, seed=1), cfg)
@@ -303,6 +304,26 @@ def test_drafter_options_name_unknown_fields_and_wrong_types():
         DrafterConfig.from_target_config(target, [1, 5, 9], mask_token_id=299, rope_theta=True)
     cfg = DrafterConfig.from_target_config(target, [1, 5, 9], 299, intermediate_size=96, rope_theta=5)
     assert (cfg.intermediate_size, cfg.rope_theta) == (96, 5)
+
+
+def matmul_parameters(model) -> int:
+    """Parameters outside the per-head q / k norms (whose weights are head_dim long)."""
+    return sum(
+        p.numel() for name, p in model.named_parameters() if not name.endswith(("q_norm.weight", "k_norm.weight"))
+    )
+
+
+def test_a_head_dim_option_keeps_the_attention_widths_and_the_parameter_count():
+    target = tiny_config("qwen3", vocab_size=300, num_layers=12, hidden_size=64)  # 4 heads and 2 KV heads of 16
+    base = DrafterConfig.from_target_config(target, [1, 5, 9], 299)
+    for head_dim, heads, kv_heads in ((8, 8, 4), (32, 2, 1), (16, 4, 2)):
+        cfg = DrafterConfig.from_target_config(target, [1, 5, 9], 299, head_dim=head_dim)
+        assert (cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads) == (head_dim, heads, kv_heads)
+        assert matmul_parameters(make_drafter(cfg)) == matmul_parameters(make_drafter(base))
+    explicit = DrafterConfig.from_target_config(target, [1, 5, 9], 299, head_dim=8, num_attention_heads=2)
+    assert (explicit.num_attention_heads, explicit.num_key_value_heads) == (2, 2)  # given heads are taken as given
+    with pytest.raises(DflashError, match="head_dim=64 does not divide the target's attention widths .* 64 and 32"):
+        DrafterConfig.from_target_config(target, [1, 5, 9], 299, head_dim=64)
 
 
 def test_attention_kernel_options_reach_flex_attention_in_every_layer(monkeypatch):

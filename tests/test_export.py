@@ -156,7 +156,10 @@ def test_export_cli_refuses_before_reading_the_run(tmp_path):
 # ---------------------------------------------------------------------------------------------- AutoModel
 
 
-@pytest.mark.parametrize("overrides", [{}, {"num_key_value_heads": 4, "num_layers": 1, "block_size": 5}])
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"num_key_value_heads": 4, "num_layers": 1, "block_size": 5}, {"head_dim": 8, "num_attention_heads": 8}],
+)
 def test_automodel_with_remote_code_loads_our_drafter(tmp_path, overrides):
     """transformers' AutoModel path gives the shipped modeling file's drafter: every tensor loaded, nothing left
     over, and the same outputs as dflash's own drafter (which this also checks the shipped forward against)."""

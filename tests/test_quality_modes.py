@@ -178,6 +178,8 @@ def test_window_variants_train_with_their_window_and_survive_the_saved_json():
     assert [dict(m.train)["method"] for m in modes] == ["dflash", "dflash", "dflash2", "dflash2"]
     assert [StoreMode(**json.loads(json.dumps(asdict(m)))) for m in modes] == modes
     assert len({m: m.folder for m in modes}) == 4  # run_modes keys its work by mode (dict values in `train`)
-    for bad in ("dflash-window0", "dflash-window", "dflash3-window64", "dflash-window64x"):
+    head_dim = parse_modes("dflash-hd32")[0]
+    assert dict(head_dim.train) == {"method": "dflash", "drafter_overrides": {"head_dim": 32}}
+    for bad in ("dflash-window0", "dflash-window", "dflash3-window64", "dflash-window64x", "dflash-hd0"):
         with pytest.raises(ValueError, match="dflash-windowN"):
             parse_modes(bad)
