@@ -13,6 +13,7 @@ FLOPs as the trainer's MFU counts them (docs/training.md): forward 4 x pairs x h
 
 On the H200 (bench/device_setup.sh first):
     python3 bench/attention_ceiling.py --drafter b --row-shapes 4x3072:512,1x32768:2048
+    python3 bench/attention_ceiling.py --drafter b --row-shapes 1x32768:2048 --head-dim 128   # 32 / 8 heads of 128
     python bench/attention_ceiling.py --tiny        # the CPU: the dense-mask SDPA the CPU trainer runs, toy shapes
 """
 
@@ -31,6 +32,8 @@ from bench.mask_tiles import row_anchors  # noqa: E402
 from bench.topk import ms_per_call  # noqa: E402
 from bench.train import DRAFTERS, TINY, parse_row_shapes  # noqa: E402
 from dflash import attention_kernels, blocks, metrics  # noqa: E402
+from dflash.drafter import heads_at_head_dim  # noqa: E402
+from dflash.errors import DflashError  # noqa: E402
 
 SDPA_BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -130,10 +133,22 @@ def main():
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--head-dim",
+        type=int,
+        help="the drafter's attention at this head dim, its widths kept (as train's --drafter-option head_dim=N)",
+    )
     parser.add_argument("--tiny", action="store_true", help="toy shapes on the CPU")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    s = (TINY if args.tiny else DRAFTERS)[args.drafter]
+    s = dict((TINY if args.tiny else DRAFTERS)[args.drafter])
+    if args.head_dim:
+        fields = {"num_attention_heads": s["heads"], "num_key_value_heads": s["kv_heads"], "head_dim": s["head_dim"]}
+        try:
+            heads = heads_at_head_dim(fields, args.head_dim)
+        except DflashError as exc:
+            parser.error(str(exc))
+        s.update(heads=heads["num_attention_heads"], kv_heads=heads["num_key_value_heads"], head_dim=args.head_dim)
     shapes = parse_row_shapes("4x64:8" if args.tiny else args.row_shapes)
     print(f"drafter {args.drafter}: {s['heads']} / {s['kv_heads']} heads of {s['head_dim']}, block {args.block_size}")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}\n")
