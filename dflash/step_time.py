@@ -21,7 +21,6 @@ from dflash.drafter import DrafterConfig
 from dflash.metrics import block_pairs, step_flops_by_kind
 from dflash.target import default_layer_ids
 
-BLOCK_SIZE = 16
 # bench/train.py's drafters: the target's width, heads and FFN, which the drafter copies (a: Qwen3.5-27B-class,
 # b: 4B-class), and the vocabulary of both.
 BENCH_DRAFTERS = {
