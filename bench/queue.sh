@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# A queue of benchmark commands on the GPU machine, run one after another in the background, so that a session's
+# whole plan runs across device calls of at most 10 minutes each (the machine stays warm while a job runs).
+#
+#   bash bench/queue.sh start PLAN     # PLAN: lines `NAME<TAB>COMMAND` (# comments and blank lines skipped);
+#                                      # returns at once; each COMMAND runs in a copy of the repository
+#                                      # (/tmp/queue/repo) after bench/device_setup.sh, its output in
+#                                      # /tmp/queue/NAME.log (QUEUE_DIR)
+#   bash bench/queue.sh poll OUT       # which commands ended (exit status) and the running one's last lines;
+#                                      # copies /tmp/queue (logs, each command's files under /tmp/queue/NAME/) to OUT
+#
+# A command writes its files to $RESULTS (/tmp/queue/NAME), not to a call's $OUT, which only lives for one call.
+# Poll before each call ends: what the machine holds is lost when it goes back.
+set -u
+QUEUE=${QUEUE_DIR:-/tmp/queue}
+SETUP=${QUEUE_SETUP:-bench/device_setup.sh}  # tests set another
+
+start() {
+    local plan=$1
+    [ -f "$plan" ] || { echo "no plan file $plan" >&2; return 2; }
+    [ -e "$QUEUE/started" ] && { echo "a queue already runs here ($QUEUE); poll it" >&2; return 2; }
+    mkdir -p "$QUEUE" && cp "$plan" "$QUEUE/plan" && date -u +%FT%TZ > "$QUEUE/started"
+    # The commands run in a copy of the tree: a later device call syncs the working tree anew under them.
+    mkdir -p "$QUEUE/repo" && tar cf - --exclude=./.git --exclude=./.venv --exclude=./.smoke . | tar xf - -C "$QUEUE/repo"
+    (cd "$QUEUE/repo" && nohup bash bench/queue.sh run > "$QUEUE/queue.log" 2>&1 &)
+    echo "queue started: $(grep -cv '^\s*\(#\|$\)' "$plan") commands, logs in $QUEUE"
+}
+
+run() {
+    # shellcheck disable=SC1090
+    if ! source "$SETUP"; then
+        echo "$(date -u +%T) setup failed ($SETUP): queue stopped" >> "$QUEUE/status"
+        return 1
+    fi
+    while IFS=$'\t' read -r name command; do
+        case "$name" in '' | \#*) continue ;; esac
+        export RESULTS="$QUEUE/$name"
+        mkdir -p "$RESULTS"
+        echo "$(date -u +%T) start $name: $command" >> "$QUEUE/status"
+        bash -c "$command" > "$QUEUE/$name.log" 2>&1
+        local rc=$?
+        echo "$(date -u +%T) end $name: exit $rc" >> "$QUEUE/status"
+    done < "$QUEUE/plan"
+    echo "$(date -u +%T) queue done" >> "$QUEUE/status"
+}
+
+poll() {
+    local out=$1
+    [ -f "$QUEUE/status" ] || { echo "nothing queued here yet ($QUEUE)"; return 0; }
+    cat "$QUEUE/status"
+    local current
+    current=$(tail -n 1 "$QUEUE/status" | sed -n 's/^.* start \([^:]*\):.*$/\1/p')
+    [ -n "$current" ] && { echo "--- $current, last lines:"; tail -n 5 "$QUEUE/$current.log"; }
+    mkdir -p "$out" && tar cf - -C "$QUEUE" --exclude=./repo . | tar xf - -C "$out"
+}
+
+case "${1:-}" in
+    start) start "${2:?give the plan file}" ;;
+    run) run ;;
+    poll) poll "${2:?give the folder to copy the results to}" ;;
+    *) echo "usage: bash bench/queue.sh start PLAN | poll OUT" >&2; exit 2 ;;
+esac

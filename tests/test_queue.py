@@ -1,0 +1,68 @@
+"""bench/queue.sh: a plan's commands run in order in the background, each with its own results folder, and a poll
+that reports their exit status and copies everything out."""
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def queue(*args, env):
+    return subprocess.run(["bash", "bench/queue.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True)
+
+
+def wait_for(status: Path, text: str, seconds: float = 60) -> str:
+    deadline = time.monotonic() + seconds
+    while not status.exists() or text not in status.read_text():
+        assert time.monotonic() < deadline, status.read_text() if status.exists() else "no status"
+        time.sleep(0.1)
+    return status.read_text()
+
+
+def test_a_queue_runs_its_plan_in_order_and_a_poll_copies_the_results(tmp_path):
+    setup = tmp_path / "setup.sh"
+    setup.write_text("export FROM_SETUP=yes\n")
+    env = {**os.environ, "QUEUE_DIR": str(tmp_path / "queue"), "QUEUE_SETUP": str(setup)}
+    plan = tmp_path / "plan.tsv"
+    plan.write_text(
+        "# first the one that writes a file, then one that fails, then one after it\n\n"
+        'writes\techo "$FROM_SETUP" > "$RESULTS/out.txt"; pwd > "$RESULTS/cwd"; echo done\n'
+        "fails\techo partial; exit 3\n"
+        "after\tsleep 0.2; echo last\n"
+    )
+    started = queue("start", str(plan), env=env)
+    assert started.returncode == 0 and "3 commands" in started.stdout, started.stderr
+    assert queue("start", str(plan), env=env).returncode == 2  # one queue at a time
+    wait_for(tmp_path / "queue" / "status", "queue done")
+    polled = queue("poll", str(tmp_path / "out"), env=env)
+    assert polled.returncode == 0
+    ends = [line.split(" end ")[1] for line in polled.stdout.splitlines() if " end " in line]
+    assert ends == ["writes: exit 0", "fails: exit 3", "after: exit 0"]
+    out = tmp_path / "out"
+    assert (out / "writes" / "out.txt").read_text() == "yes\n"  # after the setup, in its own results folder
+    assert (out / "fails.log").read_text() == "partial\n" and (out / "after.log").read_text() == "last\n"
+    # run in a copy of the tree (a later device call re-syncs the working tree), which the poll leaves behind
+    assert (out / "writes" / "cwd").read_text().strip() == str(tmp_path / "queue" / "repo")
+    assert (tmp_path / "queue" / "repo" / "bench" / "queue.sh").exists() and not (out / "repo").exists()
+
+
+def test_a_failed_setup_stops_the_queue_before_any_command(tmp_path):
+    env = {**os.environ, "QUEUE_DIR": str(tmp_path / "queue"), "QUEUE_SETUP": str(tmp_path / "missing.sh")}
+    plan = tmp_path / "plan.tsv"
+    plan.write_text("never\ttouch never_ran\n")
+    assert queue("start", str(plan), env=env).returncode == 0
+    assert "setup failed" in wait_for(tmp_path / "queue" / "status", "queue stopped")
+    assert not (tmp_path / "queue" / "never.log").exists()
+
+
+def test_the_committed_plans_are_name_tab_command_lines_of_the_repositorys_scripts():
+    for plan in sorted((ROOT / "bench" / "plans").glob("*.tsv")):
+        lines = [line for line in plan.read_text().splitlines() if line.strip() and not line.startswith("#")]
+        names = [line.split("\t")[0] for line in lines]
+        assert lines and all(line.count("\t") == 1 for line in lines), plan
+        assert len(set(names)) == len(names) and all(name.isidentifier() for name in names), names
+        for line in lines:
+            script = line.split("\t")[1].split()[1]  # python3 SCRIPT ...
+            assert script == "-m" or (ROOT / script).is_file(), (plan.name, line)
