@@ -84,11 +84,21 @@ def plan(sample, epochs, draft_layers, block_size, method, anchors, **options):
     padding; prints the store's size in every store mode, the harvest and train GPU-hours scaled from the H200
     benchmarks, and whether the store fits in the free space at --out.
     """
-    from dflash.plan import TrainPlan, check_plan_options, plan_report
+    from dflash.plan import check_plan_options, plan_report
 
-    train = TrainPlan(epochs, draft_layers, block_size, method, anchors)
-    check_plan_options(sample, train)
-    click.echo(plan_report(given(HarvestConfig, options), sample, train))
+    check_plan_options(sample)
+    cfg = given(HarvestConfig, options)
+    # The run it prices: train's options (validated as train validates them) on the store the harvest writes.
+    train = TrainConfig(
+        store=cfg.out,
+        out="",
+        epochs=epochs,
+        draft_layers=draft_layers,
+        block_size=block_size,
+        method=method or TrainConfig.method,
+        anchors=anchors,
+    )
+    click.echo(plan_report(cfg, sample, train))
 
 
 @click.command()

@@ -35,7 +35,7 @@ from dflash.parallel import checkpoint_bytes
 from dflash.step_time import fitted_rates, nearest_bench_drafter, pairs_per_anchor, row_flops
 from dflash.store import nearest_existing
 from dflash.target_files import checkpoint_file, load_config, tensor_files
-from dflash.train.setup import default_anchors
+from dflash.train.setup import anchors_per_row, check_shapes
 
 H200_PEAK = 792e12
 H200_MEMORY = 139 * 2**30  # what one H200 lends a process (docs/benchmarks.md)
@@ -157,33 +157,19 @@ def mode_bytes(features: FeatureSpec, token_budget: int, teacher: TeacherSpec | 
     return raw, on_disk / raw
 
 
-@dataclass(frozen=True)
-class TrainPlan:
-    """What `dflash plan` prices the training at: train's options, None where train's default applies."""
-
-    epochs: int = 6
-    draft_layers: int = 5
-    block_size: int | None = None  # the method's own default (16; 7 for DSpark)
-    method: str | None = None  # train's default method
-    anchors: int | None = None  # train's default for the token budget
-
-
-def plan_report(cfg: HarvestConfig, sample: int | None, train: TrainPlan = TrainPlan()) -> str:
+def plan_report(cfg: HarvestConfig, sample: int | None, train: TrainConfig) -> str:
+    """The report of `dflash plan`: the harvest of `cfg` and the training run `train` on its store."""
     cfg = check_options(cfg)  # harvest's checks, in harvest's words
     config = load_config(cfg.model)
     text = config.get_text_config()
     layers = tapped_layers(cfg, text.num_hidden_layers)
     feature_dim = len(layers) * text.hidden_size
     chosen_encoding = feature_encoding(cfg, len(layers), feature_dim)  # refuses invalid options
-    method = methods.get(train.method or TrainConfig.method)
+    method = methods.get(train.method)
     block = {"block_size": train.block_size} if train.block_size else {}
     dcfg = method.config_cls.from_target_config(config, layers, 0, num_layers=train.draft_layers, **block)
-    anchors = train.anchors or default_anchors(cfg.token_budget)
-    if not 1 <= anchors <= cfg.token_budget - dcfg.span + 1:
-        raise DflashError(
-            f"--anchors {anchors} cannot fit a {cfg.token_budget}-token row with blocks of {dcfg.span} tokens (at "
-            f"most {cfg.token_budget - dcfg.span + 1}); lower --anchors"
-        )
+    anchors = anchors_per_row(train, cfg.token_budget)
+    check_shapes(cfg.token_budget, anchors, dcfg.feature_dim, dcfg)
     data = estimate_data(cfg, sample, dcfg.span)
     lines = []
     sampled = (
@@ -276,10 +262,10 @@ def plan_report(cfg: HarvestConfig, sample: int | None, train: TrainPlan = Train
     return "\n".join(lines)
 
 
-def _train_options(method: str, anchors: int, asked: int, token_budget: int, train: TrainPlan) -> str:
+def _train_options(method: str, anchors: int, asked: int, token_budget: int, train: TrainConfig) -> str:
     """The drafter and anchors a train or memory line prices, each marked as train's default where it is;
     `asked`: the anchors train would take (priced at fewer where those do not fit an H200)."""
-    method_note = " (train's default method)" if train.method is None else ""
+    method_note = " (train's default method)" if train.method == TrainConfig.method else ""
     anchors_note = f" (train's default for {token_budget} tokens)" if train.anchors is None else ""
     if anchors != asked:
         anchors_note = f" (the most that fit an H200: train's default for {token_budget} tokens, {asked}, does not)"
@@ -316,12 +302,12 @@ def _train_lines(
         if other is not None
         else "full context (--drafter-option sliding_window=none)"
     )
-    longest = int(np.flatnonzero(data.contexts).max(initial=0))
-    reaches = max(window or 0, other or 0) <= longest
+    limit = window or other  # the one of the two that is a window
+    reaches = limit <= int(np.flatnonzero(data.contexts).max(initial=0))
     return [
         f"train      {epochs} epochs of a {options}, {name}: {cost(window)}",
         f"           with {other_name}: {cost(other)}"
-        + ("" if reaches else f" (no block's context here reaches {max(window or 0, other or 0)} tokens)"),
+        + ("" if reaches else f" (no block's context here reaches {limit} tokens)"),
         f"           (dflash.step_time: a row's matmul and attention FLOPs at the two rates that reproduce two "
         f"measured steps of bench/train.py's drafter {bench} on one H200, {rates.matmul / 1e12:.0f} and "
         f"{rates.attention / 1e12:.0f} TFLOP/s; docs/benchmarks.md, 'Step time model')",
@@ -396,15 +382,6 @@ def _size(n: float) -> str:
     return f"{n:,.1f} TB"
 
 
-def check_plan_options(sample: int | None, train: TrainPlan) -> None:
+def check_plan_options(sample: int | None) -> None:
     if sample is not None and sample < 2:
         raise DflashError(f"--sample {sample}: give at least 2 lines (the sampling error needs two), or leave it out")
-    for flag, value in (
-        ("--epochs", train.epochs),
-        ("--draft-layers", train.draft_layers),
-        ("--anchors", train.anchors),
-    ):
-        if value is not None and value < 1:
-            raise DflashError(f"{flag} {value}: give at least 1, as dflash train takes")
-    if train.block_size is not None and train.block_size < 2:
-        raise DflashError(f"--block-size {train.block_size}: give at least 2 (a block drafts at least one token)")

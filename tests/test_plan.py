@@ -12,12 +12,17 @@ from click.testing import CliRunner
 from cli.main import main
 from dflash import store
 from dflash.blocks import eligible_anchors
-from dflash.config import HarvestConfig
+from dflash.config import HarvestConfig, TrainConfig
 from dflash.harvest import run_harvest
-from dflash.plan import TrainPlan, estimate_data, mode_bytes, plan_report
+from dflash.plan import estimate_data, mode_bytes, plan_report
 from dflash.tiny import CORPUS
 
 BUDGET = 256
+
+
+def train_run(**options) -> TrainConfig:
+    """The training run plan prices: train's options on some store."""
+    return TrainConfig(store="store", out="run", **options)
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +154,7 @@ def test_a_padded_stores_size_on_disk_counts_its_padding_as_zeros(model, tmp_pat
     data.write_text(json.dumps({"text": text}) + "\n")
     cfg = HarvestConfig(model=model, data=str(data), out=str(tmp_path / "s"), token_budget=2048, workers=1)
     assert estimate_data(cfg, None).padding > 0.6
-    report = plan_report(cfg, None, TrainPlan(epochs=1, draft_layers=1))
+    report = plan_report(cfg, None, train_run(epochs=1, draft_layers=1))
     units = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9}
     sizes = re.search(r"needs ([\d.]+) (\w+) raw, ~([\d.]+) (\w+) on disk", report).groups()
     raw, on_disk = (float(sizes[i]) * units[sizes[i + 1]] for i in (0, 2))
@@ -167,7 +172,7 @@ def test_plan_prints_the_train_steps_memory_and_the_anchors_that_fit(model, tmp_
     default = round(BUDGET * 512 / 3072)
     fits = re.search(
         r"drafter \(train's default method\), (\d+) anchors a row .*: ~[\d.,]+ \w+ on a GPU, .*: fits$",
-        plan_report(cfg, None, TrainPlan(epochs=1, draft_layers=2)),
+        plan_report(cfg, None, train_run(epochs=1, draft_layers=2)),
         re.M,
     )
     assert fits and int(fits.group(1)) == default
@@ -194,10 +199,10 @@ def test_plan_prints_the_train_steps_memory_and_the_anchors_that_fit(model, tmp_
     lighter = sum(plan.memory.step_memory(dcfg, pointwise).values())
     assert lighter < totals[default]
     assert f"~{plan._size(lighter)} with --recompute pointwise" in plan_report(
-        cfg, None, TrainPlan(epochs=1, draft_layers=2)
+        cfg, None, train_run(epochs=1, draft_layers=2)
     )
     monkeypatch.setattr(plan, "H200_MEMORY", totals[default // 2])
-    report = plan_report(cfg, None, TrainPlan(epochs=1, draft_layers=2))
+    report = plan_report(cfg, None, train_run(epochs=1, draft_layers=2))
     most = max(a for a, t in totals.items() if t <= totals[default // 2])
     assert next(line for line in report.splitlines() if line.startswith("memory ")).endswith(
         f"does not fit: --anchors {most} does"
@@ -221,7 +226,7 @@ def test_plan_prices_the_window_against_full_context_where_the_documents_reach_i
     data.write_text("".join(json.dumps({"text": " ".join(texts[i : i + 40])}) + "\n" for i in range(0, 120, 40)))
     long = HarvestConfig(model=model, data=str(data), out=str(tmp_path / "s"), token_budget=8192, workers=1)
     assert np.flatnonzero(estimate_data(long, None).contexts).max() > 2048
-    report = plan_report(long, None, TrainPlan(epochs=1))
+    report = plan_report(long, None, train_run(epochs=1))
     assert (
         "dflash2 drafter (train's default method), 1365 anchors a row (train's default for 8192 tokens), its "
         "2048-token window:" in report
@@ -229,7 +234,7 @@ def test_plan_prices_the_window_against_full_context_where_the_documents_reach_i
     window, full = row_seconds(report)
     assert 0 < window < full and "no block's context here reaches" not in report
     short = replace(long, data=str(CORPUS), token_budget=BUDGET)
-    report = plan_report(short, None, TrainPlan(epochs=1))
+    report = plan_report(short, None, train_run(epochs=1))
     window, full = row_seconds(report)
     assert window == full and "(no block's context here reaches 2048 tokens)" in report
 
@@ -238,7 +243,7 @@ def test_plan_says_when_no_document_can_anchor_a_block(model, tmp_path):
     data = tmp_path / "short.jsonl"
     data.write_text("".join(json.dumps({"text": "Hi there."}) + "\n" for _ in range(5)))
     cfg = HarvestConfig(model=model, data=str(data), out=str(tmp_path / "s"), token_budget=BUDGET, workers=1)
-    report = plan_report(cfg, None, TrainPlan(epochs=1))
+    report = plan_report(cfg, None, train_run(epochs=1))
     assert "nothing to train on: no position here can anchor a block of 16 tokens" in report
     assert "nan" not in report and "H200-hours for" not in report
 

@@ -78,9 +78,6 @@ def learning_rate(step: torch.Tensor, cfg: TrainConfig, total_steps: int) -> tor
     return cfg.lr * torch.where(s < warmup, warm, cosine)
 
 
-# ---------------------------------------------------------------------------------------------- stopping
-
-
 # ---------------------------------------------------------------------------------------------- the trainer
 
 
@@ -104,7 +101,7 @@ class Trainer:
         self.projection = None if self.store.projection is None else torch.from_numpy(self.store.projection)
         T = self.store.token_budget
         self.num_anchors = anchors_per_row(cfg, T)
-        check_shapes(cfg, T, self.num_anchors, manifest.feature_dim, self.dcfg)
+        check_shapes(T, self.num_anchors, manifest.feature_dim, self.dcfg)
         check_anchorable(self.store, self.dcfg.span, cfg.store)
         # The block geometry: B query slots per block, labels over the S tokens from its anchor to its last draft.
         self.block_size, self.span = self.dcfg.block_size, self.dcfg.span

@@ -266,7 +266,9 @@ def describe_embedding(on_host: bool, choice: str, table: torch.Tensor, step_tok
     )
 
 
-def check_shapes(cfg: TrainConfig, token_budget: int, anchors: int, feature_dim: int, dcfg: DrafterConfig):
+def check_shapes(token_budget: int, anchors: int, feature_dim: int, dcfg: DrafterConfig):
+    """A row of `token_budget` tokens holds `anchors` blocks of the drafter, whose fc takes `feature_dim` features
+    (train's checks, and plan's of the run it prices)."""
     B = dcfg.span  # the tokens a block covers, from its anchor to its last draft
     if dcfg.drafts_per_block < 1 or token_budget < B:
         raise DflashError(
@@ -276,7 +278,7 @@ def check_shapes(cfg: TrainConfig, token_budget: int, anchors: int, feature_dim:
         )
     if not 1 <= anchors <= token_budget - B + 1:
         raise DflashError(
-            f"{anchors} anchors per row cannot fit a {token_budget}-token row with blocks of {B} "
+            f"--anchors {anchors} cannot fit a {token_budget}-token row with blocks of {B} tokens "
             f"(at most {token_budget - B + 1}); lower --anchors"
         )
     if feature_dim != dcfg.feature_dim:
