@@ -4,6 +4,7 @@ import json
 import pytest
 import torch
 from harvest_support import OPTIONS as HARVEST_OPTIONS
+from harvest_support import write_harvest_data
 from train_support import METHOD_TEACHER
 
 from dflash.config import HarvestConfig
@@ -101,13 +102,7 @@ def other_store(target, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def harvest_data(tmp_path_factory):
-    """The harvest tests' data: corpus lines (chat and text) plus a 3-token document and a long one that splits into many pieces."""
-    lines = CORPUS.read_text().splitlines()[:100]
-    long_text = "\n\n".join(json.loads(line).get("text", "") for line in lines[:60])
-    lines += [json.dumps({"text": "Hi."}), json.dumps({"text": long_text})]
-    path = tmp_path_factory.mktemp("data") / "train.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_harvest_data(tmp_path_factory.mktemp("data"), lines=100, long_from=60)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """Shared by the harvest tests: the tiny harvest's options, its CLI, and readers of what a store holds."""
 
+import json
 import os
 from pathlib import Path
 
@@ -10,12 +11,24 @@ from click.testing import CliRunner
 from cli.main import main
 from dflash import store
 from dflash.store import Store
+from dflash.tiny import CORPUS
 
 ROOT = Path(__file__).resolve().parent.parent
 BUDGET = 256
 OPTIONS = dict(
     token_budget=BUDGET, forward_tokens=2 * BUDGET, overflow="split", dtype="float32", workers=1, device="cpu"
 )
+
+
+def write_harvest_data(folder: Path, lines: int, long_from: int) -> Path:
+    """The harvest tests' data: the first `lines` corpus lines (chat and text), a 3-token document and a long one
+    (the texts of the first `long_from` lines) that splits into pieces."""
+    corpus = CORPUS.read_text().splitlines()[:lines]
+    long_text = "\n\n".join(json.loads(line).get("text", "") for line in corpus[:long_from])
+    corpus += [json.dumps({"text": "Hi."}), json.dumps({"text": long_text})]
+    path = folder / "train.jsonl"
+    path.write_text("\n".join(corpus) + "\n")
+    return path
 
 
 def cli_args(model, data, out, **overrides) -> list[str]:

@@ -16,7 +16,16 @@ import pytest
 import torch
 import zarr
 from click.testing import CliRunner
-from harvest_support import OPTIONS, assert_hidden_close, bf16, cli_args, run_cli, store_files, stored_documents
+from harvest_support import (
+    OPTIONS,
+    assert_hidden_close,
+    bf16,
+    cli_args,
+    run_cli,
+    store_files,
+    stored_documents,
+    write_harvest_data,
+)
 
 from cli.main import main
 from dflash import selfcheck, store
@@ -25,7 +34,6 @@ from dflash.errors import DflashError
 from dflash.harvest import run_harvest
 from dflash.plan import mode_bytes
 from dflash.store import Store
-from dflash.tiny import CORPUS
 
 K = 8
 HEAD_SCALE = 16.0  # top-1 probabilities of about 0.05 to 0.9 on this target
@@ -48,12 +56,7 @@ def peaked_target(tiny_target, tmp_path_factory):
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory):
     """Chat and text lines, a 3-token document and a long one split into pieces (positions restart in each)."""
-    lines = CORPUS.read_text().splitlines()[:30]
-    long_text = "\n\n".join(json.loads(line).get("text", "") for line in lines[:20])
-    lines += [json.dumps({"text": "Hi."}), json.dumps({"text": long_text})]
-    path = tmp_path_factory.mktemp("data") / "train.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_harvest_data(tmp_path_factory.mktemp("data"), lines=30, long_from=20)
 
 
 @pytest.fixture(scope="module")
