@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # A queue of benchmark commands on the GPU machine, run one after another in the background, so that a session's
-# whole plan runs across device calls of at most 10 minutes each (the machine stays warm while a job runs).
+# whole plan runs across device calls of at most 10 minutes each. The runner starts a process session of its own
+# (setsid): the device kills what a call leaves running in its own session when the call returns.
 #
 #   bash bench/queue.sh start PLAN     # PLAN: lines `NAME<TAB>COMMAND` (# comments and blank lines skipped);
 #                                      # returns at once; each COMMAND runs in a copy of the repository
 #                                      # (/tmp/queue/repo) after bench/device_setup.sh, its output in
 #                                      # /tmp/queue/NAME.log (QUEUE_DIR)
 #   bash bench/queue.sh poll OUT       # which commands ended (exit status) and the running one's last lines;
-#                                      # copies /tmp/queue (logs, each command's files under /tmp/queue/NAME/) to OUT
+#                                      # packs /tmp/queue (logs, each command's files under /tmp/queue/NAME/) into
+#                                      # OUT/queue.tar.gz: one file, as a call brings back at most 8
 #
 # A command writes its files to $RESULTS (/tmp/queue/NAME), not to a call's $OUT, which only lives for one call.
 # Poll before each call ends: what the machine holds is lost when it goes back.
@@ -22,7 +24,7 @@ start() {
     mkdir -p "$QUEUE" && cp "$plan" "$QUEUE/plan" && date -u +%FT%TZ > "$QUEUE/started"
     # The commands run in a copy of the tree: a later device call syncs the working tree anew under them.
     mkdir -p "$QUEUE/repo" && tar cf - --exclude=./.git --exclude=./.venv --exclude=./.smoke . | tar xf - -C "$QUEUE/repo"
-    (cd "$QUEUE/repo" && nohup bash bench/queue.sh run > "$QUEUE/queue.log" 2>&1 &)
+    (cd "$QUEUE/repo" && setsid nohup bash bench/queue.sh run > "$QUEUE/queue.log" 2>&1 < /dev/null &)
     echo "queue started: $(grep -cv '^\s*\(#\|$\)' "$plan") commands, logs in $QUEUE"
 }
 
@@ -51,7 +53,7 @@ poll() {
     local current
     current=$(tail -n 1 "$QUEUE/status" | sed -n 's/^.* start \([^:]*\):.*$/\1/p')
     [ -n "$current" ] && { echo "--- $current, last lines:"; tail -n 5 "$QUEUE/$current.log"; }
-    mkdir -p "$out" && tar cf - -C "$QUEUE" --exclude=./repo . | tar xf - -C "$out"
+    mkdir -p "$out" && tar czf "$out/queue.tar.gz" -C "$QUEUE" --exclude=./repo .
 }
 
 case "${1:-}" in

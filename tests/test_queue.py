@@ -1,8 +1,10 @@
 """bench/queue.sh: a plan's commands run in order in the background, each with its own results folder, and a poll
-that reports their exit status and copies everything out."""
+that reports their exit status and packs everything into one file."""
 
 import os
+import signal
 import subprocess
+import tarfile
 import time
 from pathlib import Path
 
@@ -36,16 +38,34 @@ def test_a_queue_runs_its_plan_in_order_and_a_poll_copies_the_results(tmp_path):
     assert started.returncode == 0 and "3 commands" in started.stdout, started.stderr
     assert queue("start", str(plan), env=env).returncode == 2  # one queue at a time
     wait_for(tmp_path / "queue" / "status", "queue done")
-    polled = queue("poll", str(tmp_path / "out"), env=env)
+    polled = queue("poll", str(tmp_path / "polled"), env=env)
     assert polled.returncode == 0
     ends = [line.split(" end ")[1] for line in polled.stdout.splitlines() if " end " in line]
     assert ends == ["writes: exit 0", "fails: exit 3", "after: exit 0"]
+    assert [p.name for p in (tmp_path / "polled").iterdir()] == ["queue.tar.gz"]  # a call brings back 8 files
     out = tmp_path / "out"
+    with tarfile.open(tmp_path / "polled" / "queue.tar.gz") as packed:
+        packed.extractall(out, filter="data")
     assert (out / "writes" / "out.txt").read_text() == "yes\n"  # after the setup, in its own results folder
     assert (out / "fails.log").read_text() == "partial\n" and (out / "after.log").read_text() == "last\n"
     # run in a copy of the tree (a later device call re-syncs the working tree), which the poll leaves behind
     assert (out / "writes" / "cwd").read_text().strip() == str(tmp_path / "queue" / "repo")
     assert (tmp_path / "queue" / "repo" / "bench" / "queue.sh").exists() and not (out / "repo").exists()
+
+
+def test_the_queue_outlives_the_session_of_the_call_that_started_it(tmp_path):
+    """The device kills every process a call leaves in its session when the call returns; the runner has its own."""
+    env = {**os.environ, "QUEUE_DIR": str(tmp_path / "queue"), "QUEUE_SETUP": "/dev/null"}
+    plan = tmp_path / "plan.tsv"
+    plan.write_text("slow\tsleep 1; echo survived\n")
+    call = subprocess.Popen(
+        ["bash", "-c", f"bash bench/queue.sh start {plan} && sleep 60"], cwd=ROOT, env=env, start_new_session=True
+    )
+    wait_for(tmp_path / "queue" / "status", "start slow")
+    os.killpg(call.pid, signal.SIGKILL)  # the call returns: its session goes
+    call.wait()
+    assert "slow: exit 0" in wait_for(tmp_path / "queue" / "status", "queue done")
+    assert (tmp_path / "queue" / "slow.log").read_text() == "survived\n"
 
 
 def test_a_failed_setup_stops_the_queue_before_any_command(tmp_path):
