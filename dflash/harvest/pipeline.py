@@ -30,8 +30,8 @@ class PipelineStalls:
     """Seconds the main thread (the one launching the target's kernels) spent blocked, by cause."""
 
     groups: int = 0
-    setup_s: float = 0.0  # allocating the device row buffers, once per run (host buffers are pinned meanwhile)
-    buffer_wait_s: float = 0.0  # no free pinned buffer: writing fell behind the forward, or pinning at the start
+    setup_s: float = 0.0  # allocating the device row buffers and the pinned host buffers, once per run
+    buffer_wait_s: float = 0.0  # no free pinned buffer: writing fell behind the forward
     # Waiting for the GPU to finish the previous group (and its host copy). Expected: the thread queues one group
     # ahead of the GPU. Near zero means the thread cannot stay ahead and the GPU idles between its kernels.
     gpu_wait_s: float = 0.0
@@ -223,7 +223,10 @@ def run_rows(
     teacher_encoded = [None if teacher.identity else teacher.buffers(device=device) for _ in device_rows]
     copied = [None] * len(device_rows)  # event: device buffer k may be overwritten
     free: queue.Queue = queue.Queue()
-    pinning = _pin_host_buffers(lambda: {**encoder.buffers(pin=cuda), **teacher.buffers(pin=cuda)}, free, device)
+    # Pinned before the first forward: pinning them on a side thread during it was measured no faster end to end
+    # (docs/benchmarks.md, Long rows, 2026-12-05), its page locking slowing the forward as much as it saved.
+    for _ in range(HOST_BUFFERS):
+        free.put({**encoder.buffers(pin=cuda), **teacher.buffers(pin=cuda)})
     progress = Progress(
         plan, part.rows_committed if groups is None else 0, row_bytes(T, spec, header.teacher), cfg.rank
     )
@@ -246,7 +249,7 @@ def run_rows(
             teacher_arrays = teacher.encode(final_rows[k], tokens["doc_ids"], teacher_encoded[k])
             stored = {**encoder.encode(rows, encoded[k]), **teacher_arrays}
             t0 = time.perf_counter()
-            host = _next_free(free)  # blocks only when writing falls behind the forward (or pinning, at the start)
+            host = free.get()  # blocks only when writing falls behind the forward
             stalls.buffer_wait_s += time.perf_counter() - t0
             copied[k] = _copy_to_host(stored, host, last - first, copy_stream)
             group = RowGroup(first, last, host, tokens, copied[k])
@@ -259,7 +262,6 @@ def run_rows(
     finally:
         writer.jobs.put(None)
         writer.join()
-        pinning.join()
         progress.close()
     stalls.drain_s = time.perf_counter() - writes_left
     writer.check()
@@ -336,33 +338,6 @@ def forward_fits(shape: tuple[int, int], forward_tokens: int, device: torch.devi
         total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
         on = f"{device} ({total / 1e9:.0f} GB)" if total else str(device)
         raise DflashError(f"the target's forward of {what} ran out of memory on {on}: {fix}") from exc
-
-
-def _pin_host_buffers(make, free: queue.Queue, device: torch.device) -> threading.Thread:
-    """Allocate the HOST_BUFFERS pinned buffers on a side thread, each put on `free` once made (an exception in
-    its place), so that the first group's forward runs meanwhile: at 65536-token groups of the 27B-class target
-    pinning three 3.4 GB buffers held the GPU idle for 6.7 s before the first forward."""
-
-    def pin():
-        if device.type == "cuda":  # a new thread's current device is cuda:0: no context there for another rank's
-            torch.cuda.set_device(device)
-        for _ in range(HOST_BUFFERS):
-            try:
-                free.put(make())
-            except BaseException as exc:  # raised by the main thread when it takes this buffer
-                free.put(exc)
-                return
-
-    thread = threading.Thread(target=pin, daemon=True, name="dflash-pin")
-    thread.start()
-    return thread
-
-
-def _next_free(free: queue.Queue) -> dict[str, torch.Tensor]:
-    host = free.get()
-    if isinstance(host, BaseException):
-        raise host
-    return host
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
