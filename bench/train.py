@@ -98,7 +98,7 @@ from dflash.config import TrainConfig
 from dflash.drafter import check_kernel_options
 from dflash.errors import DflashError
 from dflash.metrics import MetricsLog
-from dflash.step_time import BENCH_DRAFTERS, fitted_rates, nearest_bench_drafter
+from dflash.step_time import BENCH_DRAFTERS, nearest_bench_drafter, rates_at
 from dflash.train import Trainer
 from dflash.train.setup import Env, init_distributed
 
@@ -265,7 +265,8 @@ def summarise(name: str, s: dict, trainer: Trainer, records: list[dict], steps: 
     # What dflash.step_time (dflash plan's estimate) says this step takes, from its counted FLOPs: each run checks it.
     bench = nearest_bench_drafter(s["hidden"])
     flops = {kind: tflop * 1e12 for kind, tflop in result["step_tflop"].items()}
-    result["model_step_ms"] = {"rates_of": bench, "ms": 1000 * fitted_rates(bench).seconds(flops)}
+    rates = rates_at(bench, trainer.dcfg.head_dim)
+    result["model_step_ms"] = {"rates_of": bench, "head_dim": trainer.dcfg.head_dim, "ms": 1000 * rates.seconds(flops)}
     if trainer.cuda:
         allocated = [r["mem_allocated"] for r in window]
         reserved = [r["mem_reserved"] for r in window]

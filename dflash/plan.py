@@ -32,7 +32,7 @@ from dflash.harvest import (
 from dflash.manifest import FeatureSpec, TeacherSpec, teacher_spec
 from dflash.packing import PartPlan
 from dflash.parallel import checkpoint_bytes
-from dflash.step_time import fitted_rates, nearest_bench_drafter, pairs_per_anchor, row_flops
+from dflash.step_time import ATTENTION_SPEEDUP, nearest_bench_drafter, pairs_per_anchor, rates_at, row_flops
 from dflash.store import nearest_existing
 from dflash.target_files import checkpoint_file, load_config, tensor_files
 from dflash.train.setup import anchors_per_row, check_shapes
@@ -42,6 +42,8 @@ H200_MEMORY = 139 * 2**30  # what one H200 lends a process (docs/benchmarks.md)
 # What the benchmarks measured on one H200 (docs/benchmarks.md): the harvest's dense MFU end to end at full depth
 # of the 27B-like target (bf16 store; the compact one ran at 58.8 %), and the 4B-class drafter's train step MFU.
 HARVEST_MFU = 0.563
+# The head dim the train lines also price a wider-headed drafter at: flex_attention's measured faster one.
+SMALLER_HEAD_DIM = 128
 # The window the train line prices for a method that sees its whole context: DFlash 2's released configs'.
 OTHER_WINDOW = 2048
 # Store size over the raw stored bytes: the largest the H200 runs measured (docs/benchmarks.md), so that the
@@ -284,12 +286,12 @@ def _train_lines(
             f"{data.mean_document:,.0f} tokens); give longer answers or a smaller --block-size"
         ]
     bench = nearest_bench_drafter(dcfg.hidden_size)
-    rates = fitted_rates(bench)
+    rates = rates_at(bench, dcfg.head_dim)
 
-    def cost(window: int | None) -> str:
+    def cost(window: int | None, head_dim: int = dcfg.head_dim) -> str:
         pairs = pairs_per_anchor(data.contexts, dcfg.block_size, window)
         flops = row_flops(dcfg, token_budget, anchors, pairs)
-        seconds = rates.seconds(flops)
+        seconds = rates_at(bench, head_dim).seconds(flops)
         hours = epochs * data.rows * seconds / 3600
         share = flops["attention"] / sum(flops.values())
         return f"~{hours:,.2f} H200-hours, ~{seconds:.3g} s a row (attention {share:.0%} of its FLOPs)"
@@ -304,14 +306,24 @@ def _train_lines(
     )
     limit = window or other  # the one of the two that is a window
     reaches = limit <= int(np.flatnonzero(data.contexts).max(initial=0))
-    return [
+    lines = [
         f"train      {epochs} epochs of a {options}, {name}: {cost(window)}",
         f"           with {other_name}: {cost(other)}"
         + ("" if reaches else f" (no block's context here reaches {limit} tokens)"),
+    ]
+    if dcfg.head_dim in ATTENTION_SPEEDUP and dcfg.head_dim > SMALLER_HEAD_DIM:  # measured faster: the long-row lever
+        lines.append(
+            f"           {name} at head_dim {SMALLER_HEAD_DIM}, its widths kept (--drafter-option head_dim="
+            f"{SMALLER_HEAD_DIM}; its tau against {dcfg.head_dim} not yet measured): {cost(window, SMALLER_HEAD_DIM)}"
+        )
+    measured = "" if dcfg.head_dim in ATTENTION_SPEEDUP else f"; head_dim {dcfg.head_dim} priced at 256's"
+    lines.append(
         f"           (dflash.step_time: a row's matmul and attention FLOPs at the two rates that reproduce two "
         f"measured steps of bench/train.py's drafter {bench} on one H200, {rates.matmul / 1e12:.0f} and "
-        f"{rates.attention / 1e12:.0f} TFLOP/s; docs/benchmarks.md, 'Step time model')",
-    ]
+        f"{rates.attention / 1e12:.0f} TFLOP/s at head_dim {dcfg.head_dim}{measured}; docs/benchmarks.md, "
+        "'Step time model')"
+    )
+    return lines
 
 
 @dataclass(frozen=True)

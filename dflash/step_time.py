@@ -10,6 +10,9 @@ the attention with the tokens times the context each block sees. So a step's tim
 of its measured steps, a short row and a long one (bench/train.py on one H200, `MEASURED`). On the measured rows not
 used to fit them it came within about 5 % (131072 tokens, a 2048-token window), short of the measured step each time,
 and 13 % short at 262144 tokens: an estimate, a lower bound past 131072 (docs/benchmarks.md, "Step time model").
+
+The rates are those of flex_attention at head_dim 256 (the bench drafters copy Qwen3.5's). At head_dim 128 with the
+same widths its kernels run faster (`ATTENTION_SPEEDUP`, measured); other head dims are priced at 256's rate.
 """
 
 from dataclasses import dataclass
@@ -41,6 +44,7 @@ class MeasuredStep:
     seconds: float
     measured: str
     window: int | None = None
+    head_dim: int = 256  # the drafter's, its widths kept (train's --drafter-option head_dim)
 
 
 # The fitting pair of each drafter: the trainer's CUDA defaults (8-warp backward, TMA loads, BlockMask tiles of 64),
@@ -56,6 +60,13 @@ MEASURED = {
         MeasuredStep("b", 1, 32768, 2048, 0.9897, "2026-12-03 14:48, Long rows"),
     ),
 }
+
+
+# How much faster flex_attention runs the step's attention at a head dim than at 256, the widths kept (drafter b's 16 / 4
+# heads of 256 as 32 / 8 of 128), each at the trainer's kernel defaults for its head dim: forward + backward with the
+# step's BlockMask at 1 x 32768 tokens and 2048 anchors, 133.40 ms at 256 against 81.49 at 128 (bench/
+# attention_ceiling.py, one H200, 2026-12-05 10:35 UTC; docs/benchmarks.md, "Long rows").
+ATTENTION_SPEEDUP = {256: 1.0, 128: 133.40 / 81.49}
 
 
 @dataclass(frozen=True)
@@ -122,6 +133,12 @@ def fitted_rates(name: str) -> Rates:
     if not (inverse > 0).all():
         raise ValueError(f"drafter {name}'s measured steps give no positive rates: {inverse}")
     return Rates(matmul=1 / inverse[0], attention=1 / inverse[1])
+
+
+def rates_at(name: str, head_dim: int) -> Rates:
+    """Drafter `name`'s rates with its attention at `head_dim` (widths kept): 256's rate where not measured."""
+    rates = fitted_rates(name)
+    return Rates(rates.matmul, rates.attention * ATTENTION_SPEEDUP.get(head_dim, 1.0))
 
 
 def nearest_bench_drafter(hidden_size: int) -> str:

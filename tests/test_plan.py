@@ -239,6 +239,23 @@ def test_plan_prices_the_window_against_full_context_where_the_documents_reach_i
     assert window == full and "(no block's context here reaches 2048 tokens)" in report
 
 
+def test_plan_prices_a_head_dim_256_drafter_also_at_128_and_names_an_unmeasured_head_dim(tiny_target, tmp_path):
+    wide = str(tiny_target("qwen3", num_layers=3, hidden_size=1024))  # 4 heads of 256, as Qwen3.5's drafters
+    cfg = HarvestConfig(model=wide, data=str(CORPUS), out=str(tmp_path / "s"), token_budget=BUDGET, workers=1)
+    cfg = replace(cfg, layers=[0, 1])
+    report = plan_report(cfg, None, train_run(epochs=1, method="dflash"))
+    train = report[report.index("\ntrain ") :].splitlines()[1:5]
+    assert train[2].startswith(
+        "           full context at head_dim 128, its widths kept (--drafter-option head_dim=128"
+    )
+    full, at_128 = (float(re.search(r"~([\d.e+-]+) s a row", line)[1]) for line in (train[0], train[2]))
+    assert 0 < at_128 < full  # only the attention is faster: at BUDGET-token rows, a little
+    assert "TFLOP/s at head_dim 256;" in train[3]
+    narrow = replace(cfg, model=str(tiny_target("qwen3")), layers=None)
+    narrow = plan_report(narrow, None, train_run(epochs=1, method="dflash"))
+    assert "head_dim 16 priced at 256's" in narrow and "at head_dim 128, its widths kept" not in narrow
+
+
 def test_plan_says_when_no_document_can_anchor_a_block(model, tmp_path):
     data = tmp_path / "short.jsonl"
     data.write_text("".join(json.dumps({"text": "Hi there."}) + "\n" for _ in range(5)))
