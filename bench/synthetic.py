@@ -14,6 +14,7 @@ from dflash import features, store
 from dflash.errors import DflashError
 from dflash.harvest import RowEncoder, store_bits
 from dflash.manifest import FeatureSpec, Manifest, SubspaceSpec, TargetSpec, TokenizerSpec, teacher_spec
+from dflash.step_time import bench_target_config
 from dflash.target import default_layer_ids
 from dflash.train.setup import Env
 
@@ -21,19 +22,9 @@ from dflash.train.setup import Env
 def fake_target(folder: Path, s: dict, device: torch.device):
     """A target folder with only config.json and the embedding / LM head (all the trainer reads of a target)."""
     from safetensors.torch import save_file
-    from transformers import Qwen3Config
 
     folder.mkdir(parents=True, exist_ok=True)
-    Qwen3Config(
-        hidden_size=s["hidden"],
-        intermediate_size=s["ffn"],
-        num_attention_heads=s["heads"],
-        num_key_value_heads=s["kv_heads"],
-        head_dim=s["head_dim"],
-        num_hidden_layers=s["target_layers"],
-        vocab_size=s["vocab"],
-        tie_word_embeddings=False,
-    ).save_pretrained(folder)
+    bench_target_config(s).save_pretrained(folder)
     g = torch.Generator(device).manual_seed(0)
 
     def weight():

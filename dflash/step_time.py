@@ -80,21 +80,28 @@ class Rates:
         return flops["matmul"] / self.matmul + flops["attention"] / self.attention
 
 
-def bench_config(name: str, window: int | None = None) -> DrafterConfig:
-    """bench/train.py's DFlash drafter `name`, as the trainer shapes it from its target."""
-    s = BENCH_DRAFTERS[name]
-    return DrafterConfig(
+def bench_target_config(s: dict):
+    """The Qwen3 config of a bench drafter's target, `s` a BENCH_DRAFTERS entry (or a dict holding its keys): what
+    bench/train.py's fake target saves, and the trainer shapes the drafter from."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
         hidden_size=s["hidden"],
         intermediate_size=s["ffn"],
         num_attention_heads=s["heads"],
         num_key_value_heads=s["kv_heads"],
         head_dim=s["head_dim"],
+        num_hidden_layers=s["target_layers"],
         vocab_size=s["vocab"],
-        mask_token_id=0,
-        target_layer_ids=default_layer_ids(s["target_layers"]),
-        num_target_layers=s["target_layers"],
-        sliding_window=window,
+        tie_word_embeddings=False,
     )
+
+
+def bench_config(name: str, window: int | None = None) -> DrafterConfig:
+    """bench/train.py's DFlash drafter `name`, shaped from its target as the trainer shapes it."""
+    s = BENCH_DRAFTERS[name]
+    layers = default_layer_ids(s["target_layers"])
+    return DrafterConfig.from_target_config(bench_target_config(s), layers, 0, sliding_window=window)
 
 
 def pairs_per_anchor(contexts: np.ndarray, block_size: int, window: int | None) -> float:
