@@ -32,7 +32,7 @@ from dflash.harvest import (
 from dflash.manifest import FeatureSpec, TeacherSpec, teacher_spec
 from dflash.packing import PartPlan
 from dflash.parallel import checkpoint_bytes
-from dflash.step_time import ATTENTION_SPEEDUP, nearest_bench_drafter, pairs_per_anchor, rates_at, row_flops
+from dflash.step_time import ATTENTION_SPEEDUP, Rates, nearest_bench_drafter, pairs_per_anchor, rates_at, row_flops
 from dflash.store import nearest_existing
 from dflash.target_files import checkpoint_file, load_config, tensor_files
 from dflash.train.setup import anchors_per_row, check_shapes
@@ -288,10 +288,10 @@ def _train_lines(
     bench = nearest_bench_drafter(dcfg.hidden_size)
     rates = rates_at(bench, dcfg.head_dim)
 
-    def cost(window: int | None, head_dim: int = dcfg.head_dim) -> str:
+    def cost(window: int | None, at: Rates = rates) -> str:
         pairs = pairs_per_anchor(data.contexts, dcfg.block_size, window)
         flops = row_flops(dcfg, token_budget, anchors, pairs)
-        seconds = rates_at(bench, head_dim).seconds(flops)
+        seconds = at.seconds(flops)
         hours = epochs * data.rows * seconds / 3600
         share = flops["attention"] / sum(flops.values())
         return f"~{hours:,.2f} H200-hours, ~{seconds:.3g} s a row (attention {share:.0%} of its FLOPs)"
@@ -314,7 +314,8 @@ def _train_lines(
     if dcfg.head_dim in ATTENTION_SPEEDUP and dcfg.head_dim > SMALLER_HEAD_DIM:  # measured faster: the long-row lever
         lines.append(
             f"           {name} at head_dim {SMALLER_HEAD_DIM}, its widths kept (--drafter-option head_dim="
-            f"{SMALLER_HEAD_DIM}; its tau against {dcfg.head_dim} not yet measured): {cost(window, SMALLER_HEAD_DIM)}"
+            f"{SMALLER_HEAD_DIM}; its tau against {dcfg.head_dim} not yet measured): "
+            f"{cost(window, rates_at(bench, SMALLER_HEAD_DIM))}"
         )
     measured = "" if dcfg.head_dim in ATTENTION_SPEEDUP else f"; head_dim {dcfg.head_dim} priced at 256's"
     lines.append(
