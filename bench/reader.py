@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from bench.synthetic import synthetic_store  # noqa: E402
 from bench.train_report import versions  # noqa: E402  (after the path insert)
-from dflash import reader, store  # noqa: E402
+from dflash import store  # noqa: E402
+from dflash.train import reader  # noqa: E402
 
 
 def destinations(opened: store.Store) -> dict[str, np.ndarray]:
