@@ -12,8 +12,8 @@ METHOD_VARIANTS = {
     "dflash2-dpace": {"method": "dflash2", "position_weights": "dpace"},
     "dflash2-drop": {"method": "dflash2", "selector_outside": "drop"},
     "dflash2-b8": {"method": "dflash2", "block_size": 8},
-    # DFlash 2 with full attention over the context (its default slides over 2048 positions); any window is
-    # `dflash-windowN` or `dflash2-windowN` (WINDOW_VARIANT).
+    # DFlash 2 with full attention over the context (its default slides over 2048 positions); any window is a
+    # `-windowN` suffix (DRAFTER_OPTION_SUFFIX).
     "dflash2-full": {"method": "dflash2", "drafter_overrides": {"sliding_window": None}},
     # Memory for time (issue 24, TrainConfig.recompute): each layer's MLP run again in the backward, or only its
     # element-wise work.
@@ -30,30 +30,36 @@ METHOD_VARIANTS = {
 }
 
 
-# The sliding window over the context (issue 24), of any width: the quality run's documents are ~250-400 tokens, so
-# only windows below that cut them there; long rows time the 2048 of DFlash 2's released configs.
-WINDOW_VARIANT = re.compile(r"(dflash2?)-window([1-9][0-9]*)")
-# The drafter's attention at another head dim, the target's attention widths kept (heads scaled): flex_attention's
-# kernels at 128 against 256, the long rows' bound (issue 24).
-HEAD_DIM_VARIANT = re.compile(r"(dflash2?)-hd([1-9][0-9]*)")
+# A drafter option on top of any variant above, as a suffix (`dflash-window2048`, `dflash-pointwise-hd128`): the
+# sliding window over the context (issue 24; the quality run's documents are ~250-400 tokens, so only windows below
+# that cut them there; long rows time the 2048 of DFlash 2's released configs), or the drafter's attention at another
+# head dim with the target's attention widths kept (heads scaled: flex_attention's kernels at 128 against 256).
+DRAFTER_OPTION_SUFFIX = re.compile(r"(.+)-(window|hd)([1-9][0-9]*)")
+DRAFTER_OPTIONS = {"window": "sliding_window", "hd": "head_dim"}
 VARIANT_CHOICES = (
-    f"{', '.join(METHOD_VARIANTS)}, dflash-windowN, dflash2-windowN (a sliding window of N tokens), dflash-hdN, "
-    "dflash2-hdN (head_dim N, the target's attention widths kept)"
+    f"{', '.join(METHOD_VARIANTS)}, each optionally followed by -windowN (a sliding window of N tokens) or -hdN "
+    "(head_dim N, the target's attention widths kept)"
 )
-DRAFTER_OPTION_VARIANTS = {WINDOW_VARIANT: "sliding_window", HEAD_DIM_VARIANT: "head_dim"}
+
+
+def _base_and_option(name: str) -> tuple[str, dict]:
+    """`dflash-pointwise-hd128` -> ("dflash-pointwise", {"head_dim": 128}); a plain variant -> (name, {})."""
+    match = DRAFTER_OPTION_SUFFIX.fullmatch(name)
+    if match and match[1] in METHOD_VARIANTS:
+        return match[1], {DRAFTER_OPTIONS[match[2]]: int(match[3])}
+    return name, {}
 
 
 def is_variant(name: str) -> bool:
-    return name in METHOD_VARIANTS or any(pattern.fullmatch(name) for pattern in DRAFTER_OPTION_VARIANTS)
+    return _base_and_option(name)[0] in METHOD_VARIANTS
 
 
 def split_variant(name: str) -> tuple[dict, str | None]:
     """(the TrainConfig options of variant `name`, the --teacher its store needs, or None)."""
-    for pattern, option in DRAFTER_OPTION_VARIANTS.items():
-        match = pattern.fullmatch(name)
-        if match:
-            return {"method": match[1], "drafter_overrides": {option: int(match[2])}}, None
-    options = dict(METHOD_VARIANTS[name])
+    base, drafter_option = _base_and_option(name)
+    options = dict(METHOD_VARIANTS[base])
+    if drafter_option:
+        options["drafter_overrides"] = {**options.get("drafter_overrides", {}), **drafter_option}
     return options, options.pop("teacher", None)
 
 

@@ -18,6 +18,7 @@ from bench.quality_run.report import bar, mode_rows, mode_verdict, modes_markdow
 from bench.quality_run.run import Run  # noqa: E402
 from bench.quality_run.scale import TINY  # noqa: E402
 from bench.quality_run.store_modes import BF16, MODES, StoreMode, mode_done, mode_harvested, parse_modes  # noqa: E402
+from bench.variants import split_variant  # noqa: E402
 from dflash.evaluate import compare_drafters, tau_difference_interval, tau_interval, tau_ratio_interval  # noqa: E402
 
 # Two prompts, the drafts accepted per round by a mode's drafter and by the bf16 drafter (as in test_quality_calls):
@@ -180,6 +181,16 @@ def test_window_variants_train_with_their_window_and_survive_the_saved_json():
     assert len({m: m.folder for m in modes}) == 4  # run_modes keys its work by mode (dict values in `train`)
     head_dim = parse_modes("dflash-hd32")[0]
     assert dict(head_dim.train) == {"method": "dflash", "drafter_overrides": {"head_dim": 32}}
-    for bad in ("dflash-window0", "dflash-window", "dflash3-window64", "dflash-window64x", "dflash-hd0"):
-        with pytest.raises(ValueError, match="dflash-windowN"):
+    # a suffix on any named variant: its own options kept, the drafter option added to its overrides
+    options, teacher = split_variant("dflash-pointwise-hd128")
+    assert options == {"method": "dflash", "recompute": "pointwise", "drafter_overrides": {"head_dim": 128}}
+    assert teacher is None
+    assert split_variant("dspark-topk-window64") == (
+        {"method": "dspark", "drafter_overrides": {"sliding_window": 64}},
+        "topk:32",
+    )
+    assert split_variant("dflash2-full-hd64")[0]["drafter_overrides"] == {"sliding_window": None, "head_dim": 64}
+    bad_names = ("dflash-window0", "dflash-window", "dflash3-window64", "dflash-window64x", "dflash-hd0", "-hd64")
+    for bad in (*bad_names, "dflash-pointwise-hd128-window64"):
+        with pytest.raises(ValueError, match="-windowN"):
             parse_modes(bad)
