@@ -250,14 +250,32 @@ def test_cuda_graph_is_flat_and_matches_the_ungraphed_step(store, tmp_path, embe
     assert_same_validation(graphed["val"], plain["val"])  # one captured step replayed over every window
 
 
+def head_dim_only(target: Path, head_dim: int) -> dict:
+    """Drafter options that change only the head dim, the target's heads kept: `head_dim` alone keeps the attention
+    widths instead, and this target's (4 and 2 heads of 16) do not divide into heads of 64 to 256."""
+    text = json.loads((target / "config.json").read_text())
+    text = text.get("text_config", text)
+    heads = {k: text[k] for k in ("num_attention_heads", "num_key_value_heads")}
+    return {"head_dim": head_dim, **heads}
+
+
+def test_the_gpu_tests_head_dims_train_on_the_cpu_too(store, target, tmp_path):
+    """The options of the two GPU-only tests below shape a drafter that trains (they skip on CPU, so a change to
+    what head_dim means would otherwise surface only on a GPU, as it did on 2026-12-05)."""
+    cfg = config(store, tmp_path / "run", max_steps=1, drafter_overrides=head_dim_only(target, 256))
+    assert np.isfinite(run_training(cfg)["records"][0]["loss"])
+    drafter = json.loads(next((tmp_path / "run" / "checkpoints").glob("step_*/state.json")).read_text())["drafter"]
+    assert (drafter["head_dim"], drafter["num_attention_heads"], drafter["num_key_value_heads"]) == (256, 4, 2)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention's Triton kernels need a GPU")
 @pytest.mark.parametrize("head_dim, recompute", [(64, "none"), (128, "none"), (128, "pointwise")])
-def test_the_default_attention_kernels_compile_at_real_head_dims(store, tmp_path, head_dim, recompute):
+def test_the_default_attention_kernels_compile_at_real_head_dims(store, target, tmp_path, head_dim, recompute):
     """On a GPU: the default BlockMask tiles and kernel options for the head dim compile and train (on 2026-12-03
     the H200 refused a mask of 64-tiles at head_dim 64, where torch's kernel tiles are 128 wide); so does the
     selective checkpoint of --recompute pointwise around flex_attention. Head dim 256 trains in bench/train.py's
     rows; this store's are too short for its kernels (the next test)."""
-    overrides = {"head_dim": head_dim}
+    overrides = head_dim_only(target, head_dim)
     cfg = config(store, tmp_path / "run", max_steps=2, device="cuda", drafter_overrides=overrides, recompute=recompute)
     records = run_training(cfg)["records"]
     assert len(records) == 2 and all(np.isfinite(r["loss"]) for r in records)
@@ -266,10 +284,10 @@ def test_the_default_attention_kernels_compile_at_real_head_dims(store, tmp_path
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention's Triton kernels need a GPU")
-def test_rows_too_short_for_the_attention_kernels_are_refused_naming_the_fix(store, tmp_path):
+def test_rows_too_short_for_the_attention_kernels_are_refused_naming_the_fix(store, target, tmp_path):
     """At head_dim 256 torch's flex_attention has no kernel for this store's rows of a few dozen tokens (the H200,
     2026-12-03): the first compile is refused with the shapes and the fix, not inductor's traceback."""
-    cfg = config(store, tmp_path / "run", max_steps=2, device="cuda", drafter_overrides={"head_dim": 256})
+    cfg = config(store, tmp_path / "run", max_steps=2, device="cuda", drafter_overrides=head_dim_only(target, 256))
     with pytest.raises(DflashError, match="flex_attention has no kernel .* head_dim 256: .* longer --token-budget"):
         run_training(cfg)
 
