@@ -102,13 +102,20 @@ def _set_experts(model: torch.nn.Module, device: torch.device, experts: str) -> 
     return {"experts": chosen}
 
 
-def describe_kernels(kernels: dict[str, str]) -> str:
-    """The log line's `role kernel, ...`, saying why when the reference code runs."""
+def describe_kernels(kernels: dict[str, str], device: torch.device) -> str:
+    """The log line's `role kernel, ...`, saying why the reference code runs where it does."""
     line = ", ".join(f"{role} {kernel}" for role, kernel in kernels.items())
-    if any("reference" in kernel for kernel in kernels.values()):
+    reference = [role for role, kernel in kernels.items() if "reference" in kernel]
+    if reference and device.type != "cuda":
         line += (
             " (PyTorch reference code: the right path on a CPU, where fla's Triton kernels cannot run, so "
             "transformers' advice to install flash-linear-attention does not apply there)"
+        )
+    elif reference:
+        missing = "causal-conv1d" if all("conv" in role for role in reference) else "flash-linear-attention"
+        line += (
+            f" (PyTorch reference code for {', '.join(reference)} on the GPU: {missing} is not installed; "
+            f"{GPU_EXTRA} and pip install causal-conv1d give the CUDA kernels)"
         )
     return line
 

@@ -196,7 +196,7 @@ class TappedTarget:
             len(layers),
             where,
             weights,
-            describe_kernels(self.kernels),
+            describe_kernels(self.kernels, self.device),
         )
 
     def features(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -386,7 +386,7 @@ def load_target(
         path,
         describe_split(device, tensor_parallel, model, expert_parallel),
         describe_weights(model, dtype),
-        describe_kernels(kernels),
+        describe_kernels(kernels, device),
     )
     # The convolutions' reference code is a small op: the delta rules are the ones that cost.
     slow = [

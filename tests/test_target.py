@@ -13,6 +13,7 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from dflash.errors import DflashError
+from dflash.kernels import describe_kernels
 from dflash.target import TappedTarget, check_layer_ids, default_layer_ids
 from dflash.target_files import load_embedding_and_head
 from dflash.tiny import build_tokenizer, tiny_config
@@ -121,6 +122,19 @@ def test_info_and_kernel_log_on_cpu(tiny_target, caplog):
     assert "gated_delta_rule torch-reference" in caplog.text and "attention sdpa" in caplog.text
     assert (target.info.num_layers, target.info.hidden_size, target.info.vocab_size) == (8, 64, 1024)
     assert len(target.info.config_hash) == 64
+
+
+def test_the_kernel_log_says_why_the_reference_code_runs_where_it_runs():
+    """On the CPU the reference code is the right path; on a GPU it names the package that is missing (the H100's
+    regenerate, 2026-12-05, ran its convs on the reference code and was told it was the right path on a CPU)."""
+    cpu = describe_kernels({"gated_delta_rule": "torch-reference"}, torch.device("cpu"))
+    assert "the right path on a CPU" in cpu
+    decode = {"gated_delta_rule": "fla", "causal_conv1d": "torch-reference", "causal_conv1d_update": "torch-reference"}
+    gpu = describe_kernels(decode, torch.device("cuda"))
+    assert "CPU" not in gpu and "causal_conv1d, causal_conv1d_update on the GPU: causal-conv1d is not installed" in gpu
+    delta = describe_kernels({"gated_delta_rule": "torch-reference"}, torch.device("cuda"))
+    assert "flash-linear-attention is not installed" in delta
+    assert describe_kernels({"attention": "sdpa"}, torch.device("cuda")) == "attention sdpa"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without fla")
