@@ -171,7 +171,7 @@ def plan_report(cfg: HarvestConfig, sample: int | None, train: TrainConfig) -> s
     block = {"block_size": train.block_size} if train.block_size else {}
     dcfg = method.config_cls.from_target_config(config, layers, 0, num_layers=train.draft_layers, **block)
     anchors = anchors_per_row(train, cfg.token_budget)
-    check_shapes(cfg.token_budget, anchors, dcfg.feature_dim, dcfg)
+    check_shapes(cfg.token_budget, anchors, feature_dim, dcfg)  # the store's width, as train checks it
     data = estimate_data(cfg, sample, dcfg.span)
     lines = []
     sampled = (
