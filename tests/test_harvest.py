@@ -12,6 +12,7 @@ import dataclasses
 import json
 import re
 import shutil
+import threading
 import time
 
 import numpy as np
@@ -229,8 +230,8 @@ def test_inspect_summarises_and_verify_finds_flipped_bytes(harvested, tmp_path):
 
 def test_a_slow_writer_shows_up_as_forward_thread_waiting(tiny_target, harvest_data, tmp_path, monkeypatch):
     """The stall accounting the harvest logs (and bench/harvest.py reports) measures where time went: with
-    writes slowed to SLOW seconds a group, the forward thread must wait for free host buffers once the
-    HOST_BUFFERS in circulation are used up, and for the last write after its last forward."""
+    writes slowed to SLOW seconds a group, the forward thread must pin host buffers up to HOST_BUFFERS, wait for
+    free ones once those are used up, and wait for the last write after its last forward."""
     from dflash.harvest import driver, pipeline
 
     SLOW = 0.3
@@ -249,11 +250,30 @@ def test_a_slow_writer_shows_up_as_forward_thread_waiting(tiny_target, harvest_d
     rows = Store.open(out).num_rows
     groups = -(-rows // 8)
     (s,) = stalls
-    assert s.groups == groups
+    assert s.groups == groups and s.host_buffers == pipeline.HOST_BUFFERS
     # Group g > HOST_BUFFERS waits for the write of group g - HOST_BUFFERS; half the write time covers the forward.
     assert s.buffer_wait_s >= 0.5 * SLOW * (groups - pipeline.HOST_BUFFERS - 1) > 0
     assert SLOW <= s.drain_s
     assert s.gpu_wait_s < SLOW  # on the CPU the forward and the host copy are synchronous: nothing to wait for
+
+
+def test_host_buffers_are_pinned_only_when_none_is_free():
+    """Pinning costs about 1 s per GB before the first forward: the pipeline makes HOST_BUFFERS_FIRST up front and
+    another only when the forward asks while every buffer is out, up to HOST_BUFFERS, then waits for one back."""
+    from dflash.harvest import pipeline
+
+    made = []
+    buffers = pipeline.HostBuffers(lambda: made.append(len(made)) or {"hidden": len(made) - 1})
+    assert made == list(range(pipeline.HOST_BUFFERS_FIRST))
+    for _ in range(20):  # a writer that keeps up: each buffer comes back before the next is asked for
+        buffers.free.put(buffers.get())
+    assert buffers.made == len(made) == pipeline.HOST_BUFFERS_FIRST
+    out = [buffers.get() for _ in range(pipeline.HOST_BUFFERS)]  # a writer behind: none comes back
+    assert buffers.made == pipeline.HOST_BUFFERS and sorted(b["hidden"] for b in out) == list(range(len(made)))
+    threading.Timer(0.2, buffers.free.put, args=(out[0],)).start()
+    start = time.perf_counter()
+    assert buffers.get() is out[0] and time.perf_counter() - start >= 0.15  # waited for the writer: no fourth
+    assert buffers.made == pipeline.HOST_BUFFERS
 
 
 def test_a_host_buffer_that_cannot_be_pinned_stops_the_harvest_and_the_rerun_resumes(

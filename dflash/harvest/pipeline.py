@@ -22,7 +22,10 @@ from dflash.harvest.options import row_bytes
 from dflash.packing import PartPlan, batch_shape, forward_batches
 from dflash.target import TappedTarget
 
-HOST_BUFFERS = 3  # pinned row-group buffers: one being filled, up to two queued or being written
+# Pinned row-group buffers. Two is the pipeline's least (a group is handed to the writer only once the next one's
+# copy has started); a third is pinned only when the forward finds none free. Pinning costs about 1 s per GB on the
+# GPU machine (2.2 s per buffer of two 32768-token rows of a 27B-class target), paid before the first forward.
+HOST_BUFFERS_FIRST, HOST_BUFFERS = 2, 3
 
 
 @dataclass
@@ -30,8 +33,9 @@ class PipelineStalls:
     """Seconds the main thread (the one launching the target's kernels) spent blocked, by cause."""
 
     groups: int = 0
-    setup_s: float = 0.0  # allocating the device row buffers and the pinned host buffers, once per run
-    buffer_wait_s: float = 0.0  # no free pinned buffer: writing fell behind the forward
+    setup_s: float = 0.0  # allocating the device row buffers and the first pinned host buffers, once per run
+    host_buffers: int = 0  # pinned host buffers in the end (HOST_BUFFERS_FIRST, more when writing fell behind)
+    buffer_wait_s: float = 0.0  # no free pinned buffer: writing fell behind the forward (pinning another included)
     # Waiting for the GPU to finish the previous group (and its host copy). Expected: the thread queues one group
     # ahead of the GPU. Near zero means the thread cannot stay ahead and the GPU idles between its kernels.
     gpu_wait_s: float = 0.0
@@ -40,8 +44,8 @@ class PipelineStalls:
     def describe(self) -> str:
         return (
             f"{self.groups} row groups after {self.setup_s:.1f} s of buffer setup; the forward thread waited "
-            f"{self.buffer_wait_s:.1f} s for free host buffers "
-            f"(writing behind) and {self.gpu_wait_s:.1f} s for the GPU (running a group ahead of it); "
+            f"{self.buffer_wait_s:.1f} s for free host buffers ({self.host_buffers} pinned, "
+            f"more when writing falls behind) and {self.gpu_wait_s:.1f} s for the GPU (running a group ahead of it); "
             f"{self.drain_s:.1f} s of writes after the last forward"
         )
 
@@ -55,13 +59,33 @@ class RowGroup:
     ready: torch.cuda.Event | None  # the host copy is complete once this fires
 
 
+class HostBuffers:
+    """The pinned row-group buffers in circulation: HOST_BUFFERS_FIRST made up front, one more (up to
+    HOST_BUFFERS) whenever the forward asks and none is free, so that a run whose writer keeps up pins no more
+    than it uses."""
+
+    def __init__(self, make):
+        self.make, self.made, self.free = make, 0, queue.Queue()
+        for _ in range(HOST_BUFFERS_FIRST):
+            self._add()
+
+    def _add(self):
+        self.free.put(self.make())
+        self.made += 1
+
+    def get(self) -> dict[str, torch.Tensor]:
+        if self.free.empty() and self.made < HOST_BUFFERS:
+            self._add()
+        return self.free.get()
+
+
 class RowWriter(threading.Thread):
     """Writes finished row groups and commits them; CPU only. An error stops writing and is raised later."""
 
     def __init__(self, part: store.PartWriter, free: queue.Queue, on_commit, commit: bool = True):
         super().__init__(daemon=True, name="dflash-writer")
         self.part, self.free, self.on_commit, self.commit = part, free, on_commit, commit
-        self.jobs: queue.Queue = queue.Queue()  # bounded in effect by the HOST_BUFFERS buffers in circulation
+        self.jobs: queue.Queue = queue.Queue()  # bounded in effect by the host buffers in circulation
         self.error: BaseException | None = None
 
     def run(self):
@@ -222,15 +246,13 @@ def run_rows(
     encoded = [None if encoder.identity else encoder.buffers(device=device) for _ in device_rows]
     teacher_encoded = [None if teacher.identity else teacher.buffers(device=device) for _ in device_rows]
     copied = [None] * len(device_rows)  # event: device buffer k may be overwritten
-    free: queue.Queue = queue.Queue()
-    # Pinned before the first forward: pinning them on a side thread during it was measured no faster end to end
+    # Pinned on the forward thread: pinning on a side thread during the forward was measured no faster end to end
     # (docs/benchmarks.md, Long rows, 2026-12-05), its page locking slowing the forward as much as it saved.
-    for _ in range(HOST_BUFFERS):
-        free.put({**encoder.buffers(pin=cuda), **teacher.buffers(pin=cuda)})
+    host_buffers = HostBuffers(lambda: {**encoder.buffers(pin=cuda), **teacher.buffers(pin=cuda)})
     progress = Progress(
         plan, part.rows_committed if groups is None else 0, row_bytes(T, spec, header.teacher), cfg.rank
     )
-    writer = RowWriter(part, free, progress.commit, commit=groups is None)
+    writer = RowWriter(part, host_buffers.free, progress.commit, commit=groups is None)
     if groups is None:
         starts = range(part.rows_committed, len(plan.rows), rows_per_group)
         groups = [(first, min(first + rows_per_group, len(plan.rows))) for first in starts]
@@ -249,7 +271,7 @@ def run_rows(
             teacher_arrays = teacher.encode(final_rows[k], tokens["doc_ids"], teacher_encoded[k])
             stored = {**encoder.encode(rows, encoded[k]), **teacher_arrays}
             t0 = time.perf_counter()
-            host = free.get()  # blocks only when writing falls behind the forward
+            host = host_buffers.get()  # blocks only when writing falls behind the forward
             stalls.buffer_wait_s += time.perf_counter() - t0
             copied[k] = _copy_to_host(stored, host, last - first, copy_stream)
             group = RowGroup(first, last, host, tokens, copied[k])
@@ -263,6 +285,7 @@ def run_rows(
         writer.jobs.put(None)
         writer.join()
         progress.close()
+        stalls.host_buffers = host_buffers.made
     stalls.drain_s = time.perf_counter() - writes_left
     writer.check()
     return stalls
