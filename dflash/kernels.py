@@ -12,7 +12,8 @@ import torch
 from dflash.config import EXPERTS_IMPLEMENTATIONS
 from dflash.errors import DflashError
 
-GPU_EXTRA = "pip install 'dflash[gpu]'"
+# The one install advice for the GPU's kernels; causal-conv1d builds from source, so it is not in the extra.
+FAST_KERNELS_INSTALL = "pip install 'dflash[gpu]' (flash-linear-attention) and, for the conv, pip install causal-conv1d"
 # The module globals of transformers' hybrid modeling files (qwen3_5, qwen3_5_moe, qwen3_next) that the layers
 # look up at call time: patching them changes the kernel a layer runs. A forward over a sequence (the harvest,
 # prefill, verify forward) runs the first two; decoding one token at a time with a cache runs the last two.
@@ -62,7 +63,7 @@ def select_kernels(
     if slow and not allow_slow:
         raise DflashError(
             f"the target's {' and '.join(slow)} would run on PyTorch reference code, more than 10x slower on GPU: "
-            f"flash-linear-attention is not installed; run {GPU_EXTRA} (and optionally pip install causal-conv1d), "
+            f"flash-linear-attention is not installed; run {FAST_KERNELS_INSTALL}, "
             "or pass --allow-slow-kernels to accept the slow path"
         )
     return kernels
@@ -115,7 +116,7 @@ def describe_kernels(kernels: dict[str, str], device: torch.device) -> str:
         missing = "causal-conv1d" if all("conv" in role for role in reference) else "flash-linear-attention"
         line += (
             f" (PyTorch reference code for {', '.join(reference)} on the GPU: {missing} is not installed; "
-            f"{GPU_EXTRA} and pip install causal-conv1d give the CUDA kernels)"
+            f"run {FAST_KERNELS_INSTALL})"
         )
     return line
 

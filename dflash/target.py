@@ -23,7 +23,7 @@ import torch
 
 from dflash.device import local_device, resolve_dtype
 from dflash.errors import DflashError
-from dflash.kernels import GPU_EXTRA, check_experts, describe_kernels, select_kernels
+from dflash.kernels import FAST_KERNELS_INSTALL, check_experts, describe_kernels, select_kernels
 from dflash.target_files import config_hash, load_config, load_head
 
 if TYPE_CHECKING:
@@ -398,6 +398,6 @@ def load_target(
         logger.warning(
             "the target's %s run on PyTorch reference code on the GPU: correct but slow; run %s for the fast kernels",
             " and ".join(slow),
-            GPU_EXTRA,
+            FAST_KERNELS_INSTALL,
         )
     return model, AutoTokenizer.from_pretrained(path)
