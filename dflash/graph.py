@@ -26,6 +26,14 @@ def compile_fn(fn: Callable, enabled: bool, options: dict | None = None) -> Call
     return torch.compile(fn, fullgraph=True, dynamic=False, options=options) if enabled else fn
 
 
+def forget_compiled_code() -> None:
+    """Drop what dynamo compiled earlier in this process, before a run compiles its own step. Each new drafter's
+    forward is a recompile of the same code object to dynamo: a second run in one process (tests, benchmarks, a
+    script training several drafters) would count the earlier runs' entries against dynamo's recompile limit and
+    fail its whole-graph compile (the H100, 2026-12-05)."""
+    torch._dynamo.reset()
+
+
 def compiled_graphs() -> int:
     """Graphs dynamo has compiled so far in this process; its growth after warmup counts recompiles."""
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])

@@ -19,6 +19,7 @@ from train_support import METHOD_OPTIONS, B, assert_same_validation, config
 from dflash import blocks, graph
 from dflash.attention_kernels import default_mask_tile
 from dflash.config import TrainConfig
+from dflash.drafter import DFlashDrafter
 from dflash.errors import DflashError
 from dflash.export import load_drafter
 from dflash.metrics import visible_pairs
@@ -280,6 +281,20 @@ def test_visible_pairs_count_the_mask(window):
     dense = blocks.dense_block_mask(anchors, valid, doc_ids, B, window)
     counted = dense * valid.repeat_interleave(B, dim=1)[:, :, None]
     assert visible_pairs(anchors, valid, doc_ids, B, window) == counted.sum()
+
+
+def test_a_second_compiled_run_in_one_process_is_not_held_to_the_first_ones_compiles(store, tmp_path, monkeypatch):
+    """Each drafter's forward recompiles the same code object. With dynamo's recompile limit at what one run
+    needs, a second compiled run in the process (another drafter, as tests and benchmarks make) still compiles:
+    the trainer drops the earlier run's code first, instead of failing its whole-graph compile at the limit."""
+    forward = DFlashDrafter.forward.__code__
+    entries = lambda: len(torch._dynamo.eval_frame._debug_get_cache_entry_list(forward))  # noqa: E731
+    first = run_training(config(store, tmp_path / "first", max_steps=2, compile=True))
+    one_run = entries()
+    assert one_run >= 1 and [r["recompiles"] for r in first["records"]] == [0, 0]
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", one_run)
+    second = run_training(config(store, tmp_path / "second", max_steps=2, compile=True, draft_layers=2))
+    assert entries() == one_run and [r["recompiles"] for r in second["records"]] == [0, 0]
 
 
 def test_recompile_is_an_error_naming_the_cause():

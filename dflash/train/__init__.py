@@ -209,6 +209,8 @@ class Trainer:
         self.damaged.defer = env.world_size > 1  # several ranks stop together, at a log step (see DamagedRows)
 
         compile_on = self.cuda if cfg.compile is None else cfg.compile
+        if compile_on:
+            graph.forget_compiled_code()
         self.forward = graph.compile_fn(self.model, compile_on)
         self.mask_fn = mask_function(self.mask_tile, self.cuda, compile_on)
         self.objective = graph.compile_fn(self.method.objective_fn, compile_on)
