@@ -283,7 +283,7 @@ def test_visible_pairs_count_the_mask(window):
     assert visible_pairs(anchors, valid, doc_ids, B, window) == counted.sum()
 
 
-def test_a_second_compiled_run_in_one_process_is_not_held_to_the_first_ones_compiles(store, tmp_path, monkeypatch):
+def test_a_second_compiled_run_in_one_process_is_not_held_to_the_first_ones_compiles(store, tmp_path):
     """Each drafter's forward recompiles the same code object. With dynamo's recompile limit at what one run
     needs, a second compiled run in the process (another drafter, as tests and benchmarks make) still compiles:
     the trainer drops the earlier run's code first, instead of failing its whole-graph compile at the limit."""
@@ -292,8 +292,8 @@ def test_a_second_compiled_run_in_one_process_is_not_held_to_the_first_ones_comp
     first = run_training(config(store, tmp_path / "first", max_steps=2, compile=True))
     one_run = entries()
     assert one_run >= 1 and [r["recompiles"] for r in first["records"]] == [0, 0]
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", one_run)
-    second = run_training(config(store, tmp_path / "second", max_steps=2, compile=True, draft_layers=2))
+    with torch._dynamo.config.patch(recompile_limit=one_run):
+        second = run_training(config(store, tmp_path / "second", max_steps=2, compile=True, draft_layers=2))
     assert entries() == one_run and [r["recompiles"] for r in second["records"]] == [0, 0]
 
 
