@@ -110,19 +110,30 @@ def checkpoint_bytes(model: str) -> int:
     return sum(Path(checkpoint_file(model, name)).stat().st_size for name in weight_files(model))
 
 
+OTHERS_HOLD = 0.1  # of a GPU's memory held before this process loads anything: more than a CUDA context's share
+
+
 def check_weights_fit(model: str, tensor_parallel: int, device: torch.device) -> None:
     """Refuse, before loading, a target whose weights exceed the free memory of its group's GPUs."""
     if device.type != "cuda":
         return  # host memory is the operating system's to manage
     weights = checkpoint_bytes(model)
-    free = torch.cuda.mem_get_info(device)[0]
-    if weights > tensor_parallel * free:
-        needed = -(-weights // free)
-        raise DflashError(
-            f"the target's weights ({weights / 1e9:.1f} GB) do not fit in the free memory of "
-            f"{tensor_parallel} GPU(s) ({tensor_parallel} x {free / 1e9:.1f} GB): split it over more GPUs with "
-            f"--tensor-parallel {needed} or more (torchrun --nproc-per-node a multiple of it)"
+    free, total = torch.cuda.mem_get_info(device)
+    if weights <= tensor_parallel * free:
+        return
+    ways = []
+    held = total - free
+    if held > OTHERS_HOLD * total:  # a full GPU is not the cause, and more GPUs may not be the fix
+        ways.append(f"other processes hold {held / 1e9:.1f} GB of the GPU (nvidia-smi lists them): end them")
+    if free > 0:
+        ways.append(
+            f"split it over more GPUs with --tensor-parallel {-(-weights // free)} or more (torchrun "
+            "--nproc-per-node a multiple of it)"
         )
+    raise DflashError(
+        f"the target's weights ({weights / 1e9:.1f} GB) do not fit in the free memory of {tensor_parallel} GPU(s) "
+        f"({tensor_parallel} x {free / 1e9:.1f} GB free of {total / 1e9:.1f} GB): {', or '.join(ways)}"
+    )
 
 
 class Group:

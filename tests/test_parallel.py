@@ -301,6 +301,28 @@ def test_weights_over_the_groups_gpu_memory_are_refused_naming_the_way_out(tiny_
     check_weights_fit(str(model), 4, torch.device("cuda", 0))
 
 
+@pytest.mark.parametrize(
+    "free, total, names_others, names_split",
+    [(0.0, 10.0, True, False), (0.3, 10.0, True, True), (0.3, 0.31, False, True)],
+)
+def test_weights_over_the_free_memory_name_what_holds_it(
+    tiny_target, monkeypatch, free, total, names_others, names_split
+):
+    """Free memory taken by other processes (eval workers sharing a GPU, 2026-12-05) is named as such; more GPUs
+    are advised only while some memory is free (none free once divided gives no count)."""
+    from dflash import parallel
+
+    model = tiny_target("llama")
+    weights = parallel.checkpoint_bytes(str(model))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (int(weights * free), int(weights * total)))
+    with pytest.raises(DflashError) as error:
+        check_weights_fit(str(model), 1, torch.device("cuda", 0))
+    message = str(error.value)
+    assert f"free of {weights * total / 1e9:.1f} GB" in message
+    assert ("other processes hold" in message and "nvidia-smi" in message) == names_others
+    assert ("--tensor-parallel 4 or more" in message) == names_split
+
+
 # ------------------------------------------------------------------------------------------------------ eval
 
 
