@@ -118,11 +118,15 @@ def check_weights_fit(model: str, tensor_parallel: int, device: torch.device) ->
     if device.type != "cuda":
         return  # host memory is the operating system's to manage
     weights = checkpoint_bytes(model)
-    free, total = torch.cuda.mem_get_info(device)
+    free_to_driver, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    # Blocks this process freed stay reserved by torch's allocator, not free to the driver, and serve its next load
+    # (an eval run after another in one process).
+    free = free_to_driver + reserved - torch.cuda.memory_allocated(device)
     if weights <= tensor_parallel * free:
         return
     ways = []
-    held = total - free
+    held = total - free_to_driver - reserved  # by other processes (and CUDA contexts)
     if held > OTHERS_HOLD * total:  # a full GPU is not the cause, and more GPUs may not be the fix
         ways.append(f"other processes hold {held / 1e9:.1f} GB of the GPU (nvidia-smi lists them): end them")
     if free > 0:

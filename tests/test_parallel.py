@@ -296,6 +296,8 @@ def test_weights_over_the_groups_gpu_memory_are_refused_naming_the_way_out(tiny_
     model = tiny_target("llama")
     weights = parallel.checkpoint_bytes(str(model))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (int(weights * 0.3), 10 * weights))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0)
     with pytest.raises(DflashError, match=r"do not fit in the free memory of 2 GPU\(s\).*--tensor-parallel 4 or more"):
         check_weights_fit(str(model), 2, torch.device("cuda", 0))
     check_weights_fit(str(model), 4, torch.device("cuda", 0))
@@ -312,15 +314,34 @@ def test_weights_over_the_free_memory_name_what_holds_it(
     are advised only while some memory is free (none free once divided gives no count)."""
     from dflash import parallel
 
-    model = tiny_target("llama")
-    weights = parallel.checkpoint_bytes(str(model))
+    model, weights = tiny_target("llama"), 2 * 10**9
+    monkeypatch.setattr(parallel, "checkpoint_bytes", lambda model: weights)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (int(weights * free), int(weights * total)))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0)
     with pytest.raises(DflashError) as error:
         check_weights_fit(str(model), 1, torch.device("cuda", 0))
     message = str(error.value)
     assert f"free of {weights * total / 1e9:.1f} GB" in message
     assert ("other processes hold" in message and "nvidia-smi" in message) == names_others
     assert ("--tensor-parallel 4 or more" in message) == names_split
+
+
+def test_memory_this_process_holds_in_its_allocators_cache_counts_as_free(tiny_target, monkeypatch):
+    """A second load in one process (an eval after another) finds the GPU full of its own freed, still reserved
+    blocks: those serve the load, so they count as free."""
+    from dflash import parallel
+
+    model, weights = tiny_target("llama"), 2 * 10**9
+    monkeypatch.setattr(parallel, "checkpoint_bytes", lambda model: weights)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (0, 10 * weights))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 2 * weights)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 3 * weights)
+    check_weights_fit(str(model), 1, torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 2 * weights + weights // 2)
+    with pytest.raises(DflashError, match="other processes hold") as error:  # 10 - 2.5: its own are not counted
+        check_weights_fit(str(model), 1, torch.device("cuda", 0))
+    assert f"other processes hold {7.5 * weights / 1e9:.1f} GB" in str(error.value)
 
 
 # ------------------------------------------------------------------------------------------------------ eval
