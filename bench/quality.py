@@ -199,12 +199,13 @@ def main(argv=None) -> int:
     # 2. target
     target = work / "target"
     target_budget = scale.target_seconds + (30 if device.type == "cuda" else 5)  # + first steps, loss, save
-    run.results["target"] = run.stage(
+    run.stage(
         "target",
         target_budget,
         lambda: train_target(
             scale, tokenizer, train_ids, heldout_ids, target, device, eval_prompts[0]["text"], args.seed
         ),
+        keep=True,
     )
     if stop_here("target"):
         return 0
@@ -233,7 +234,7 @@ def main(argv=None) -> int:
         logger.info("sample response:\n%s", info["sample_response"][:400])
         return info
 
-    run.results["regenerate"] = run.stage("regenerate", scale.regen_seconds + 10, regen)
+    run.stage("regenerate", scale.regen_seconds + 10, regen, keep=True)
     if stop_here("regenerate"):
         return 0
 
@@ -253,7 +254,7 @@ def main(argv=None) -> int:
             "val_rows": val_rows,
         }
 
-    run.results["harvest"] = run.stage("harvest", 30 if device.type == "cuda" else 20, harvest)
+    run.stage("harvest", 30 if device.type == "cuda" else 20, harvest, keep=True)
     if stop_here("harvest"):
         return 0
 
@@ -279,7 +280,7 @@ def main(argv=None) -> int:
             args.seed,
         )
 
-    run.results["drafter"] = run.stage("drafter", scale.drafter_seconds, drafter)
+    run.stage("drafter", scale.drafter_seconds, drafter, keep=True)
     if stop_here("drafter"):
         return 0
 
@@ -290,10 +291,11 @@ def main(argv=None) -> int:
         unharvested = sum(not mode_harvested(run.stages, m.folder).exists() for m in modes)
         harvests = math.ceil(unharvested / max(scale.mode_workers, 1)) * (60 if device.type == "cuda" else 40)
         budget = harvests + math.ceil(untrained / max(scale.mode_train_workers, 1)) * scale.drafter_seconds
-        run.results["modes"] = run.stage(
+        run.stage(
             "modes",
             budget,
             lambda: run_modes(scale, modes, target, run.results, work, run.stages, device, args.seed, log),
+            keep=True,
         )
         if stop_here("modes"):
             return 0

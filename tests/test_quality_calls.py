@@ -59,6 +59,21 @@ def test_a_later_call_keeps_the_stages_of_its_run_and_refuses_to_delete_another_
     assert not (tmp_path / "target").exists() and not (tmp_path / "stages" / "target.json").exists()
 
 
+def test_a_kept_stage_result_is_saved_before_a_later_stage_crashes(tmp_path):
+    """The held-out curves of the mode drafters were lost on 2026-12-05 when the eval after them failed: a kept
+    stage's result is in --out as soon as the stage ends, and again when a later call resumes the stage."""
+    out = tmp_path / "q.json"
+    run = Run(out, TINY, tmp_path, seed=0)
+    run.stage("modes", None, lambda: {"sub1/8": {"curve": [1.5, 2.5]}}, keep=True)
+    with pytest.raises(RuntimeError, match="eval failed"):
+        run.stage("eval", None, lambda: (_ for _ in ()).throw(RuntimeError("eval failed")))
+    assert json.loads(out.read_text())["modes"] == {"sub1/8": {"curve": [1.5, 2.5]}}
+    run.stage("target", None, lambda: {"loss": 2.0}, keep=True)
+    later = Run(out, TINY, tmp_path, seed=0)
+    assert later.stage("target", None, lambda: pytest.fail("a finished stage ran again"), keep=True) == {"loss": 2.0}
+    assert json.loads(out.read_text())["target"] == {"loss": 2.0}
+
+
 def test_cli_names_the_other_run_and_exits_2(tmp_path, capsys):
     Run(tmp_path / "q.json", TINY, tmp_path / "work", seed=0)
     finish_stage(tmp_path / "work", "target", "target")

@@ -86,11 +86,15 @@ class Run:
     def left(self) -> float:
         return self.scale.total_seconds - self.elapsed()
 
-    def stage(self, name: str, budget: float | None, fn):
+    def stage(self, name: str, budget: float | None, fn, keep: bool = False):
+        """Run stage `name` (or take its result from an earlier call); `keep`: its result goes into the results
+        under its name before they are saved, so that a later stage's crash does not lose it."""
         done = self.stages / f"{name}.json"
         if name in self.RESUMABLE and done.exists():
             saved = json.loads(done.read_text())
             self.results["stages"][name] = {**saved["timing"], "resumed": True}
+            if keep:
+                self.results[name] = saved["result"]
             logger.info("-- %s: finished by an earlier call (%s), skipped", name, done)
             return saved["result"]
         logger.info(
@@ -110,6 +114,8 @@ class Run:
             tmp = done.with_suffix(".tmp")
             tmp.write_text(json.dumps({"timing": self.results["stages"][name], "result": result}, default=str))
             tmp.rename(done)
+        if keep:
+            self.results[name] = result
         self.save()
         return result
 
