@@ -9,7 +9,10 @@
 #                                      # /tmp/queue/NAME.log (QUEUE_DIR)
 #   bash bench/queue.sh poll OUT       # which commands ended (exit status) and the running one's last lines;
 #                                      # packs /tmp/queue (logs, each command's files under /tmp/queue/NAME/) into
-#                                      # OUT/queue.tar.gz: one file, as a call brings back at most 8
+#                                      # OUT/queue.tar.gz: one file, as a call brings back at most 8; and the
+#                                      # Triton cache ($TRITON_CACHE_DIR) into OUT/triton.tar.xz, to keep as
+#                                      # .device-cache/triton.tar.xz: bench/device_setup.sh unpacks it on the
+#                                      # next machine, which then skips 2-3 minutes of compiling fla's kernels
 #
 # A command writes its files to $RESULTS (/tmp/queue/NAME), not to a call's $OUT, which only lives for one call.
 # Poll before each call ends: what the machine holds is lost when it goes back.
@@ -54,6 +57,10 @@ poll() {
     current=$(tail -n 1 "$QUEUE/status" | sed -n 's/^.* start \([^:]*\):.*$/\1/p')
     [ -n "$current" ] && { echo "--- $current, last lines:"; tail -n 5 "$QUEUE/$current.log"; }
     mkdir -p "$out" && tar czf "$out/queue.tar.gz" -C "$QUEUE" --exclude=./repo .
+    local triton=${TRITON_CACHE_DIR:-/tmp/triton}
+    if [ -n "$(ls -A "$triton" 2>/dev/null)" ]; then  # one folder inside, as device_setup.sh strips it
+        tar -C "$(dirname "$triton")" -I 'xz -T0' -cf "$out/triton.tar.xz" "$(basename "$triton")"
+    fi
 }
 
 case "${1:-}" in

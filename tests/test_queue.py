@@ -27,6 +27,7 @@ def test_a_queue_runs_its_plan_in_order_and_a_poll_copies_the_results(tmp_path):
     setup = tmp_path / "setup.sh"
     setup.write_text("export FROM_SETUP=yes\n")
     env = {**os.environ, "QUEUE_DIR": str(tmp_path / "queue"), "QUEUE_SETUP": str(setup)}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "no-triton-cache")  # none compiled: none packed
     plan = tmp_path / "plan.tsv"
     plan.write_text(
         "# first the one that writes a file, then one that fails, then one after it\n\n"
@@ -51,6 +52,28 @@ def test_a_queue_runs_its_plan_in_order_and_a_poll_copies_the_results(tmp_path):
     # run in a copy of the tree (a later device call re-syncs the working tree), which the poll leaves behind
     assert (out / "writes" / "cwd").read_text().strip() == str(tmp_path / "queue" / "repo")
     assert (tmp_path / "queue" / "repo" / "bench" / "queue.sh").exists() and not (out / "repo").exists()
+
+
+def test_a_poll_packs_the_triton_cache_as_device_setup_unpacks_it(tmp_path):
+    setup = tmp_path / "setup.sh"
+    setup.write_text("true\n")
+    cache = tmp_path / "triton"
+    (cache / "abc").mkdir(parents=True)
+    (cache / "abc" / "kernel.cubin").write_bytes(b"\x7fELF" + bytes(range(256)) * 64)
+    env = {**os.environ, "QUEUE_DIR": str(tmp_path / "queue"), "QUEUE_SETUP": str(setup)}
+    plan = tmp_path / "plan.tsv"
+    plan.write_text("one\ttrue\n")
+    assert queue("start", str(plan), env={**env, "TRITON_CACHE_DIR": str(tmp_path / "none")}).returncode == 0
+    wait_for(tmp_path / "queue" / "status", "queue done")
+    assert queue("poll", str(tmp_path / "polled"), env={**env, "TRITON_CACHE_DIR": str(cache)}).returncode == 0
+    assert sorted(p.name for p in (tmp_path / "polled").iterdir()) == ["queue.tar.gz", "triton.tar.xz"]
+    unpacked = tmp_path / "unpacked"
+    unpacked.mkdir()
+    subprocess.run(  # device_setup.sh's own unpacking
+        ["tar", "-xJf", str(tmp_path / "polled" / "triton.tar.xz"), "-C", str(unpacked), "--strip-components=1"],
+        check=True,
+    )
+    assert (unpacked / "abc" / "kernel.cubin").read_bytes() == (cache / "abc" / "kernel.cubin").read_bytes()
 
 
 def test_the_queue_outlives_the_session_of_the_call_that_started_it(tmp_path):
