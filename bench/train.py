@@ -342,9 +342,10 @@ def bench_one(
 
 
 def free_device(device: torch.device):
-    """Between drafters: drop compiled code and cached blocks so that the next one starts from a clean device."""
+    """Between drafters: drop compiled code and cached blocks so that the next one starts from a clean device (the
+    trainer drops compiled code too, but only once the next drafter is built: here it goes before empty_cache)."""
     gc.collect()
-    torch._dynamo.reset()
+    graph.forget_compiled_code()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
