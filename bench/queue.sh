@@ -7,7 +7,8 @@
 #                                      # returns at once; each COMMAND runs in a copy of the repository
 #                                      # (/tmp/queue/repo) after bench/device_setup.sh, its output in
 #                                      # /tmp/queue/NAME.log (QUEUE_DIR)
-#   bash bench/queue.sh poll OUT       # which commands ended (exit status) and the running one's last lines;
+#   bash bench/queue.sh poll OUT [S]   # waits up to S seconds (default 0) for the queue to end, then: which
+#                                      # commands ended (exit status) and the running one's last lines;
 #                                      # packs /tmp/queue (logs, each command's files under /tmp/queue/NAME/) into
 #                                      # OUT/queue.tar.gz: one file, as a call brings back at most 8; and the
 #                                      # Triton cache ($TRITON_CACHE_DIR) into OUT/triton.tar.xz, to keep as
@@ -27,7 +28,8 @@ start() {
     mkdir -p "$QUEUE" && cp "$plan" "$QUEUE/plan" && date -u +%FT%TZ > "$QUEUE/started"
     # The commands run in a copy of the tree: a later device call syncs the working tree anew under them.
     mkdir -p "$QUEUE/repo" && tar cf - --exclude=./.git --exclude=./.venv --exclude=./.smoke . | tar xf - -C "$QUEUE/repo"
-    (cd "$QUEUE/repo" && setsid nohup bash bench/queue.sh run > "$QUEUE/queue.log" 2>&1 < /dev/null &)
+    # exec: no subshell stays behind holding the caller's stdout until the queue ends
+    (cd "$QUEUE/repo" && exec setsid nohup bash bench/queue.sh run > "$QUEUE/queue.log" 2>&1 < /dev/null) &
     echo "queue started: $(grep -cv '^\s*\(#\|$\)' "$plan") commands, logs in $QUEUE"
 }
 
@@ -50,8 +52,11 @@ run() {
 }
 
 poll() {
-    local out=$1
-    [ -f "$QUEUE/status" ] || { echo "nothing queued here yet ($QUEUE)"; return 0; }
+    local out=$1 deadline=$((SECONDS + ${2:-0}))
+    [ -f "$QUEUE/started" ] || { echo "nothing queued here yet ($QUEUE)"; return 0; }
+    # A call's wait ends with the queue, not at a fixed sleep: device time is counted while the machine is held.
+    while [ $SECONDS -lt $deadline ] && ! grep -qs "queue done\|queue stopped" "$QUEUE/status"; do sleep 1; done
+    [ -f "$QUEUE/status" ] || { echo "the queue's setup still runs ($QUEUE)"; return 0; }
     cat "$QUEUE/status"
     local current
     current=$(tail -n 1 "$QUEUE/status" | sed -n 's/^.* start \([^:]*\):.*$/\1/p')
@@ -66,6 +71,6 @@ poll() {
 case "${1:-}" in
     start) start "${2:?give the plan file}" ;;
     run) run ;;
-    poll) poll "${2:?give the folder to copy the results to}" ;;
-    *) echo "usage: bash bench/queue.sh start PLAN | poll OUT" >&2; exit 2 ;;
+    poll) poll "${2:?give the folder to copy the results to}" "${3:-0}" ;;
+    *) echo "usage: bash bench/queue.sh start PLAN | poll OUT [WAIT_SECONDS]" >&2; exit 2 ;;
 esac

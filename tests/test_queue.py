@@ -91,6 +91,28 @@ def test_the_queue_outlives_the_session_of_the_call_that_started_it(tmp_path):
     assert (tmp_path / "queue" / "slow.log").read_text() == "survived\n"
 
 
+def test_a_poll_waits_for_the_queue_to_end_and_no_longer(tmp_path):
+    """Device time counts while a call holds the machine: a poll's wait ends when the queue does, or at its limit."""
+    env = {**os.environ, "QUEUE_DIR": str(tmp_path / "queue"), "QUEUE_SETUP": "/dev/null"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "none")
+    plan = tmp_path / "plan.tsv"
+    plan.write_text("short\tsleep 1; echo ok\n")
+    assert queue("start", str(plan), env=env).returncode == 0
+    began = time.monotonic()
+    polled = queue("poll", str(tmp_path / "polled"), "120", env=env)
+    assert "short: exit 0" in polled.stdout and "queue done" in polled.stdout
+    assert time.monotonic() - began < 30  # ended with the queue, not after 120 s
+
+    plan.write_text("long\tsleep 30\n")
+    env["QUEUE_DIR"] = str(tmp_path / "queue2")
+    assert queue("start", str(plan), env=env).returncode == 0
+    began = time.monotonic()
+    polled = queue("poll", str(tmp_path / "polled2"), "2", env=env)
+    waited = time.monotonic() - began
+    assert 2 <= waited < 20 and "queue done" not in polled.stdout, (waited, polled.stdout)
+    assert (tmp_path / "polled2" / "queue.tar.gz").exists()
+
+
 def test_a_failed_setup_stops_the_queue_before_any_command(tmp_path):
     env = {**os.environ, "QUEUE_DIR": str(tmp_path / "queue"), "QUEUE_SETUP": str(tmp_path / "missing.sh")}
     plan = tmp_path / "plan.tsv"
