@@ -314,8 +314,8 @@ def _train_lines(
     if dcfg.head_dim in ATTENTION_SPEEDUP and dcfg.head_dim > SMALLER_HEAD_DIM:  # measured faster: the long-row lever
         lines.append(
             f"           {name} at head_dim {SMALLER_HEAD_DIM}, its widths kept (--drafter-option head_dim="
-            f"{SMALLER_HEAD_DIM}; narrower heads cost tau: half the head dim 3.9 % at equal steps on the quality "
-            "run, docs/benchmarks.md 'Long rows'): "
+            f"{SMALLER_HEAD_DIM}; narrower heads cost tau: half the head dim lost 3.9 and 8.7 % of held-out tau at "
+            "equal steps in two quality runs, docs/benchmarks.md 'Long rows'): "
             f"{cost(window, rates_at(bench, SMALLER_HEAD_DIM))}"
         )
     measured = "" if dcfg.head_dim in ATTENTION_SPEEDUP else f"; head_dim {dcfg.head_dim} priced at 256's"
