@@ -8,12 +8,18 @@ Cases, each timed alone (random bf16 q, k, v; compiled where flex_attention is u
     causal, flex         the same kernel and options over a plain causal mask of length L, L(L+1)/2 ~= the pairs
     causal, sdpa-X       torch's SDPA backends (flash, cudnn, efficient) over that causal problem; K and V repeated
                          to the query heads first (not every backend takes GQA), their copy not timed
+    step mask, cudnn/N   the step's exact attention as N dense SDPA calls on cuDNN, one per run of consecutive
+                         blocks (anchors sorted): each over the context span its blocks see and its own blocks' keys,
+                         with the step's mask cut to that rectangle; computes more pairs than are visible (printed),
+                         K and V repeated to the query heads inside the timing. Whether a dense kernel over the
+                         mask's rectangles beats flex_attention at head_dim 256 (--query-groups)
 FLOPs as the trainer's MFU counts them (docs/training.md): forward 4 x pairs x heads x head_dim, backward 2.5x that.
 (flex's backward runs QK^T and dO V^T once more in its dQ pass: 3.5x the forward's products executed.)
 
 On the H200 (bench/device_setup.sh first):
     python3 bench/attention_ceiling.py --drafter b --row-shapes 4x3072:512,1x32768:2048
     python3 bench/attention_ceiling.py --drafter b --row-shapes 1x32768:2048 --head-dim 128   # 32 / 8 heads of 128
+    python3 bench/attention_ceiling.py --drafter b --row-shapes 1x32768:2048 --query-groups 16,32,64
     python bench/attention_ceiling.py --tiny        # the CPU: the dense-mask SDPA the CPU trainer runs, toy shapes
 """
 
@@ -57,6 +63,33 @@ def step_problem(s: dict, shape: dict, block: int, device: torch.device, seed: i
     return mask, A * block, T + A * block, pairs
 
 
+def query_groups(visible: torch.Tensor, context: int, groups: int, block: int, align: int = 128):
+    """Cut the step's queries into `groups` runs of whole blocks: (query start, end, context key start, end, mask)
+    each, the context span every key any of its queries sees, widened to `align` (so cuDNN's key tiles are whole),
+    and the mask [queries, span + its own block keys] of that rectangle. visible: the step's bool mask [Q, T + Q]."""
+    q_len = visible.shape[0]
+    blocks_per_group = -(-q_len // block // groups)
+    spans = []
+    for q0 in range(0, q_len, blocks_per_group * block):
+        q1 = min(q_len, q0 + blocks_per_group * block)
+        seen = visible[q0:q1, :context].any(dim=0).nonzero()
+        lo, hi = (int(seen.min()), int(seen.max()) + 1) if len(seen) else (0, 0)
+        lo, hi = lo - lo % align, min(context, -(-hi // align) * align)
+        mask = torch.cat([visible[q0:q1, lo:hi], visible[q0:q1, context + q0 : context + q1]], dim=1)
+        spans.append((q0, q1, lo, hi, mask))
+    return spans
+
+
+def grouped_attention(q, k, v, spans, context: int):
+    """The step's attention as one dense SDPA call per query group of `query_groups` (K, V: [1, H, T + Q, d])."""
+    outs = []
+    for q0, q1, lo, hi, mask in spans:
+        keys = torch.cat([k[:, :, lo:hi], k[:, :, context + q0 : context + q1]], dim=2)
+        values = torch.cat([v[:, :, lo:hi], v[:, :, context + q0 : context + q1]], dim=2)
+        outs.append(F.scaled_dot_product_attention(q[:, :, q0:q1], keys, values, attn_mask=mask))
+    return torch.cat(outs, dim=2)
+
+
 def causal_mask(length: int, tile: int, device: torch.device):
     return create_block_mask(
         lambda b, h, q, kv: kv <= q, B=None, H=None, Q_LEN=length, KV_LEN=length, device=device, BLOCK_SIZE=tile
@@ -86,7 +119,7 @@ def inputs(heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int, de
     return make(heads, q_len), make(kv_heads, kv_len), make(kv_heads, kv_len)
 
 
-def cases(s: dict, shape: dict, block: int, device: torch.device, seed: int):
+def cases(s: dict, shape: dict, block: int, device: torch.device, seed: int, query_groups_list=()):
     """(name, attend, (q, k, v), pairs per head) of every case at this shape."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     H, G, d = s["heads"], s["kv_heads"], s["head_dim"]
@@ -124,6 +157,51 @@ def cases(s: dict, shape: dict, block: int, device: torch.device, seed: int):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
         yield f"causal, sdpa-{name}", attend, inputs(H, H, length, length, d, device, dtype), causal_pairs
+    if query_groups_list:
+        T = shape["docs_per_row"] * shape["doc_len"]
+        anchors, valid, doc_ids = row_anchors(
+            shape["docs_per_row"], shape["doc_len"], q_len // block, block, seed, device
+        )
+        visible = blocks.dense_block_mask(anchors, valid, doc_ids, block)[0]
+        step = inputs(H, G, q_len, kv_len, d, device, dtype)
+        reference = outputs_and_grads(
+            lambda q, k, v: flex(q, k, v, block_mask=mask, enable_gqa=G != H, kernel_options=options), step
+        )
+    for groups in query_groups_list:
+        spans = [  # SDPA's additive mask in the query dtype, made once as a trainer would
+            (q0, q1, lo, hi, torch.zeros(m.shape, dtype=dtype, device=device).masked_fill_(~m, float("-inf")))
+            for q0, q1, lo, hi, m in query_groups(visible, T, groups, block)
+        ]
+        computed = sum((q1 - q0) * m.shape[1] for q0, q1, _, _, m in spans)
+
+        def attend(q, k, v, spans=spans):
+            with sdpa_kernel(SDPA_BACKENDS["cudnn"]):
+                return grouped_attention(q, k.repeat_interleave(H // G, 1), v.repeat_interleave(H // G, 1), spans, T)
+
+        name = f"step mask, cudnn/{groups} ({computed / pairs:.2f}x the pairs"
+        try:  # against flex's result on the same inputs: a wrong or NaN kernel must not pass as a fast one
+            error = max(relative_error(a, b) for a, b in zip(outputs_and_grads(attend, step), reference))
+        except RuntimeError as exc:  # no cuDNN kernel for it: a failed row, as measure's own errors
+            yield f"{name})", refused(exc), step, pairs
+            continue
+        yield f"{name}, error {error:.1e})", attend, step, pairs
+
+
+def refused(exc: Exception):
+    def attend(*_):
+        raise exc
+
+    return attend
+
+
+def outputs_and_grads(attend, qkv):
+    out = attend(*qkv)
+    grads = torch.autograd.grad(out, qkv, torch.ones_like(out))
+    return [out.detach(), *grads]
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
 
 def main():
@@ -137,6 +215,9 @@ def main():
         "--head-dim",
         type=int,
         help="the drafter's attention at this head dim, its widths kept (as train's --drafter-option head_dim=N)",
+    )
+    parser.add_argument(
+        "--query-groups", default="", help="N,...: the step mask as N dense cuDNN calls too (the GPU; 16,32,64)"
     )
     parser.add_argument("--tiny", action="store_true", help="toy shapes on the CPU")
     args = parser.parse_args()
@@ -156,7 +237,8 @@ def main():
     print("|---|---|---|---|---|---|---|---|")
     for shape in shapes:
         row = f"{shape['docs_per_row']} x {shape['doc_len']}, {shape['anchors_per_doc']} anchors/doc"
-        for name, attend, qkv, pairs in cases(s, shape, args.block_size, device, args.seed):
+        groups = [int(n) for n in args.query_groups.split(",") if n] if device.type == "cuda" else []
+        for name, attend, qkv, pairs in cases(s, shape, args.block_size, device, args.seed, groups):
             flops = 4.0 * pairs * s["heads"] * s["head_dim"]
             try:
                 fwd, bwd = measure(attend, *qkv, args.iters, device)

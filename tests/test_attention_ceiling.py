@@ -1,0 +1,35 @@
+"""bench/attention_ceiling.py's step attention cut into dense per-group SDPA calls: the same outputs and gradients
+as one SDPA over the step's whole brute-force mask, in float64, whatever the group count."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bench.attention_ceiling import grouped_attention, query_groups
+from bench.mask_tiles import row_anchors
+from dflash.blocks import dense_block_mask
+
+
+@pytest.mark.parametrize("docs, doc_len, anchors, groups", [(1, 512, 24, 4), (3, 160, 30, 7), (2, 256, 16, 16)])
+def test_the_grouped_dense_calls_equal_one_call_over_the_whole_mask(docs, doc_len, anchors, groups):
+    block, heads, head_dim = 4, 2, 8
+    starts, valid, doc_ids = row_anchors(docs, doc_len, anchors, block, seed=3)
+    visible = dense_block_mask(starts, valid, doc_ids, block)[0]
+    context, queries = docs * doc_len, anchors * block
+    spans = query_groups(visible, context, groups, block, align=32)
+    assert [q0 for q0, *_ in spans] == sorted(q0 for q0, *_ in spans) and spans[-1][1] == queries
+    assert all((q1 - q0) % block == 0 for q0, q1, *_ in spans)  # whole blocks: a block's keys stay in its group
+    hidden = sum(int(visible[q0:q1].sum()) - int(m.sum()) for q0, q1, _, _, m in spans)
+    assert hidden == 0  # every visible pair inside some group's rectangle
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(1, heads, n, head_dim, generator=generator, dtype=torch.float64).requires_grad_()
+        for n in (queries, context + queries, context + queries)
+    )
+    grad = torch.randn(1, heads, queries, head_dim, generator=generator, dtype=torch.float64)
+    grouped = grouped_attention(q, k, v, spans, context)
+    whole = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+    torch.testing.assert_close(grouped, whole, rtol=1e-10, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(grouped, (q, k, v), grad), torch.autograd.grad(whole, (q, k, v), grad)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
