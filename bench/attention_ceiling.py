@@ -11,8 +11,10 @@ Cases, each timed alone (random bf16 q, k, v; compiled where flex_attention is u
     step mask, cudnn/N   the step's exact attention as N dense SDPA calls on cuDNN, one per run of consecutive
                          blocks (anchors sorted): each over the context span its blocks see and its own blocks' keys,
                          with the step's mask cut to that rectangle; computes more pairs than are visible (printed),
-                         K and V repeated to the query heads inside the timing. Whether a dense kernel over the
-                         mask's rectangles beats flex_attention at head_dim 256 (--query-groups)
+                         K and V repeated to the query heads inside the timing, its outputs and gradients checked
+                         against the step's own call first (the error printed). Whether a dense kernel over the
+                         mask's rectangles beats flex_attention at head_dim 256 (--query-groups; with --tiny, torch's
+                         math kernel on the CPU: a check of the script, not a timing)
 FLOPs as the trainer's MFU counts them (docs/training.md): forward 4 x pairs x heads x head_dim, backward 2.5x that.
 (flex's backward runs QK^T and dO V^T once more in its dQ pass: 3.5x the forward's products executed.)
 
@@ -21,6 +23,7 @@ On the H200 (bench/device_setup.sh first):
     python3 bench/attention_ceiling.py --drafter b --row-shapes 1x32768:2048 --head-dim 128   # 32 / 8 heads of 128
     python3 bench/attention_ceiling.py --drafter b --row-shapes 1x32768:2048 --query-groups 16,32,64
     python bench/attention_ceiling.py --tiny        # the CPU: the dense-mask SDPA the CPU trainer runs, toy shapes
+    python bench/attention_ceiling.py --tiny --query-groups 2,3     # the grouped calls' script, checked on the CPU
 """
 
 import argparse
@@ -125,21 +128,27 @@ def cases(s: dict, shape: dict, block: int, device: torch.device, seed: int, que
     H, G, d = s["heads"], s["kv_heads"], s["head_dim"]
     mask, q_len, kv_len, pairs = step_problem(s, shape, block, device, seed)
     if device.type != "cuda":  # the CPU trainer's path: SDPA over the dense bias
-        yield (
-            "step mask, sdpa (CPU)",
-            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
-            inputs(H, G, q_len, kv_len, d, device, dtype),
-            pairs,
-        )
-        return
-    options = attention_kernels.attention_kernel_options({}, True, d)
-    flex = torch.compile(flex_attention, fullgraph=True)
-    yield (
-        "step mask, flex",
-        lambda q, k, v: flex(q, k, v, block_mask=mask, enable_gqa=G != H, kernel_options=options),
-        inputs(H, G, q_len, kv_len, d, device, dtype),
-        pairs,
-    )
+
+        def step_attend(q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+        yield "step mask, sdpa (CPU)", step_attend, inputs(H, G, q_len, kv_len, d, device, dtype), pairs
+    else:
+        options = attention_kernels.attention_kernel_options({}, True, d)
+        flex = torch.compile(flex_attention, fullgraph=True)
+
+        def step_attend(q, k, v):
+            return flex(q, k, v, block_mask=mask, enable_gqa=G != H, kernel_options=options)
+
+        yield "step mask, flex", step_attend, inputs(H, G, q_len, kv_len, d, device, dtype), pairs
+        yield from causal_cases(s, pairs, flex, options, device, dtype)
+    if query_groups_list:
+        yield from grouped_cases(s, shape, block, device, seed, dtype, step_attend, pairs, query_groups_list)
+
+
+def causal_cases(s: dict, pairs: int, flex, options: dict, device: torch.device, dtype):
+    """flex and SDPA's dense kernels over a causal problem of about as many pairs as the step's."""
+    H, G, d = s["heads"], s["kv_heads"], s["head_dim"]
     length = int(round((2 * pairs) ** 0.5))
     length -= length % 256
     causal_pairs = length * (length + 1) // 2
@@ -157,17 +166,21 @@ def cases(s: dict, shape: dict, block: int, device: torch.device, seed: int, que
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
         yield f"causal, sdpa-{name}", attend, inputs(H, H, length, length, d, device, dtype), causal_pairs
-    if query_groups_list:
-        T = shape["docs_per_row"] * shape["doc_len"]
-        anchors, valid, doc_ids = row_anchors(
-            shape["docs_per_row"], shape["doc_len"], q_len // block, block, seed, device
-        )
-        visible = blocks.dense_block_mask(anchors, valid, doc_ids, block)[0]
-        step = inputs(H, G, q_len, kv_len, d, device, dtype)
-        reference = outputs_and_grads(
-            lambda q, k, v: flex(q, k, v, block_mask=mask, enable_gqa=G != H, kernel_options=options), step
-        )
-    for groups in query_groups_list:
+
+
+def grouped_cases(s: dict, shape: dict, block: int, device, seed: int, dtype, step_attend, pairs: int, groups_list):
+    """The step mask as dense SDPA calls over query groups (cuDNN; on the CPU torch's math kernel, which checks the
+    script rather than times a kernel), each checked against the step's own call on the same inputs first."""
+    H, G, d = s["heads"], s["kv_heads"], s["head_dim"]
+    T = shape["docs_per_row"] * shape["doc_len"]
+    anchors, valid, doc_ids = row_anchors(
+        shape["docs_per_row"], shape["doc_len"], shape["docs_per_row"] * shape["anchors_per_doc"], block, seed, device
+    )
+    visible = blocks.dense_block_mask(anchors, valid, doc_ids, block)[0]
+    step = inputs(H, G, visible.shape[0], visible.shape[1], d, device, dtype)
+    reference = outputs_and_grads(step_attend, step)
+    backend = SDPA_BACKENDS["cudnn"] if device.type == "cuda" else SDPBackend.MATH
+    for groups in groups_list:
         spans = [  # SDPA's additive mask in the query dtype, made once as a trainer would
             (q0, q1, lo, hi, torch.zeros(m.shape, dtype=dtype, device=device).masked_fill_(~m, float("-inf")))
             for q0, q1, lo, hi, m in query_groups(visible, T, groups, block)
@@ -175,13 +188,13 @@ def cases(s: dict, shape: dict, block: int, device: torch.device, seed: int, que
         computed = sum((q1 - q0) * m.shape[1] for q0, q1, _, _, m in spans)
 
         def attend(q, k, v, spans=spans):
-            with sdpa_kernel(SDPA_BACKENDS["cudnn"]):
+            with sdpa_kernel(backend):
                 return grouped_attention(q, k.repeat_interleave(H // G, 1), v.repeat_interleave(H // G, 1), spans, T)
 
-        name = f"step mask, cudnn/{groups} ({computed / pairs:.2f}x the pairs"
-        try:  # against flex's result on the same inputs: a wrong or NaN kernel must not pass as a fast one
+        name = f"step mask, {backend.name.lower()}/{groups} ({computed / pairs:.2f}x the pairs"
+        try:  # a wrong or NaN kernel must not pass as a fast one
             error = max(relative_error(a, b) for a, b in zip(outputs_and_grads(attend, step), reference))
-        except RuntimeError as exc:  # no cuDNN kernel for it: a failed row, as measure's own errors
+        except RuntimeError as exc:  # no kernel for it: a failed row, as measure's own errors
             yield f"{name})", refused(exc), step, pairs
             continue
         yield f"{name}, error {error:.1e})", attend, step, pairs
@@ -217,7 +230,7 @@ def main():
         help="the drafter's attention at this head dim, its widths kept (as train's --drafter-option head_dim=N)",
     )
     parser.add_argument(
-        "--query-groups", default="", help="N,...: the step mask as N dense cuDNN calls too (the GPU; 16,32,64)"
+        "--query-groups", default="", help="N,...: the step mask as N dense cuDNN calls too (16,32,64; --tiny: 2,3)"
     )
     parser.add_argument("--tiny", action="store_true", help="toy shapes on the CPU")
     args = parser.parse_args()
@@ -237,7 +250,7 @@ def main():
     print("|---|---|---|---|---|---|---|---|")
     for shape in shapes:
         row = f"{shape['docs_per_row']} x {shape['doc_len']}, {shape['anchors_per_doc']} anchors/doc"
-        groups = [int(n) for n in args.query_groups.split(",") if n] if device.type == "cuda" else []
+        groups = [int(n) for n in args.query_groups.split(",") if n]
         for name, attend, qkv, pairs in cases(s, shape, args.block_size, device, args.seed, groups):
             flops = 4.0 * pairs * s["heads"] * s["head_dim"]
             try:

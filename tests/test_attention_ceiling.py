@@ -1,6 +1,11 @@
 """bench/attention_ceiling.py's step attention cut into dense per-group SDPA calls: the same outputs and gradients
 as one SDPA over the step's whole brute-force mask, in float64, whatever the group count."""
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -33,3 +38,18 @@ def test_the_grouped_dense_calls_equal_one_call_over_the_whole_mask(docs, doc_le
     torch.testing.assert_close(grouped, whole, rtol=1e-10, atol=1e-12)
     for a, b in zip(torch.autograd.grad(grouped, (q, k, v), grad), torch.autograd.grad(whole, (q, k, v), grad)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_the_script_checks_its_grouped_calls_against_the_steps_own_call():
+    """The bench's whole grouped path (masks made once as SDPA's float bias, K and V repeated to the query heads,
+    the check before timing) on the CPU, as the GPU run takes it with cuDNN."""
+    script = Path(__file__).resolve().parents[1] / "bench" / "attention_ceiling.py"
+    run = subprocess.run(
+        [sys.executable, str(script), "--tiny", "--query-groups", "2,3", "--iters", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    errors = [float(e) for e in re.findall(r"error ([0-9.e+-]+)\)", run.stdout)]
+    assert len(errors) == 2 and all(e < 1e-5 for e in errors), run.stdout
