@@ -53,7 +53,8 @@ PEAK_TFLOPS = 792.0  # bf16 matmul on the H200 (shared/DEVICE.md)
 
 
 def step_problem(s: dict, shape: dict, block: int, device: torch.device, seed: int):
-    """The step's anchors over one row of `shape`: (BlockMask or dense bias, query tokens, key tokens, pairs)."""
+    """The step's anchors over one row of `shape`: (BlockMask or dense bias, query tokens, key tokens, pairs, the
+    anchors as dflash.blocks takes them: (anchors, valid, doc ids))."""
     T = shape["docs_per_row"] * shape["doc_len"]
     A = shape["docs_per_row"] * shape["anchors_per_doc"]
     anchors, valid, doc_ids = row_anchors(shape["docs_per_row"], shape["doc_len"], A, block, seed, device)
@@ -63,7 +64,7 @@ def step_problem(s: dict, shape: dict, block: int, device: torch.device, seed: i
         mask = blocks.block_attention_mask(anchors, valid, doc_ids, block, tile_size=tile)
     else:
         mask = blocks.dense_attention_bias(anchors, valid, doc_ids, block)
-    return mask, A * block, T + A * block, pairs
+    return mask, A * block, T + A * block, pairs, (anchors, valid, doc_ids)
 
 
 def query_groups(visible: torch.Tensor, context: int, groups: int, block: int, align: int = 128):
@@ -126,7 +127,7 @@ def cases(s: dict, shape: dict, block: int, device: torch.device, seed: int, que
     """(name, attend, (q, k, v), pairs per head) of every case at this shape."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     H, G, d = s["heads"], s["kv_heads"], s["head_dim"]
-    mask, q_len, kv_len, pairs = step_problem(s, shape, block, device, seed)
+    mask, q_len, kv_len, pairs, step_anchors = step_problem(s, shape, block, device, seed)
     if device.type != "cuda":  # the CPU trainer's path: SDPA over the dense bias
 
         def step_attend(q, k, v):
@@ -143,7 +144,10 @@ def cases(s: dict, shape: dict, block: int, device: torch.device, seed: int, que
         yield "step mask, flex", step_attend, inputs(H, G, q_len, kv_len, d, device, dtype), pairs
         yield from causal_cases(s, pairs, flex, options, device, dtype)
     if query_groups_list:
-        yield from grouped_cases(s, shape, block, device, seed, dtype, step_attend, pairs, query_groups_list)
+        visible = blocks.dense_block_mask(*step_anchors, block)[0]
+        yield from grouped_cases(
+            s, visible, kv_len - q_len, block, device, dtype, step_attend, pairs, query_groups_list
+        )
 
 
 def causal_cases(s: dict, pairs: int, flex, options: dict, device: torch.device, dtype):
@@ -168,15 +172,11 @@ def causal_cases(s: dict, pairs: int, flex, options: dict, device: torch.device,
         yield f"causal, sdpa-{name}", attend, inputs(H, H, length, length, d, device, dtype), causal_pairs
 
 
-def grouped_cases(s: dict, shape: dict, block: int, device, seed: int, dtype, step_attend, pairs: int, groups_list):
-    """The step mask as dense SDPA calls over query groups (cuDNN; on the CPU torch's math kernel, which checks the
-    script rather than times a kernel), each checked against the step's own call on the same inputs first."""
+def grouped_cases(s: dict, visible, T: int, block: int, device, dtype, step_attend, pairs: int, groups_list):
+    """The step mask (`visible`, bool [Q, T + Q]) as dense SDPA calls over query groups (cuDNN; on the CPU torch's
+    math kernel, which checks the script rather than times a kernel), each checked against the step's own call on
+    the same inputs first."""
     H, G, d = s["heads"], s["kv_heads"], s["head_dim"]
-    T = shape["docs_per_row"] * shape["doc_len"]
-    anchors, valid, doc_ids = row_anchors(
-        shape["docs_per_row"], shape["doc_len"], shape["docs_per_row"] * shape["anchors_per_doc"], block, seed, device
-    )
-    visible = blocks.dense_block_mask(anchors, valid, doc_ids, block)[0]
     step = inputs(H, G, visible.shape[0], visible.shape[1], d, device, dtype)
     reference = outputs_and_grads(step_attend, step)
     backend = SDPA_BACKENDS["cudnn"] if device.type == "cuda" else SDPBackend.MATH
@@ -248,9 +248,9 @@ def main():
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}\n")
     print("| row | case | pairs / head | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd % of 792 |")
     print("|---|---|---|---|---|---|---|---|")
+    groups = [int(n) for n in args.query_groups.split(",") if n]
     for shape in shapes:
         row = f"{shape['docs_per_row']} x {shape['doc_len']}, {shape['anchors_per_doc']} anchors/doc"
-        groups = [int(n) for n in args.query_groups.split(",") if n]
         for name, attend, qkv, pairs in cases(s, shape, args.block_size, device, args.seed, groups):
             flops = 4.0 * pairs * s["heads"] * s["head_dim"]
             try:
