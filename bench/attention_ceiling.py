@@ -14,7 +14,8 @@ Cases, each timed alone (random bf16 q, k, v; compiled where flex_attention is u
                          K and V repeated to the query heads inside the timing, its outputs and gradients checked
                          against the step's own call first (the error printed). Whether a dense kernel over the
                          mask's rectangles beats flex_attention at head_dim 256 (--query-groups; with --tiny, torch's
-                         math kernel on the CPU: a check of the script, not a timing)
+                         math kernel on the CPU: a check of the script, not a timing). It does not: 1.3-3.4x flex's
+                         time on an H100 (docs/benchmarks.md, "Long rows", 2026-12-05)
 FLOPs as the trainer's MFU counts them (docs/training.md): forward 4 x pairs x heads x head_dim, backward 2.5x that.
 (flex's backward runs QK^T and dO V^T once more in its dQ pass: 3.5x the forward's products executed.)
 
