@@ -68,30 +68,92 @@ def step_problem(s: dict, shape: dict, block: int, device: torch.device, seed: i
     return mask, A * block, T + A * block, pairs, (anchors, valid, doc_ids)
 
 
-def query_groups(visible: torch.Tensor, context: int, groups: int, block: int, align: int = 128):
-    """Cut the step's queries into `groups` runs of whole blocks: (query start, end, context key start, end, mask)
-    each, the context span every key any of its queries sees, widened to `align` (so cuDNN's key tiles are whole),
-    and the mask [queries, span + its own block keys] of that rectangle. visible: the step's bool mask [Q, T + Q]."""
+def query_groups(visible: torch.Tensor, context: int, groups: int, block: int, align: int = 128, split=False):
+    """Cut the step's queries into `groups` runs of whole blocks: (query start, end, prefix, context key start, end,
+    mask) each. The rectangle is the context span every key any of its queries sees, widened to `align` (so cuDNN's
+    key tiles are whole), and its own block keys; mask [queries, span + its own block keys] is the step's mask cut to
+    it. With `split`, the context keys that every query of the group sees from the row's start on, rounded down to
+    `align`, are a prefix [0, prefix) of their own, with no mask, and the rectangle starts after them (prefix 0
+    otherwise). visible: the step's bool mask [Q, T + Q]."""
     q_len = visible.shape[0]
     blocks_per_group = -(-q_len // block // groups)
     spans = []
     for q0 in range(0, q_len, blocks_per_group * block):
         q1 = min(q_len, q0 + blocks_per_group * block)
-        seen = visible[q0:q1, :context].any(dim=0).nonzero()
-        lo, hi = (int(seen.min()), int(seen.max()) + 1) if len(seen) else (0, 0)
-        lo, hi = lo - lo % align, min(context, -(-hi // align) * align)
+        prefix = 0
+        if split:
+            unseen = (~visible[q0:q1, :context].all(dim=0)).nonzero()
+            prefix = int(unseen[0]) if len(unseen) else context
+            prefix -= prefix % align
+        seen = visible[q0:q1, prefix:context].any(dim=0).nonzero() + prefix
+        lo, hi = (int(seen.min()), int(seen.max()) + 1) if len(seen) else (prefix, prefix)
+        lo, hi = lo - (lo - prefix) % align, min(context, lo + -(-(hi - lo) // align) * align)
         mask = torch.cat([visible[q0:q1, lo:hi], visible[q0:q1, context + q0 : context + q1]], dim=1)
-        spans.append((q0, q1, lo, hi, mask))
+        spans.append((q0, q1, prefix, lo, hi, mask))
     return spans
 
 
+class PrefixMerged(torch.autograd.Function):
+    """One query group's attention as two calls merged by their log-sum-exps: unmasked over the prefix of context
+    keys all its queries see, masked (an additive bias) over the rest of its rectangle. The backward runs each
+    call's backward kernel with the merged output and log-sum-exp, which is the whole softmax's backward restricted
+    to that call's keys, so no gradient flows through a log-sum-exp. cuDNN's private ops on CUDA, the CPU's flash
+    kernel elsewhere (the same interface, float64 included)."""
+
+    @staticmethod
+    def forward(ctx, q, k_prefix, v_prefix, k_rest, v_rest, bias):
+        out1, lse1, state1 = _attend(q, k_prefix, v_prefix, None)
+        out2, lse2, state2 = _attend(q, k_rest, v_rest, bias)
+        lse = torch.logaddexp(lse1, lse2)
+        w1, w2 = (torch.exp(x - lse).view(*lse.shape[:3], 1) for x in (lse1, lse2))
+        wide = torch.promote_types(q.dtype, torch.float32)  # bf16 merged in float32, float64 kept
+        out = (out1.to(wide) * w1 + out2.to(wide) * w2).to(q.dtype)
+        ctx.save_for_backward(q, k_prefix, v_prefix, k_rest, v_rest, bias, out, lse)
+        ctx.states = (state1, state2)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k_prefix, v_prefix, k_rest, v_rest, bias, out, lse = ctx.saved_tensors
+        dq1, dk1, dv1 = _attend_backward(grad, q, k_prefix, v_prefix, out, lse, None, ctx.states[0])
+        dq2, dk2, dv2 = _attend_backward(grad, q, k_rest, v_rest, out, lse, bias, ctx.states[1])
+        return dq1 + dq2, dk1, dv1, dk2, dv2, None
+
+
+def _attend(q, k, v, bias):
+    """(out, log-sum-exp, what the backward kernel needs besides) of one attention call, bias None for none."""
+    if q.is_cuda:
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, bias, True
+        )
+        return out, lse, (seed, offset, cum_q, cum_k, max_q, max_k)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias)
+    return out, lse, None
+
+
+def _attend_backward(grad, q, k, v, out, lse, bias, state):
+    if q.is_cuda:
+        seed, offset, cum_q, cum_k, max_q, max_k = state
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            grad.contiguous(), q, k, v, out, lse, seed, offset, bias, cum_q, cum_k, max_q, max_k, 0.0, False
+        )
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad.contiguous(), q, k, v, out, lse, 0.0, False, attn_mask=bias
+    )
+
+
 def grouped_attention(q, k, v, spans, context: int):
-    """The step's attention as one dense SDPA call per query group of `query_groups` (K, V: [1, H, T + Q, d])."""
+    """The step's attention as dense calls per query group of `query_groups` (K, V: [1, H, T + Q, d]): one SDPA
+    call over each rectangle, or, where a group has a prefix, the prefix and the rectangle merged (PrefixMerged)."""
     outs = []
-    for q0, q1, lo, hi, mask in spans:
+    for q0, q1, prefix, lo, hi, mask in spans:
         keys = torch.cat([k[:, :, lo:hi], k[:, :, context + q0 : context + q1]], dim=2)
         values = torch.cat([v[:, :, lo:hi], v[:, :, context + q0 : context + q1]], dim=2)
-        outs.append(F.scaled_dot_product_attention(q[:, :, q0:q1], keys, values, attn_mask=mask))
+        if prefix:
+            k_prefix, v_prefix = k[:, :, :prefix], v[:, :, :prefix]
+            outs.append(PrefixMerged.apply(q[:, :, q0:q1], k_prefix, v_prefix, keys, values, mask))
+        else:
+            outs.append(F.scaled_dot_product_attention(q[:, :, q0:q1], keys, values, attn_mask=mask))
     return torch.cat(outs, dim=2)
 
 
@@ -174,25 +236,29 @@ def causal_cases(s: dict, pairs: int, flex, options: dict, device: torch.device,
 
 
 def grouped_cases(s: dict, visible, T: int, block: int, device, dtype, step_attend, pairs: int, groups_list):
-    """The step mask (`visible`, bool [Q, T + Q]) as dense SDPA calls over query groups (cuDNN; on the CPU torch's
-    math kernel, which checks the script rather than times a kernel), each checked against the step's own call on
-    the same inputs first."""
+    """The step mask (`visible`, bool [Q, T + Q]) as dense calls over query groups (cuDNN; on the CPU torch's math
+    and flash kernels, which check the script rather than time a kernel), each group's rectangle masked whole, then
+    split into an unmasked prefix and a masked rest; each case checked against the step's own call on the same
+    inputs first."""
     H, G, d = s["heads"], s["kv_heads"], s["head_dim"]
     step = inputs(H, G, visible.shape[0], visible.shape[1], d, device, dtype)
     reference = outputs_and_grads(step_attend, step)
     backend = SDPA_BACKENDS["cudnn"] if device.type == "cuda" else SDPBackend.MATH
-    for groups in groups_list:
+    align = 128 if device.type == "cuda" else 32  # cuDNN's key tiles; the CPU's toy rows are short
+    for groups, split in ((n, split) for n in groups_list for split in (False, True)):
         spans = [  # SDPA's additive mask in the query dtype, made once as a trainer would
-            (q0, q1, lo, hi, torch.zeros(m.shape, dtype=dtype, device=device).masked_fill_(~m, float("-inf")))
-            for q0, q1, lo, hi, m in query_groups(visible, T, groups, block)
+            (q0, q1, prefix, lo, hi, torch.zeros(m.shape, dtype=dtype, device=device).masked_fill_(~m, float("-inf")))
+            for q0, q1, prefix, lo, hi, m in query_groups(visible, T, groups, block, align, split)
         ]
-        computed = sum((q1 - q0) * m.shape[1] for q0, q1, _, _, m in spans)
+        computed = sum((q1 - q0) * (prefix + m.shape[1]) for q0, q1, prefix, _, _, m in spans)
+        unmasked = sum((q1 - q0) * prefix for q0, q1, prefix, *_ in spans)
 
         def attend(q, k, v, spans=spans):
             with sdpa_kernel(backend):
                 return grouped_attention(q, k.repeat_interleave(H // G, 1), v.repeat_interleave(H // G, 1), spans, T)
 
-        name = f"step mask, {backend.name.lower()}/{groups} ({computed / pairs:.2f}x the pairs"
+        kind = f"prefix + masked/{groups}, {unmasked / computed:.0%} unmasked" if split else f"masked/{groups}"
+        name = f"step mask, {backend.name.lower()} {kind} ({computed / pairs:.2f}x the pairs"
         try:  # a wrong or NaN kernel must not pass as a fast one
             error = max(relative_error(a, b) for a, b in zip(outputs_and_grads(attend, step), reference))
         except RuntimeError as exc:  # no kernel for it: a failed row, as measure's own errors
@@ -244,7 +310,7 @@ def main():
         except DflashError as exc:
             parser.error(str(exc))
         s.update(heads=heads["num_attention_heads"], kv_heads=heads["num_key_value_heads"], head_dim=args.head_dim)
-    shapes = parse_row_shapes("4x64:8" if args.tiny else args.row_shapes)
+    shapes = parse_row_shapes("4x64:8,1x512:16" if args.tiny else args.row_shapes)
     print(f"drafter {args.drafter}: {s['heads']} / {s['kv_heads']} heads of {s['head_dim']}, block {args.block_size}")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}\n")
     print("| row | case | pairs / head | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd % of 792 |")

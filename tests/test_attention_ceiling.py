@@ -1,5 +1,6 @@
-"""bench/attention_ceiling.py's step attention cut into dense per-group SDPA calls: the same outputs and gradients
-as one SDPA over the step's whole brute-force mask, in float64, whatever the group count."""
+"""bench/attention_ceiling.py's step attention cut into dense per-group calls, each group's rectangle masked whole or
+split into an unmasked prefix merged with a masked rest: the same outputs and gradients as one SDPA over the
+step's whole brute-force mask, in float64, whatever the group count."""
 
 import re
 import subprocess
@@ -15,17 +16,24 @@ from bench.mask_tiles import row_anchors
 from dflash.blocks import dense_block_mask
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("docs, doc_len, anchors, groups", [(1, 512, 24, 4), (3, 160, 30, 7), (2, 256, 16, 16)])
-def test_the_grouped_dense_calls_equal_one_call_over_the_whole_mask(docs, doc_len, anchors, groups):
+def test_the_grouped_dense_calls_equal_one_call_over_the_whole_mask(docs, doc_len, anchors, groups, split):
     block, heads, head_dim = 4, 2, 8
     starts, valid, doc_ids = row_anchors(docs, doc_len, anchors, block, seed=3)
     visible = dense_block_mask(starts, valid, doc_ids, block)[0]
     context, queries = docs * doc_len, anchors * block
-    spans = query_groups(visible, context, groups, block, align=32)
+    spans = query_groups(visible, context, groups, block, align=32, split=split)
     assert [q0 for q0, *_ in spans] == sorted(q0 for q0, *_ in spans) and spans[-1][1] == queries
     assert all((q1 - q0) % block == 0 for q0, q1, *_ in spans)  # whole blocks: a block's keys stay in its group
-    hidden = sum(int(visible[q0:q1].sum()) - int(m.sum()) for q0, q1, _, _, m in spans)
-    assert hidden == 0  # every visible pair inside some group's rectangle
+    for q0, q1, prefix, lo, hi, mask in spans:
+        assert visible[q0:q1, :prefix].all() and prefix <= lo <= hi <= context and prefix % 32 == 0
+        assert int(visible[q0:q1].sum()) == (q1 - q0) * prefix + int(mask.sum())  # every visible pair computed
+    assert (max(prefix for _, _, prefix, *_ in spans) > 0) == split  # groups of the first document share one
+    spans = [
+        (*span[:5], torch.zeros(span[5].shape, dtype=torch.float64).masked_fill_(~span[5], float("-inf")))
+        for span in spans
+    ]  # the additive bias, as the bench makes it (the flash kernel takes no bool mask)
 
     generator = torch.Generator().manual_seed(0)
     q, k, v = (
@@ -42,7 +50,8 @@ def test_the_grouped_dense_calls_equal_one_call_over_the_whole_mask(docs, doc_le
 
 def test_the_script_checks_its_grouped_calls_against_the_steps_own_call():
     """The bench's whole grouped path (masks made once as SDPA's float bias, K and V repeated to the query heads,
-    the check before timing) on the CPU, as the GPU run takes it with cuDNN."""
+    the prefix merged through the CPU's flash kernels, the check before timing) on the CPU, as the GPU run takes it
+    with cuDNN: 2 rows x 2 group counts x (masked, prefix + masked)."""
     script = Path(__file__).resolve().parents[1] / "bench" / "attention_ceiling.py"
     run = subprocess.run(
         [sys.executable, str(script), "--tiny", "--query-groups", "2,3", "--iters", "1"],
@@ -52,4 +61,5 @@ def test_the_script_checks_its_grouped_calls_against_the_steps_own_call():
     )
     assert run.returncode == 0, run.stderr[-2000:]
     errors = [float(e) for e in re.findall(r"error ([0-9.e+-]+)\)", run.stdout)]
-    assert len(errors) == 2 and all(e < 1e-5 for e in errors), run.stdout
+    assert len(errors) == 8 and all(e < 1e-5 for e in errors), run.stdout
+    assert re.search(r"prefix \+ masked/3, [1-9]\d*% unmasked", run.stdout), run.stdout  # the merge ran
