@@ -107,7 +107,7 @@ class PrefixMerged(torch.autograd.Function):
         lse = torch.logaddexp(lse1, lse2)
         w1, w2 = (torch.exp(x - lse).view(*lse.shape[:3], 1) for x in (lse1, lse2))
         wide = torch.promote_types(q.dtype, torch.float32)  # bf16 merged in float32, float64 kept
-        out = (out1.to(wide) * w1 + out2.to(wide) * w2).to(q.dtype)
+        out = (out1.to(wide) * w1 + out2.to(wide) * w2).to(q.dtype).contiguous()  # the layout grad will have
         ctx.save_for_backward(q, k_prefix, v_prefix, k_rest, v_rest, bias, out, lse)
         ctx.states = (state1, state2)
         return out
