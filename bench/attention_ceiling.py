@@ -8,7 +8,8 @@ Cases, each timed alone (random bf16 q, k, v; compiled where flex_attention is u
     causal, flex         the same kernel and options over a plain causal mask of length L, L(L+1)/2 ~= the pairs
     causal, sdpa-X       torch's SDPA backends (flash, cudnn, efficient) over that causal problem; K and V repeated
                          to the query heads first (not every backend takes GQA), their copy not timed
-    step mask, cudnn/N   the step's exact attention as N dense SDPA calls on cuDNN, one per run of consecutive
+    step mask, cudnn masked/N
+                         the step's exact attention as N dense SDPA calls on cuDNN, one per run of consecutive
                          blocks (anchors sorted): each over the context span its blocks see and its own blocks' keys,
                          with the step's mask cut to that rectangle; computes more pairs than are visible (printed),
                          K and V repeated to the query heads inside the timing, its outputs and gradients checked
@@ -16,6 +17,10 @@ Cases, each timed alone (random bf16 q, k, v; compiled where flex_attention is u
                          mask's rectangles beats flex_attention at head_dim 256 (--query-groups; with --tiny, torch's
                          math kernel on the CPU: a check of the script, not a timing). It does not: 1.3-3.4x flex's
                          time on an H100 (docs/benchmarks.md, "Long rows", 2026-12-05)
+    step mask, cudnn prefix + masked/N
+                         each group's rectangle split: the context keys all its queries see from the row's start,
+                         attended unmasked, merged by log-sum-exp with a masked call over the rest (PrefixMerged).
+                         Faster than the masked whole, still 1.29-1.37x flex's time (H100, 2026-12-05)
 FLOPs as the trainer's MFU counts them (docs/training.md): forward 4 x pairs x heads x head_dim, backward 2.5x that.
 (flex's backward runs QK^T and dO V^T once more in its dQ pass: 3.5x the forward's products executed.)
 
