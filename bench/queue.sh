@@ -3,7 +3,10 @@
 # whole plan runs across device calls of at most 10 minutes each. The runner starts a process session of its own
 # (setsid): the device kills what a call leaves running in its own session when the call returns.
 #
-#   bash bench/queue.sh start PLAN     # PLAN: lines `NAME<TAB>COMMAND` (# comments and blank lines skipped);
+#   bash bench/queue.sh start PLAN [NAME ...]
+#                                      # PLAN: lines `NAME<TAB>COMMAND` (# comments and blank lines skipped);
+#                                      # with NAMEs, only those lines (in the plan's order; a name the plan
+#                                      # lacks is refused before anything starts);
 #                                      # returns at once; each COMMAND runs in a copy of the repository
 #                                      # (/tmp/queue/repo) after bench/device_setup.sh, its output in
 #                                      # /tmp/queue/NAME.log (QUEUE_DIR)
@@ -21,16 +24,32 @@ set -u
 QUEUE=${QUEUE_DIR:-/tmp/queue}
 SETUP=${QUEUE_SETUP:-bench/device_setup.sh}  # tests set another
 
+# The plan's lines (comments and blanks dropped), only those of the given names when any are given.
+select_lines() {
+    local plan=$1 name
+    shift
+    local names
+    names=$(cut -f1 "$plan" | grep -v '^\s*\(#\|$\)')
+    for name in "$@"; do
+        grep -qxF -- "$name" <<< "$names" || { echo "no line $name in $plan; its lines: $(paste -sd ' ' <<< "$names")" >&2; return 2; }
+    done
+    grep -v '^\s*\(#\|$\)' "$plan" | while IFS= read -r line; do
+        if [ $# -eq 0 ] || printf '%s\n' "$@" | grep -qxF -- "${line%%$'\t'*}"; then printf '%s\n' "$line"; fi
+    done
+}
+
 start() {
-    local plan=$1
+    local plan=$1 lines
+    shift
     [ -f "$plan" ] || { echo "no plan file $plan" >&2; return 2; }
     [ -e "$QUEUE/started" ] && { echo "a queue already runs here ($QUEUE); poll it" >&2; return 2; }
-    mkdir -p "$QUEUE" && cp "$plan" "$QUEUE/plan" && date -u +%FT%TZ > "$QUEUE/started"
+    lines=$(select_lines "$plan" "$@") || return 2
+    mkdir -p "$QUEUE" && printf '%s\n' "$lines" > "$QUEUE/plan" && date -u +%FT%TZ > "$QUEUE/started"
     # The commands run in a copy of the tree: a later device call syncs the working tree anew under them.
     mkdir -p "$QUEUE/repo" && tar cf - --exclude=./.git --exclude=./.venv --exclude=./.smoke . | tar xf - -C "$QUEUE/repo"
     # exec: no subshell stays behind holding the caller's stdout until the queue ends
     (cd "$QUEUE/repo" && exec setsid nohup bash bench/queue.sh run > "$QUEUE/queue.log" 2>&1 < /dev/null) &
-    echo "queue started: $(grep -cv '^\s*\(#\|$\)' "$plan") commands, logs in $QUEUE"
+    echo "queue started: $(grep -c . "$QUEUE/plan") commands ($(cut -f1 "$QUEUE/plan" | paste -sd ' ')), logs in $QUEUE"
 }
 
 run() {
@@ -69,8 +88,8 @@ poll() {
 }
 
 case "${1:-}" in
-    start) start "${2:?give the plan file}" ;;
+    start) shift; start "${1:?give the plan file}" "${@:2}" ;;
     run) run ;;
     poll) poll "${2:?give the folder to copy the results to}" "${3:-0}" ;;
-    *) echo "usage: bash bench/queue.sh start PLAN | poll OUT [WAIT_SECONDS]" >&2; exit 2 ;;
+    *) echo "usage: bash bench/queue.sh start PLAN [NAME ...] | poll OUT [WAIT_SECONDS]" >&2; exit 2 ;;
 esac

@@ -54,6 +54,25 @@ def test_a_queue_runs_its_plan_in_order_and_a_poll_copies_the_results(tmp_path):
     assert (tmp_path / "queue" / "repo" / "bench" / "queue.sh").exists() and not (out / "repo").exists()
 
 
+def test_a_queue_of_named_lines_runs_those_only_in_the_plans_order(tmp_path):
+    setup = tmp_path / "setup.sh"
+    setup.write_text("true\n")
+    env = {**os.environ, "QUEUE_DIR": str(tmp_path / "queue"), "QUEUE_SETUP": str(setup)}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "no-triton-cache")
+    plan = tmp_path / "plan.tsv"
+    plan.write_text("# lines\none\techo 1\ntwo\techo 2\n\nthree\techo 3\n")
+    refused = queue("start", str(plan), "three", "four", env=env)
+    assert refused.returncode == 2 and "no line four" in refused.stderr and "one two three" in refused.stderr
+    assert not (tmp_path / "queue").exists()  # refused before anything started
+    started = queue("start", str(plan), "three", "one", env=env)
+    assert started.returncode == 0 and "2 commands (one three)" in started.stdout, started.stderr
+    status = wait_for(tmp_path / "queue" / "status", "queue done")
+    assert [line.split(" end ")[1] for line in status.splitlines() if " end " in line] == [
+        "one: exit 0",
+        "three: exit 0",
+    ]
+
+
 def test_a_poll_packs_the_triton_cache_as_device_setup_unpacks_it(tmp_path):
     setup = tmp_path / "setup.sh"
     setup.write_text("true\n")
