@@ -92,10 +92,15 @@ def query_groups(visible: torch.Tensor, context: int, groups: int, block: int, a
             prefix -= prefix % align
         seen = visible[q0:q1, prefix:context].any(dim=0).nonzero() + prefix
         lo, hi = (int(seen.min()), int(seen.max()) + 1) if len(seen) else (prefix, prefix)
-        lo, hi = lo - (lo - prefix) % align, min(context, lo + -(-(hi - lo) // align) * align)
+        lo, hi = lo - lo % align, min(context, -(-hi // align) * align)  # prefix is a multiple of align
         mask = torch.cat([visible[q0:q1, lo:hi], visible[q0:q1, context + q0 : context + q1]], dim=1)
         spans.append((q0, q1, prefix, lo, hi, mask))
     return spans
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as the additive one the merged calls' kernels take (0: visible, -inf: hidden)."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
 class PrefixMerged(torch.autograd.Function):
@@ -252,8 +257,7 @@ def grouped_cases(s: dict, visible, T: int, block: int, device, dtype, step_atte
     align = 128 if device.type == "cuda" else 32  # cuDNN's key tiles; the CPU's toy rows are short
     for groups, split in ((n, split) for n in groups_list for split in (False, True)):
         spans = [  # SDPA's additive mask in the query dtype, made once as a trainer would
-            (q0, q1, prefix, lo, hi, torch.zeros(m.shape, dtype=dtype, device=device).masked_fill_(~m, float("-inf")))
-            for q0, q1, prefix, lo, hi, m in query_groups(visible, T, groups, block, align, split)
+            (*span, additive_mask(m, dtype)) for *span, m in query_groups(visible, T, groups, block, align, split)
         ]
         computed = sum((q1 - q0) * (prefix + m.shape[1]) for q0, q1, prefix, _, _, m in spans)
         unmasked = sum((q1 - q0) * prefix for q0, q1, prefix, *_ in spans)

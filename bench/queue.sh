@@ -26,16 +26,15 @@ SETUP=${QUEUE_SETUP:-bench/device_setup.sh}  # tests set another
 
 # The plan's lines (comments and blanks dropped), only those of the given names when any are given.
 select_lines() {
-    local plan=$1 name
+    local plan=$1 lines name
     shift
-    local names
-    names=$(cut -f1 "$plan" | grep -v '^\s*\(#\|$\)')
+    lines=$(grep -v '^\s*\(#\|$\)' "$plan")
+    [ $# -eq 0 ] && { printf '%s\n' "$lines"; return 0; }
     for name in "$@"; do
-        grep -qxF -- "$name" <<< "$names" || { echo "no line $name in $plan; its lines: $(paste -sd ' ' <<< "$names")" >&2; return 2; }
+        cut -f1 <<< "$lines" | grep -qxF -- "$name" ||
+            { echo "no line $name in $plan; its lines: $(cut -f1 <<< "$lines" | paste -sd ' ')" >&2; return 2; }
     done
-    grep -v '^\s*\(#\|$\)' "$plan" | while IFS= read -r line; do
-        if [ $# -eq 0 ] || printf '%s\n' "$@" | grep -qxF -- "${line%%$'\t'*}"; then printf '%s\n' "$line"; fi
-    done
+    awk -F '\t' -v names="$*" 'BEGIN { split(names, wanted, " "); for (i in wanted) keep[wanted[i]] } $1 in keep' <<< "$lines"
 }
 
 start() {

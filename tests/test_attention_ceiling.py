@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench.attention_ceiling import grouped_attention, query_groups
+from bench.attention_ceiling import additive_mask, grouped_attention, query_groups
 from bench.mask_tiles import row_anchors
 from dflash.blocks import dense_block_mask
 
@@ -30,10 +30,7 @@ def test_the_grouped_dense_calls_equal_one_call_over_the_whole_mask(docs, doc_le
         assert visible[q0:q1, :prefix].all() and prefix <= lo <= hi <= context and prefix % 32 == 0
         assert int(visible[q0:q1].sum()) == (q1 - q0) * prefix + int(mask.sum())  # every visible pair computed
     assert (max(prefix for _, _, prefix, *_ in spans) > 0) == split  # groups of the first document share one
-    spans = [
-        (*span[:5], torch.zeros(span[5].shape, dtype=torch.float64).masked_fill_(~span[5], float("-inf")))
-        for span in spans
-    ]  # the additive bias, as the bench makes it (the flash kernel takes no bool mask)
+    spans = [(*span, additive_mask(m, torch.float64)) for *span, m in spans]  # the flash kernel takes no bool mask
 
     generator = torch.Generator().manual_seed(0)
     q, k, v = (
