@@ -17,6 +17,10 @@ Cases, each timed alone (random bf16 q, k, v; compiled where flex_attention is u
                          mask's rectangles beats flex_attention at head_dim 256 (--query-groups; with --tiny, torch's
                          math kernel on the CPU: a check of the script, not a timing). It does not: 1.3-3.4x flex's
                          time on an H100 (docs/benchmarks.md, "Long rows", 2026-12-05)
+    step mask, flex {JSON}
+                         the trainer's call with other kernel options (--flex-options, as bench/train.py's: JSON
+                         objects, "mask_tile_size" the BlockMask's tiles, e.g. {"BACKEND": "FLASH"} for the CuTe
+                         flash kernels of flash-attn-4), its outputs and gradients checked against the first case's
     step mask, cudnn prefix + masked/N
                          each group's rectangle split: the context keys all its queries see from the row's start,
                          attended unmasked, merged by log-sum-exp with a masked call over the rest (PrefixMerged).
@@ -28,6 +32,7 @@ On the H200 (bench/device_setup.sh first):
     python3 bench/attention_ceiling.py --drafter b --row-shapes 4x3072:512,1x32768:2048
     python3 bench/attention_ceiling.py --drafter b --row-shapes 1x32768:2048 --head-dim 128   # 32 / 8 heads of 128
     python3 bench/attention_ceiling.py --drafter b --row-shapes 1x32768:2048 --query-groups 16,32,64
+    python3 bench/attention_ceiling.py --drafter b --row-shapes 1x32768:2048 --flex-options '{"BACKEND": "FLASH"}'
     python bench/attention_ceiling.py --tiny        # the CPU: the dense-mask SDPA the CPU trainer runs, toy shapes
     python bench/attention_ceiling.py --tiny --query-groups 2,3     # the grouped calls' script, checked on the CPU
 """
@@ -45,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from bench.mask_tiles import row_anchors  # noqa: E402
 from bench.topk import ms_per_call  # noqa: E402
-from bench.train import DRAFTERS, TINY, parse_row_shapes  # noqa: E402
+from bench.train import DRAFTERS, TINY, flex_train_options, parse_flex_options, parse_row_shapes  # noqa: E402
 from dflash import attention_kernels, blocks, metrics  # noqa: E402
 from dflash.drafter import heads_at_head_dim  # noqa: E402
 from dflash.errors import DflashError  # noqa: E402
@@ -196,7 +201,7 @@ def inputs(heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int, de
     return make(heads, q_len), make(kv_heads, kv_len), make(kv_heads, kv_len)
 
 
-def cases(s: dict, shape: dict, block: int, device: torch.device, seed: int, query_groups_list=()):
+def cases(s: dict, shape: dict, block: int, device: torch.device, seed: int, query_groups_list=(), flex_sets=()):
     """(name, attend, (q, k, v), pairs per head) of every case at this shape."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     H, G, d = s["heads"], s["kv_heads"], s["head_dim"]
@@ -209,18 +214,54 @@ def cases(s: dict, shape: dict, block: int, device: torch.device, seed: int, que
         yield "step mask, sdpa (CPU)", step_attend, inputs(H, G, q_len, kv_len, d, device, dtype), pairs
     else:
         options = attention_kernels.attention_kernel_options({}, True, d)
-        flex = torch.compile(flex_attention, fullgraph=True)
+        flex = torch.compile(flex_attention, fullgraph=True, dynamic=False)  # FLASH inlines no symbolic size
 
         def step_attend(q, k, v):
             return flex(q, k, v, block_mask=mask, enable_gqa=G != H, kernel_options=options)
 
         yield "step mask, flex", step_attend, inputs(H, G, q_len, kv_len, d, device, dtype), pairs
+        yield from flex_option_cases(s, step_anchors, block, step_attend, pairs, flex_sets)
         yield from causal_cases(s, pairs, flex, options, device, dtype)
     if query_groups_list:
         visible = blocks.dense_block_mask(*step_anchors, block)[0]
         yield from grouped_cases(
             s, visible, kv_len - q_len, block, device, dtype, step_attend, pairs, query_groups_list
         )
+
+
+def flex_option_cases(s: dict, step_anchors, block: int, step_attend, pairs: int, flex_sets):
+    """The step's flex_attention call under each --flex-options set (its BlockMask rebuilt where the set names
+    other tiles), checked against the trainer's default call on the same inputs first."""
+    H, G, d = s["heads"], s["kv_heads"], s["head_dim"]
+    anchors = step_anchors[0]
+    step = inputs(
+        H,
+        G,
+        anchors.shape[1] * block,
+        step_anchors[2].shape[1] + anchors.shape[1] * block,
+        d,
+        anchors.device,
+        torch.bfloat16,
+    )
+    reference = outputs_and_grads(step_attend, step) if flex_sets else None
+    for name, given in flex_sets:
+        train = flex_train_options(given)
+        tile = train.get("mask_tile_size") or attention_kernels.default_mask_tile(d)
+        mask = blocks.block_attention_mask(*step_anchors, block, tile_size=tile)
+        kernel = train["attention_kernel_options"]
+
+        own = torch.compile(flex_attention, fullgraph=True, dynamic=False)  # its own cache: no recompile limit
+
+        def attend(q, k, v, mask=mask, kernel=kernel, own=own):
+            return own(q, k, v, block_mask=mask, enable_gqa=G != H, kernel_options=kernel)
+
+        try:  # a wrong or NaN kernel must not pass as a fast one
+            error = max(relative_error(a, b) for a, b in zip(outputs_and_grads(attend, step), reference))
+        except (RuntimeError, torch._dynamo.exc.TorchDynamoException) as exc:
+            print(f"step mask, flex {name} failed:\n{exc}", file=sys.stderr)  # the table keeps its first line
+            yield f"step mask, flex {name}", refused(exc), step, pairs
+            continue
+        yield f"step mask, flex {name} (error {error:.1e})", attend, step, pairs
 
 
 def causal_cases(s: dict, pairs: int, flex, options: dict, device: torch.device, dtype):
@@ -308,8 +349,18 @@ def main():
     parser.add_argument(
         "--query-groups", default="", help="N,...: the step mask as N dense cuDNN calls too (16,32,64; --tiny: 2,3)"
     )
+    parser.add_argument(
+        "--flex-options",
+        default="",
+        help="JSON;JSON...: the step's flex_attention call with these kernel options too (bench/train.py's form; "
+        '"mask_tile_size" the BlockMask\'s tiles), e.g. \'{"BACKEND": "FLASH"}\'',
+    )
     parser.add_argument("--tiny", action="store_true", help="toy shapes on the CPU")
     args = parser.parse_args()
+    try:
+        flex_sets = parse_flex_options(args.flex_options) if args.flex_options else []
+    except ValueError as exc:
+        parser.error(f"--flex-options: {exc}")
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     s = dict((TINY if args.tiny else DRAFTERS)[args.drafter])
     if args.head_dim:
@@ -327,7 +378,7 @@ def main():
     groups = [int(n) for n in args.query_groups.split(",") if n]
     for shape in shapes:
         row = f"{shape['docs_per_row']} x {shape['doc_len']}, {shape['anchors_per_doc']} anchors/doc"
-        for name, attend, qkv, pairs in cases(s, shape, args.block_size, device, args.seed, groups):
+        for name, attend, qkv, pairs in cases(s, shape, args.block_size, device, args.seed, groups, flex_sets):
             flops = 4.0 * pairs * s["heads"] * s["head_dim"]
             try:
                 fwd, bwd = measure(attend, *qkv, args.iters, device)

@@ -7,6 +7,7 @@ kernels"); other head dims run torch's own kernels, whose tiles they must fit.
 
 import contextlib
 import functools
+import importlib.util
 
 from dflash import blocks, graph
 from dflash.errors import DflashError
@@ -27,10 +28,39 @@ SMALL_MASK_TILE = 64
 TUNED_MIN_HEAD_DIM = 193
 
 
+# flex_attention's experimental backend on flash-attn-4's CuTe kernels (`--attention-kernel-option BACKEND=FLASH`):
+# at head_dim 256 on an H100 its backward ran 1.5x and its forward 1.5x Triton's over the step's mask
+# (docs/benchmarks.md, "Long rows", 2026-12-05). Opt-in: a beta package, measured on one GPU type.
+FLASH_EXTRA = "pip install -e '.[flash]'"
+
+
+def uses_flash(options: dict | None) -> bool:
+    return (options or {}).get("BACKEND") == "FLASH"
+
+
+def check_flash(cuda: bool) -> None:
+    """Refuse BACKEND=FLASH where it cannot run, before anything is built, and import its kernels' package now:
+    the import registers pytree nodes, which a compiled step traced before it guards on (it would recompile)."""
+    if not cuda:
+        raise DflashError(
+            "--attention-kernel-option BACKEND=FLASH runs flash-attn-4's CUDA kernels, and this run is on the CPU "
+            "(its attention is a dense mask): drop the option"
+        )
+    if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
+        raise DflashError(
+            "--attention-kernel-option BACKEND=FLASH needs flash-attn-4 (its CuTe kernels), which is not installed: "
+            f"{FLASH_EXTRA} (docs/training.md, 'Attention kernels'), or drop the option for flex_attention's "
+            "Triton kernels"
+        )
+    importlib.import_module("flash_attn.cute.interface")
+
+
 def attention_kernel_options(given: dict, cuda: bool, head_dim: int) -> dict:
     """The drafter's flex_attention options: the flags' when given, else the CUDA default where it was measured
     (the CPU's flex_attention evaluates the mask densely and takes none)."""
     if given:
+        if uses_flash(given):
+            check_flash(cuda)
         return dict(given)
     return dict(CUDA_KERNEL_OPTIONS) if cuda and head_dim >= TUNED_MIN_HEAD_DIM else {}
 
@@ -46,7 +76,8 @@ def describe_choice(options: dict, tile: int, head_dim: int, options_given: bool
     options_from = "--attention-kernel-option" if options_given else by_head_dim
     tile_from = "--mask-tile-size" if tile_given else by_head_dim
     shown = options or "torch's own"
-    return f"attention kernel options ({options_from}): {shown}; BlockMask tiles of {tile} ({tile_from})"
+    kernels = "flash-attn-4's CuTe kernels" if uses_flash(options) else "Triton kernels"
+    return f"attention: flex_attention on {kernels}, options ({options_from}) {shown}; BlockMask tiles of {tile} ({tile_from})"
 
 
 def mask_function(tile_size: int, cuda: bool, compile_on: bool):
@@ -73,6 +104,18 @@ def attention_kernel_errors(tile_size: int, head_dim: int, query_tokens: int, ke
                 f"attention mask's tiles of {tile_size} (--mask-tile-size); give --mask-tile-size 128, or leave it "
                 "unset (it then follows the head dim), or set kernel tiles that divide it with "
                 "--attention-kernel-option fwd_BLOCK_M=... (docs/training.md, 'Attention kernels')"
+            ) from exc
+        if "Block sparsity requires" in text:  # flash-attn-4's kernels: the mask's tiles must fit theirs
+            raise DflashError(
+                f"flash-attn-4's kernels at head_dim {head_dim} do not take the attention mask's tiles of {tile_size} "
+                f"(--mask-tile-size): {text.splitlines()[-1].strip()} Leave --mask-tile-size unset (it then follows "
+                "the head dim: 64 at 256, 128 at 128) or drop --attention-kernel-option BACKEND=FLASH"
+            ) from exc
+        if "UNSUPPORTED CUTEDSL OPERATION" in text:
+            raise DflashError(
+                "flex_attention's FLASH backend cannot lower the step's attention mask with this torch ("
+                f"{next((line.strip() for line in text.splitlines() if line.startswith('Operation:')), 'an operation')}"
+                "): drop --attention-kernel-option BACKEND=FLASH for its Triton kernels"
             ) from exc
         if "NoValidChoicesError" in text and "flex_attention" in text:
             raise DflashError(

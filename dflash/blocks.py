@@ -207,19 +207,22 @@ def block_attention_mask(
     """
     R, A = anchors.shape
     T = doc_ids.shape[1]
+    Q = A * block_size
     anchor_doc = doc_ids.gather(1, anchors)
+    # A document id for every key, the block keys' unread (in_context is false there): an index in range without a
+    # clamp, which the CuTe kernels of BACKEND="FLASH" cannot lower (torch 2.11).
+    key_doc = torch.cat([doc_ids, doc_ids.new_zeros(R, Q)], dim=1)
 
     def mask_mod(b, h, q, kv):
         j = q // block_size
         in_context = kv < T
-        same_doc = doc_ids[b, kv.clamp(max=T - 1)] == anchor_doc[b, j]
+        same_doc = key_doc[b, kv] == anchor_doc[b, j]
         sees_context = in_context & same_doc & (kv < anchors[b, j]) & valid[b, j]
         if window is not None:
             sees_context = sees_context & (anchors[b, j] + q % block_size - kv < window)
         sees_own_block = ~in_context & ((kv - T) // block_size == j)
         return sees_context | sees_own_block
 
-    Q = A * block_size
     return create_block_mask(mask_mod, B=R, H=None, Q_LEN=Q, KV_LEN=T + Q, device=anchors.device, BLOCK_SIZE=tile_size)
 
 

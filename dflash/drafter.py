@@ -362,6 +362,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.kernel_options: dict | None = None  # flex_attention's; see DFlashDrafter.set_attention_kernel_options
+        self.kv_repeat = 1  # K / V heads repeated before flex_attention (flash_kv_repeat)
 
     def forward(self, x: Tensor, ctx: Tensor, q_rope, kv_rope, mask: BlockMask | Tensor | None) -> Tensor:
         R, Q, _ = x.shape
@@ -374,10 +375,20 @@ class Attention(nn.Module):
         q, k = apply_rope(q, *q_rope), apply_rope(k, *kv_rope)
         gqa = self.kv_heads != self.heads
         if isinstance(mask, BlockMask):
+            if self.kv_repeat > 1:
+                k, v = k.repeat_interleave(self.kv_repeat, dim=1), v.repeat_interleave(self.kv_repeat, dim=1)
             out = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa, kernel_options=self.kernel_options)
         else:  # None: one block per row at inference, everything visible; or a dense mask (CPU training)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(R, Q, self.heads * self.head_dim))
+
+
+def flash_kv_repeat(heads: int, kv_heads: int) -> int:
+    """How many times to repeat each K / V head for flex_attention's FLASH backend: its forward ran 3.9x slower
+    with 3 or 6 query heads per K / V head than with 1, 2 or 4 (H100, docs/benchmarks.md, "Long rows"), so the
+    smallest repeat that leaves a power of two."""
+    group = heads // kv_heads
+    return next(r for r in range(1, group + 1) if group % r == 0 and (group // r) & (group // r - 1) == 0)
 
 
 class MLP(nn.Module):
@@ -430,9 +441,11 @@ class DFlashDrafter(nn.Module):
         """flex_attention's kernel options for every layer (tile sizes, warps, stages: FlexKernelOptions' keys, with
         a fwd_ / bwd_ prefix for one pass only). They change the speed, and the result only by float rounding."""
         check_kernel_options(options or {})
+        flash = (options or {}).get("BACKEND") == "FLASH"
         for module in self.modules():
             if isinstance(module, Attention):
                 module.kernel_options = dict(options) if options else None
+                module.kv_repeat = flash_kv_repeat(module.heads, module.kv_heads) if flash else 1
 
     def set_recompute(self, mode: str) -> None:
         """What the backward recomputes (RECOMPUTE): memory for time, the values unchanged."""

@@ -57,6 +57,7 @@ class StepShape:
     recompute: str = "none"  # TrainConfig.recompute
     layer_parameters: int = 0  # those of the drafter layers (--recompute pointwise recomputes their bf16 copies)
     embedding_on_host: bool = False  # TrainConfig.embedding resolved (`embedding_on_host`)
+    kv_repeat: int = 1  # K / V heads repeated for BACKEND=FLASH (dflash.drafter.flash_kv_repeat)
 
 
 def embedding_on_host(choice: str, cuda: bool, step_tokens: int, vocab_size: int) -> bool:
@@ -130,6 +131,8 @@ def step_memory(dcfg: DrafterConfig, shape: StepShape) -> dict[str, int]:
         ),
         "dense attention mask": round(R * Q * (T + Q) * c.mask),
         "recomputed in a layer's backward": round(R * Q * rebuilt_width * e),
+        # the extra copies of each layer's K and V, context and block keys, that flex_attention keeps (counted)
+        "repeated K / V heads": round(R * (T + Q) * L * 2 * (shape.kv_repeat - 1) * kv_width * e),
     }
     return parts
 

@@ -1,6 +1,8 @@
 """dflash/attention_kernels.py: the defaults by head dim against torch's own kernel tables, the flags winning, the
 refused-tile error, the mask function's tiles."""
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -62,12 +64,39 @@ def test_the_mask_function_builds_the_chosen_tiles():
 def test_the_log_line_names_where_each_choice_came_from():
     line = describe_choice({}, 128, 64, options_given=False, tile_given=False)
     assert line == (
-        "attention kernel options (the default at head_dim 64): torch's own; "
+        "attention: flex_attention on Triton kernels, options (the default at head_dim 64) torch's own; "
         "BlockMask tiles of 128 (the default at head_dim 64)"
     )
     line = describe_choice(CUDA_KERNEL_OPTIONS, 16, 256, options_given=True, tile_given=True)
-    assert "(--attention-kernel-option): {'bwd_num_warps': 8, 'USE_TMA': True}" in line
+    assert "(--attention-kernel-option) {'bwd_num_warps': 8, 'USE_TMA': True}" in line
     assert line.endswith("BlockMask tiles of 16 (--mask-tile-size)")
+    line = describe_choice({"BACKEND": "FLASH"}, 64, 256, options_given=True, tile_given=False)
+    assert line.startswith("attention: flex_attention on flash-attn-4's CuTe kernels")
+
+
+def test_the_flash_backend_is_refused_where_it_cannot_run(monkeypatch):
+    # before anything is built: on the CPU, and on a GPU without flash-attn-4 (this machine has no flash_attn)
+    with pytest.raises(DflashError, match="BACKEND=FLASH .* on the CPU"):
+        attention_kernel_options({"BACKEND": "FLASH"}, False, 256)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name.startswith("flash_attn") else 1)
+    with pytest.raises(DflashError, match=r"needs flash-attn-4 .* pip install -e '\.\[flash\]'"):
+        attention_kernel_options({"BACKEND": "FLASH"}, True, 256)
+    assert attention_kernel_options({"BACKEND": "TRITON"}, True, 256) == {"BACKEND": "TRITON"}
+
+
+def test_the_flash_kernels_refusals_name_the_flags():
+    # flash-attn-4's words (4.0.0b40) for a KV tile its SM90 forward at head_dim 256 does not take, and torch 2.11's
+    # for a mask op its CuTe lowering lacks (the clamp dflash.blocks no longer uses)
+    refusal = (
+        "LoweringException: ValueError: Block sparsity requires sparse_block_size[1] to be a multiple of tile_n=80."
+    )
+    with pytest.raises(DflashError, match="tiles of 128 .*tile_n=80.* Leave --mask-tile-size unset"):
+        with attention_kernel_errors(128, 256, 512, 1024):
+            raise RuntimeError(refusal)
+    refusal = "CuteDSL template failed: ===\nUNSUPPORTED CUTEDSL OPERATION: 'minimum'\n===\nOperation: minimum\n"
+    with pytest.raises(DflashError, match="cannot lower the step's attention mask .*Operation: minimum.*drop"):
+        with attention_kernel_errors(64, 256, 512, 1024):
+            raise RuntimeError(refusal)
 
 
 def test_a_mask_tile_the_kernels_refuse_names_the_flag():

@@ -350,3 +350,37 @@ def test_attention_kernel_options_reach_flex_attention_in_every_layer(monkeypatc
     assert all(layer.self_attn.kernel_options is None for layer in model.layers)
     with pytest.raises(DflashError, match="unknown flex_attention kernel option bwd_BLOCK_Q1 .*BLOCK_M1"):
         model.set_attention_kernel_options({"bwd_BLOCK_Q1": 64})
+
+
+@pytest.mark.parametrize("heads, kv_heads, repeat", [(24, 4, 3), (24, 8, 3), (16, 4, 1), (24, 12, 1), (10, 2, 5)])
+def test_the_flash_backend_repeats_kv_heads_to_a_power_of_two_group(heads, kv_heads, repeat):
+    assert drafter_module.flash_kv_repeat(heads, kv_heads) == repeat
+
+
+def test_kv_heads_repeated_for_the_flash_backend_give_the_same_attention(monkeypatch):
+    """With BACKEND=FLASH groups of 6 query heads per K / V head run as 3 copies of each K / V head, groups of 2
+    (flash_kv_repeat): each query head must still meet its own K / V head. flex_attention runs on the CPU here
+    (the option only names the GPU kernels, so it is dropped on the way in), in float64, against the plain call."""
+    cfg = small_config(num_attention_heads=12, num_key_value_heads=2)  # two K / V heads: a mix-up shows
+    model = make_drafter(cfg)
+    real, seen = drafter_module.flex_attention, []
+
+    def cpu_flex(q, k, v, *, block_mask, enable_gqa, kernel_options):
+        seen.append(k.shape[1])
+        return real(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+
+    monkeypatch.setattr(drafter_module, "flex_attention", cpu_flex)
+    embeds, features, q_pos, ctx_pos, anchors, valid, doc_ids = training_batch(cfg)
+    mask = block_attention_mask(anchors, valid, doc_ids, cfg.block_size)
+    q_rope = rope_tables(q_pos, cfg.head_dim, cfg.rope_theta, embeds.dtype)
+    kv_rope = rope_tables(torch.cat([ctx_pos, q_pos], dim=1), cfg.head_dim, cfg.rope_theta, embeds.dtype)
+    attention = model.layers[0].self_attn
+    with torch.no_grad():
+        ctx = model.hidden_norm(model.fc(features))
+        plain = attention(embeds, ctx, q_rope, kv_rope, mask)
+        model.set_attention_kernel_options({"BACKEND": "FLASH"})
+        repeated = attention(embeds, ctx, q_rope, kv_rope, mask)
+    assert seen == [2, 6]
+    torch.testing.assert_close(repeated, plain, rtol=1e-12, atol=1e-12)
+    model.set_attention_kernel_options({})
+    assert all(layer.self_attn.kv_repeat == 1 for layer in model.layers)
