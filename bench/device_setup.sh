@@ -11,8 +11,24 @@ if [ -f .device-cache/triton.tar.xz ]; then
     mkdir -p /tmp/triton && tar -xJf .device-cache/triton.tar.xz -C /tmp/triton --strip-components=1 && \
         export DFLASH_TRITON_CACHE=carried
 fi
+# flash-attn-4 (--attention-kernel-option BACKEND=FLASH), where carried. Its CuTe DSL's CUDA libraries are over one
+# call's 64 MiB: a first call carries them alone (.fa4-libs/, the wheel's files as a tar.xz) and unpacks them here,
+# the next call on the same warm machine carries the other wheels (.fa4-wheels/) and installs them beside them.
+if [ -d .fa4-libs ]; then
+    mkdir -p /tmp/fa4site && tar -xJf .fa4-libs/*.tar.xz -C /tmp/fa4site || return 1
+fi
+if [ -d .fa4-wheels ] && [ -d /tmp/fa4site/nvidia_cutlass_dsl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fa4wh .fa4-wheels/*.whl || return 1
+    cp -a /tmp/fa4wh/. /tmp/fa4site/  # one nvidia_cutlass_dsl folder from the three wheels that fill it
+    export PYTHONPATH=$PYTHONPATH:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages PYTHONWARNINGS=ignore::UserWarning  # the CuTe DSL warns at every launch
+fi
 python3 - <<'PY'
 import torch, transformers, zarr, numcodecs, fla
 print(f"versions: torch {torch.__version__}, transformers {transformers.__version__}, zarr {zarr.__version__}, "
       f"numcodecs {numcodecs.__version__}, fla {fla.__version__}, GPU {torch.cuda.get_device_name()}")
+from importlib.metadata import PackageNotFoundError, version
+try:
+    print(f"flash-attn-4 {version('flash-attn-4')}, nvidia-cutlass-dsl-libs-cu13 {version('nvidia-cutlass-dsl-libs-cu13')}")
+except PackageNotFoundError:
+    print("flash-attn-4: not installed (BACKEND=FLASH unavailable)")
 PY
