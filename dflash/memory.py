@@ -98,10 +98,11 @@ def step_memory(dcfg: DrafterConfig, shape: StepShape) -> dict[str, int]:
     # bf16 copies of the weights under autocast; --recompute pointwise keeps those of one layer at a time only
     weight_copies = shape.parameters if shape.cuda else 0
     context_kv = c.context_kv
+    pointwise = shape.recompute == "pointwise" and shape.cuda
     if shape.recompute == "mlp":  # the MLP keeps its input only: off go what the step keeps of it (docs/training.md)
         block_copies -= 3 * F + H if shape.cuda else 4 * F
         rebuilt_width = 3 * F  # gate, up and their product
-    elif shape.recompute == "pointwise" and shape.cuda:
+    elif pointwise:
         # Each layer keeps its input and its matmuls' and attention's outputs, counted in the compiled graph
         # (tests/test_memory.py): q and the block's k, v; the attention's output, o_proj's; gate and up. What the
         # compiled layer no longer keeps (the normed inputs, q after its norm and RoPE twice, the SwiGLU product,
@@ -131,8 +132,9 @@ def step_memory(dcfg: DrafterConfig, shape: StepShape) -> dict[str, int]:
         ),
         "dense attention mask": round(R * Q * (T + Q) * c.mask),
         "recomputed in a layer's backward": round(R * Q * rebuilt_width * e),
-        # the extra copies of each layer's K and V, context and block keys, that flex_attention keeps (counted)
-        "repeated K / V heads": round(R * (T + Q) * L * 2 * (shape.kv_repeat - 1) * kv_width * e),
+        # the extra copies of K and V, context and block keys, that flex_attention keeps: every layer's, or under
+        # --recompute pointwise one layer's at a time (the repeat is rebuilt in its backward from the kept K and V)
+        "repeated K / V heads": round(R * (T + Q) * (1 if pointwise else L) * 2 * (shape.kv_repeat - 1) * kv_width * e),
     }
     return parts
 
