@@ -32,7 +32,15 @@ from dflash.harvest import (
 from dflash.manifest import FeatureSpec, TeacherSpec, teacher_spec
 from dflash.packing import PartPlan
 from dflash.parallel import checkpoint_bytes
-from dflash.step_time import ATTENTION_SPEEDUP, Rates, nearest_bench_drafter, pairs_per_anchor, rates_at, row_flops
+from dflash.step_time import (
+    ATTENTION_SPEEDUP,
+    FLASH_SPEEDUP,
+    Rates,
+    nearest_bench_drafter,
+    pairs_per_anchor,
+    rates_at,
+    row_flops,
+)
 from dflash.store import nearest_existing
 from dflash.target_files import checkpoint_file, load_config, tensor_files
 from dflash.train.setup import anchors_per_row, check_shapes
@@ -317,6 +325,12 @@ def _train_lines(
             f"{SMALLER_HEAD_DIM}; narrower heads cost tau: half the head dim lost 3.9 and 8.7 % of held-out tau at "
             "equal steps in two quality runs, docs/benchmarks.md 'Long rows'): "
             f"{cost(window, rates_at(bench, SMALLER_HEAD_DIM))}"
+        )
+    if dcfg.head_dim in FLASH_SPEEDUP:  # measured faster at this head dim, and no tau cost: the other lever
+        lines.append(
+            f"           {name} with --attention-kernel-option BACKEND=FLASH (flash-attn-4's kernels, pip install "
+            "-e '.[flash]'; the same model, measured on an H100): "
+            f"{cost(window, rates_at(bench, dcfg.head_dim, flash=True))}"
         )
     measured = "" if dcfg.head_dim in ATTENTION_SPEEDUP else f"; head_dim {dcfg.head_dim} priced at 256's"
     lines.append(

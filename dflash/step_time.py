@@ -12,7 +12,8 @@ used to fit them it came within about 5 % (131072 tokens, a 2048-token window), 
 and 13 % short at 262144 tokens: an estimate, a lower bound past 131072 (docs/benchmarks.md, "Step time model").
 
 The rates are those of flex_attention at head_dim 256 (the bench drafters copy Qwen3.5's). At head_dim 128 with the
-same widths its kernels run faster (`ATTENTION_SPEEDUP`, measured); other head dims are priced at 256's rate.
+same widths its kernels run faster (`ATTENTION_SPEEDUP`, measured), and so does its FLASH backend at 256
+(`FLASH_SPEEDUP`, measured); other head dims are priced at 256's rate.
 """
 
 from dataclasses import dataclass
@@ -67,6 +68,11 @@ MEASURED = {
 # step's BlockMask at 1 x 32768 tokens and 2048 anchors, 133.40 ms at 256 against 81.49 at 128 (bench/
 # attention_ceiling.py, one H200, 2026-12-05 10:35 UTC; docs/benchmarks.md, "Long rows").
 ATTENTION_SPEEDUP = {256: 1.0, 128: 133.40 / 81.49}
+# How much faster flex_attention's FLASH backend (flash-attn-4's CuTe kernels, --attention-kernel-option
+# BACKEND=FLASH) runs the same attention than its Triton default, at head_dim 256 with drafter b's heads (a
+# power-of-two group, which the trainer's K / V repeat leaves every drafter): 127.45 ms against 85.71 (bench/
+# attention_ceiling.py --flex-options, one H100, 2026-12-05 19:01 UTC; docs/benchmarks.md, "Long rows").
+FLASH_SPEEDUP = {256: 127.45 / 85.71}
 
 
 @dataclass(frozen=True)
@@ -142,10 +148,12 @@ def fitted_rates(name: str) -> Rates:
     return Rates(matmul=1 / inverse[0], attention=1 / inverse[1])
 
 
-def rates_at(name: str, head_dim: int) -> Rates:
-    """Drafter `name`'s rates with its attention at `head_dim` (widths kept): 256's rate where not measured."""
+def rates_at(name: str, head_dim: int, flash: bool = False) -> Rates:
+    """Drafter `name`'s rates with its attention at `head_dim` (widths kept), on the FLASH backend's kernels with
+    `flash`: 256's rate on Triton where not measured."""
     rates = fitted_rates(name)
-    return Rates(rates.matmul, rates.attention * ATTENTION_SPEEDUP.get(head_dim, 1.0))
+    speedup = ATTENTION_SPEEDUP.get(head_dim, 1.0) * (FLASH_SPEEDUP.get(head_dim, 1.0) if flash else 1.0)
+    return Rates(rates.matmul, rates.attention * speedup)
 
 
 def nearest_bench_drafter(hidden_size: int) -> str:

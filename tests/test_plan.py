@@ -244,16 +244,18 @@ def test_plan_prices_a_head_dim_256_drafter_also_at_128_and_names_an_unmeasured_
     cfg = HarvestConfig(model=wide, data=str(CORPUS), out=str(tmp_path / "s"), token_budget=BUDGET, workers=1)
     cfg = replace(cfg, layers=[0, 1])
     report = plan_report(cfg, None, train_run(epochs=1, method="dflash"))
-    train = report[report.index("\ntrain ") :].splitlines()[1:5]
+    train = report[report.index("\ntrain ") :].splitlines()[1:6]
     assert train[2].startswith(
         "           full context at head_dim 128, its widths kept (--drafter-option head_dim=128"
     )
-    full, at_128 = (float(re.search(r"~([\d.e+-]+) s a row", line)[1]) for line in (train[0], train[2]))
-    assert 0 < at_128 < full  # only the attention is faster: at BUDGET-token rows, a little
-    assert "TFLOP/s at head_dim 256;" in train[3]
+    assert train[3].startswith("           full context with --attention-kernel-option BACKEND=FLASH")
+    full, at_128, flash = (float(re.search(r"~([\d.e+-]+) s a row", line)[1]) for line in train[0:1] + train[2:4])
+    assert 0 < at_128 < full and 0 < flash < full  # only the attention is faster: at BUDGET-token rows, a little
+    assert "TFLOP/s at head_dim 256;" in train[4]
     narrow = replace(cfg, model=str(tiny_target("qwen3")), layers=None)
     narrow = plan_report(narrow, None, train_run(epochs=1, method="dflash"))
     assert "head_dim 16 priced at 256's" in narrow and "at head_dim 128, its widths kept" not in narrow
+    assert "BACKEND=FLASH" not in narrow  # measured at 256 only
 
 
 def test_plan_says_when_no_document_can_anchor_a_block(model, tmp_path):
