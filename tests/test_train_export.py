@@ -2,6 +2,7 @@
 checks of its CUDA graph and attention kernels."""
 
 import dataclasses
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -281,6 +282,31 @@ def test_the_default_attention_kernels_compile_at_real_head_dims(store, target, 
     assert len(records) == 2 and all(np.isfinite(r["loss"]) for r in records)
     state = json.loads(next((tmp_path / "run" / "checkpoints").glob("step_*/state.json")).read_text())
     assert state["drafter"]["head_dim"] == head_dim
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("flash_attn") is None,
+    reason="BACKEND=FLASH needs a GPU and flash-attn-4 (the [flash] extra)",
+)
+@pytest.mark.parametrize("recompute", ["none", "pointwise"])
+def test_the_flash_backend_trains_the_same_losses_in_one_graph(store, target, tmp_path, recompute):
+    """On a GPU with flash-attn-4: --attention-kernel-option BACKEND=FLASH trains within bf16 rounding of the Triton
+    kernels' losses, with no recompile after warmup (a pointwise run on an H100 recompiled once, 2026-12-05, before
+    the trainer imported flash-attn-4 up front); at head_dim 128, 2 query heads per K / V head."""
+    overrides = head_dim_only(target, 128)
+    runs = {}
+    for name, options in (("triton", {}), ("flash", {"BACKEND": "FLASH"})):
+        cfg = config(
+            store,
+            tmp_path / name,
+            max_steps=3,
+            device="cuda",
+            drafter_overrides=overrides,
+            recompute=recompute,
+            attention_kernel_options=options,
+        )
+        runs[name] = [r["loss"] for r in run_training(cfg)["records"]]
+    np.testing.assert_allclose(runs["flash"], runs["triton"], rtol=2e-2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention's Triton kernels need a GPU")
