@@ -70,14 +70,20 @@ def default_mask_tile(head_dim: int) -> int:
     return SMALL_MASK_TILE if head_dim >= TUNED_MIN_HEAD_DIM else blocks.TORCH_MASK_TILE
 
 
-def describe_choice(options: dict, tile: int, head_dim: int, options_given: bool, tile_given: bool) -> str:
-    """The log line's account of the step's kernels and where each choice came from."""
+def describe_choice(
+    options: dict, tile: int, head_dim: int, options_given: bool, tile_given: bool, kv_repeat: int = 1
+) -> str:
+    """The log line's account of the step's kernels and where each choice came from (`kv_repeat`: the drafter's
+    dflash.drafter.flash_kv_repeat, which applies under FLASH only)."""
     by_head_dim = f"the default at head_dim {head_dim}"
     options_from = "--attention-kernel-option" if options_given else by_head_dim
     tile_from = "--mask-tile-size" if tile_given else by_head_dim
     shown = options or "torch's own"
     kernels = "flash-attn-4's CuTe kernels" if uses_flash(options) else "Triton kernels"
-    return f"attention: flex_attention on {kernels}, options ({options_from}) {shown}; BlockMask tiles of {tile} ({tile_from})"
+    line = f"attention: flex_attention on {kernels}, options ({options_from}) {shown}; BlockMask tiles of {tile} ({tile_from})"
+    if uses_flash(options) and kv_repeat > 1:  # its forward ran 3.9x slower at 3 or 6 query heads per K / V head
+        line += f"; each K / V head repeated {kv_repeat}x (docs/training.md, 'Attention kernels')"
+    return line
 
 
 def mask_function(tile_size: int, cuda: bool, compile_on: bool):

@@ -33,7 +33,6 @@ from dflash.attention_kernels import (
     default_mask_tile,
     describe_choice,
     mask_function,
-    uses_flash,
 )
 from dflash.config import TrainConfig
 from dflash.drafter import flash_kv_repeat
@@ -162,14 +161,8 @@ class Trainer:
         self.mask_tile = cfg.mask_tile_size or default_mask_tile(head_dim)
         if self.cuda:
             given = bool(cfg.attention_kernel_options), cfg.mask_tile_size is not None
-            logger.info(describe_choice(kernel_options, self.mask_tile, head_dim, *given))
             repeat = flash_kv_repeat(self.dcfg.num_attention_heads, self.dcfg.num_key_value_heads)
-            if uses_flash(kernel_options) and repeat > 1:
-                logger.info(
-                    "BACKEND=FLASH: each K / V head repeated %dx before the attention (flash-attn-4's forward ran "
-                    "3.9x slower at 3 or 6 query heads per K / V head; docs/training.md, 'Attention kernels')",
-                    repeat,
-                )
+            logger.info(describe_choice(kernel_options, self.mask_tile, head_dim, *given, kv_repeat=repeat))
         self.params = [p for p in self.model.parameters()]
         self.flat_grad = self._flat_grad()
         self.step_t = torch.zeros((), dtype=torch.int64, device=self.device)
