@@ -81,7 +81,7 @@ def describe_choice(
     shown = options or "torch's own"
     kernels = "flash-attn-4's CuTe kernels" if uses_flash(options) else "Triton kernels"
     line = f"attention: flex_attention on {kernels}, options ({options_from}) {shown}; BlockMask tiles of {tile} ({tile_from})"
-    if uses_flash(options) and kv_repeat > 1:  # its forward ran 3.9x slower at 3 or 6 query heads per K / V head
+    if uses_flash(options) and kv_repeat > 1:  # its forward: 3.9x Triton's time at 3 or 6 query heads a K / V head
         line += f"; each K / V head repeated {kv_repeat}x (docs/training.md, 'Attention kernels')"
     return line
 

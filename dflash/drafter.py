@@ -384,9 +384,9 @@ class Attention(nn.Module):
 
 
 def flash_kv_repeat(heads: int, kv_heads: int) -> int:
-    """How many times to repeat each K / V head for flex_attention's FLASH backend: its forward ran 3.9x slower
-    with 3 or 6 query heads per K / V head than with 1, 2 or 4 (H100, docs/benchmarks.md, "Long rows"), so the
-    smallest repeat that leaves a power of two."""
+    """How many times to repeat each K / V head for flex_attention's FLASH backend: its forward took 3.9x
+    Triton's time with 3 or 6 query heads per K / V head, and 0.7x with 1 or 2 (H100, docs/benchmarks.md, "Long
+    rows"), so the smallest repeat that leaves a power of two."""
     group = heads // kv_heads
     return next(r for r in range(1, group + 1) if group % r == 0 and (group // r) & (group // r - 1) == 0)
 
