@@ -373,6 +373,8 @@ def main():
     shapes = parse_row_shapes("4x64:8,1x512:16" if args.tiny else args.row_shapes)
     print(f"drafter {args.drafter}: {s['heads']} / {s['kv_heads']} heads of {s['head_dim']}, block {args.block_size}")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}\n")
+    if flex_sets and device.type != "cuda":
+        print("--flex-options: not run (the CPU's attention is the dense mask, no flex_attention kernels)\n")
     print("| row | case | pairs / head | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd+bwd % of 792 |")
     print("|---|---|---|---|---|---|---|---|")
     groups = [int(n) for n in args.query_groups.split(",") if n]
