@@ -12,8 +12,12 @@ if [ -f .device-cache/triton.tar.xz ]; then
         export DFLASH_TRITON_CACHE=carried
 fi
 # flash-attn-4 (--attention-kernel-option BACKEND=FLASH), where carried. Its CuTe DSL's CUDA libraries are over one
-# call's 64 MiB: a first call carries them alone (.fa4-libs/, the wheel's files as a tar.xz) and unpacks them here,
-# the next call on the same warm machine carries the other wheels (.fa4-wheels/) and installs them beside them.
+# call's 64 MiB: a first call carries them alone (.fa4-libs/, the wheel's files as a tar.xz: `unzip` the
+# nvidia_cutlass_dsl_libs_cu13-4.8.1 wheel, then `tar cf - . | xz -T2 -9e`, 61 MiB) and runs only
+# `mkdir -p /tmp/fa4site && tar -xJf .fa4-libs/*.tar.xz -C /tmp/fa4site`; the next call on the same warm machine
+# (within its 30 s) carries .device-wheels/ and .fa4-wheels/ (flash_attn_4-4.0.0b40, nvidia_cutlass_dsl-4.8.1,
+# nvidia_cutlass_dsl_libs_base and _core-4.8.1, quack_kernels-0.6.5, apache_tvm_ffi-0.1.15.post2,
+# torch_c_dlpack_ext-0.1.5; `pip download --no-deps` for python 3.12) and sources this file.
 if [ -d .fa4-libs ]; then
     mkdir -p /tmp/fa4site && tar -xJf .fa4-libs/*.tar.xz -C /tmp/fa4site || return 1
 fi
