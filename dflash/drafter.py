@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, FlexKernelOptions, create_mask, flex_attention
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+from dflash.attention_kernels import uses_flash
 from dflash.config import RECOMPUTE
 from dflash.errors import DflashError
 
@@ -441,7 +442,7 @@ class DFlashDrafter(nn.Module):
         """flex_attention's kernel options for every layer (tile sizes, warps, stages: FlexKernelOptions' keys, with
         a fwd_ / bwd_ prefix for one pass only). They change the speed, and the result only by float rounding."""
         check_kernel_options(options or {})
-        flash = (options or {}).get("BACKEND") == "FLASH"
+        flash = uses_flash(options)
         for module in self.modules():
             if isinstance(module, Attention):
                 module.kernel_options = dict(options) if options else None
