@@ -31,7 +31,7 @@ TUNED_MIN_HEAD_DIM = 193
 # flex_attention's experimental backend on flash-attn-4's CuTe kernels (`--attention-kernel-option BACKEND=FLASH`):
 # at head_dim 256 on an H100 its forward and backward each ran 1.5x as fast as Triton's over the step's mask
 # (docs/benchmarks.md, "Long rows", 2026-12-05). Opt-in: a beta package, measured on one GPU type.
-FLASH_EXTRA = "pip install -e '.[flash]'"
+FLASH_EXTRA = "pip install -e '.[flash]' ('.[flash-cu13]' for a CUDA 13 build of torch)"
 
 
 def uses_flash(options: dict | None) -> bool:
