@@ -39,8 +39,9 @@ def uses_flash(options: dict | None) -> bool:
 
 
 def check_flash(cuda: bool) -> None:
-    """Refuse BACKEND=FLASH where it cannot run, before anything is built, and import its kernels' package now:
-    the import registers pytree nodes, which a compiled step traced before it guards on (it would recompile)."""
+    """Refuse BACKEND=FLASH where it cannot run, before anything is built, and import its kernels' package now
+    rather than in the step's first compile (torch's template imports it there): a pointwise step recompiled once
+    on an H100 after torch's pytree registry grew during that compile (cause not pinned down; docs/benchmarks.md)."""
     if not cuda:
         raise DflashError(
             "--attention-kernel-option BACKEND=FLASH runs flash-attn-4's CUDA kernels, and this run is on the CPU "
