@@ -212,56 +212,55 @@ def cases(s: dict, shape: dict, block: int, device: torch.device, seed: int, que
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
         yield "step mask, sdpa (CPU)", step_attend, inputs(H, G, q_len, kv_len, d, device, dtype), pairs
+        flex_sets = ()  # no flex_attention kernels on the CPU
     else:
         options = attention_kernels.attention_kernel_options({}, True, d)
-        flex = torch.compile(flex_attention, fullgraph=True, dynamic=False)  # FLASH inlines no symbolic size
+        flex = torch.compile(flex_attention, fullgraph=True, dynamic=False)  # each row shape compiled static
 
         def step_attend(q, k, v):
             return flex(q, k, v, block_mask=mask, enable_gqa=G != H, kernel_options=options)
 
         yield "step mask, flex", step_attend, inputs(H, G, q_len, kv_len, d, device, dtype), pairs
-        yield from flex_option_cases(s, step_anchors, block, step_attend, pairs, flex_sets)
+    if flex_sets or query_groups_list:  # cases that replace the step's own call: each checked against it first
+        step = inputs(H, G, q_len, kv_len, d, device, dtype)
+        reference = outputs_and_grads(step_attend, step)
+    for name, attend in flex_option_cases(s, step_anchors, block, flex_sets):
+        yield checked_case(name, attend, step, reference, pairs)
+    if device.type == "cuda":
         yield from causal_cases(s, pairs, flex, options, device, dtype)
     if query_groups_list:
         visible = blocks.dense_block_mask(*step_anchors, block)[0]
-        yield from grouped_cases(
-            s, visible, kv_len - q_len, block, device, dtype, step_attend, pairs, query_groups_list
-        )
+        for name, attend in grouped_cases(s, visible, kv_len - q_len, block, device, dtype, pairs, query_groups_list):
+            yield checked_case(name, attend, step, reference, pairs)
 
 
-def flex_option_cases(s: dict, step_anchors, block: int, step_attend, pairs: int, flex_sets):
-    """The step's flex_attention call under each --flex-options set (its BlockMask rebuilt where the set names
-    other tiles), checked against the trainer's default call on the same inputs first."""
+def checked_case(name: str, attend, step, reference, pairs: int):
+    """A case's row once its outputs and gradients are compared with the step's own call (`reference`, on the
+    inputs `step`): the error in its name, or a failed row where it has no kernel. A wrong or NaN kernel must not
+    pass as a fast one."""
+    try:
+        error = max(relative_error(a, b) for a, b in zip(outputs_and_grads(attend, step), reference))
+    except (RuntimeError, torch._dynamo.exc.TorchDynamoException) as exc:
+        print(f"{name} failed:\n{exc}", file=sys.stderr)  # the table keeps its first line
+        return name, refused(exc), step, pairs
+    return f"{name} (error {error:.1e})", attend, step, pairs
+
+
+def flex_option_cases(s: dict, step_anchors, block: int, flex_sets):
+    """(name, attend) of the step's flex_attention call under each --flex-options set, its BlockMask rebuilt where
+    the set names other tiles."""
     H, G, d = s["heads"], s["kv_heads"], s["head_dim"]
-    anchors = step_anchors[0]
-    step = inputs(
-        H,
-        G,
-        anchors.shape[1] * block,
-        step_anchors[2].shape[1] + anchors.shape[1] * block,
-        d,
-        anchors.device,
-        torch.bfloat16,
-    )
-    reference = outputs_and_grads(step_attend, step) if flex_sets else None
     for name, given in flex_sets:
         train = flex_train_options(given)
         tile = train.get("mask_tile_size") or attention_kernels.default_mask_tile(d)
         mask = blocks.block_attention_mask(*step_anchors, block, tile_size=tile)
         kernel = train["attention_kernel_options"]
-
         own = torch.compile(flex_attention, fullgraph=True, dynamic=False)  # its own cache: no recompile limit
 
         def attend(q, k, v, mask=mask, kernel=kernel, own=own):
             return own(q, k, v, block_mask=mask, enable_gqa=G != H, kernel_options=kernel)
 
-        try:  # a wrong or NaN kernel must not pass as a fast one
-            error = max(relative_error(a, b) for a, b in zip(outputs_and_grads(attend, step), reference))
-        except (RuntimeError, torch._dynamo.exc.TorchDynamoException) as exc:
-            print(f"step mask, flex {name} failed:\n{exc}", file=sys.stderr)  # the table keeps its first line
-            yield f"step mask, flex {name}", refused(exc), step, pairs
-            continue
-        yield f"step mask, flex {name} (error {error:.1e})", attend, step, pairs
+        yield f"step mask, flex {name}", attend
 
 
 def causal_cases(s: dict, pairs: int, flex, options: dict, device: torch.device, dtype):
@@ -286,14 +285,11 @@ def causal_cases(s: dict, pairs: int, flex, options: dict, device: torch.device,
         yield f"causal, sdpa-{name}", attend, inputs(H, H, length, length, d, device, dtype), causal_pairs
 
 
-def grouped_cases(s: dict, visible, T: int, block: int, device, dtype, step_attend, pairs: int, groups_list):
-    """The step mask (`visible`, bool [Q, T + Q]) as dense calls over query groups (cuDNN; on the CPU torch's math
-    and flash kernels, which check the script rather than time a kernel), each group's rectangle masked whole, then
-    split into an unmasked prefix and a masked rest; each case checked against the step's own call on the same
-    inputs first."""
-    H, G, d = s["heads"], s["kv_heads"], s["head_dim"]
-    step = inputs(H, G, visible.shape[0], visible.shape[1], d, device, dtype)
-    reference = outputs_and_grads(step_attend, step)
+def grouped_cases(s: dict, visible, T: int, block: int, device, dtype, pairs: int, groups_list):
+    """(name, attend) of the step mask (`visible`, bool [Q, T + Q]) as dense calls over query groups (cuDNN; on the
+    CPU torch's math and flash kernels, which check the script rather than time a kernel), each group's rectangle
+    masked whole, then split into an unmasked prefix and a masked rest."""
+    H, G = s["heads"], s["kv_heads"]
     backend = SDPA_BACKENDS["cudnn"] if device.type == "cuda" else SDPBackend.MATH
     align = 128 if device.type == "cuda" else 32  # cuDNN's key tiles; the CPU's toy rows are short
     for groups, split in ((n, split) for n in groups_list for split in (False, True)):
@@ -308,13 +304,7 @@ def grouped_cases(s: dict, visible, T: int, block: int, device, dtype, step_atte
                 return grouped_attention(q, k.repeat_interleave(H // G, 1), v.repeat_interleave(H // G, 1), spans, T)
 
         kind = f"prefix + masked/{groups}, {unmasked / computed:.0%} unmasked" if split else f"masked/{groups}"
-        name = f"step mask, {backend.name.lower()} {kind} ({computed / pairs:.2f}x the pairs"
-        try:  # a wrong or NaN kernel must not pass as a fast one
-            error = max(relative_error(a, b) for a, b in zip(outputs_and_grads(attend, step), reference))
-        except RuntimeError as exc:  # no kernel for it: a failed row, as measure's own errors
-            yield f"{name})", refused(exc), step, pairs
-            continue
-        yield f"{name}, error {error:.1e})", attend, step, pairs
+        yield f"step mask, {backend.name.lower()} {kind} ({computed / pairs:.2f}x the pairs)", attend
 
 
 def refused(exc: Exception):

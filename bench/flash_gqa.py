@@ -26,7 +26,7 @@ KERNELS = {"triton": attention_kernels.CUDA_KERNEL_OPTIONS, "flash": {"BACKEND":
 def main():
     device = torch.device("cuda")
     anchors, valid, doc_ids = row_anchors(1, 32768, 2048, 16, 1, device)
-    mask = blocks.block_attention_mask(anchors, valid, doc_ids, 16, tile_size=64)
+    mask = blocks.block_attention_mask(anchors, valid, doc_ids, 16, tile_size=attention_kernels.default_mask_tile(256))
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}\n")
     print("| query heads | K / V heads | per group | " + " | ".join(f"{k} fwd ms" for k in KERNELS) + " |")
     print("|---|---|---|" + "---|" * len(KERNELS))
