@@ -53,7 +53,8 @@ Per drafter, the table reports the steady window of the issue (steps 10-50, clip
 - memory spread: max - min of memory_allocated and of memory_reserved over the window's records, in bytes;
 - recompiles (dynamo graphs compiled after warmup), data wait (share of the window spent waiting for rows);
 - ungraphed: after the graphed steps, both graphs are released and `Trainer.train_step.step` (the same
-  compiled step function, same buffers, no CUDA graph) is timed; its MFU is the graphed MFU x the step ratio.
+  compiled step function, same buffers, no CUDA graph) is timed; its MFU is the graphed MFU x the step ratio. An
+  out-of-memory or a recompile there shows in its column; the graphed numbers stand.
 The trainer's final checkpoint is skipped (for drafter a it would write 22 GB of weights and optimizer state).
 
 Under torchrun, rank 0 builds the data while the other ranks wait; then every rank trains on its own rows (the
@@ -332,6 +333,9 @@ def bench_one(
         summary["ungraphed"] = time_ungraphed(trainer, args.ungraphed_steps)
     except torch.OutOfMemoryError:  # keep the graphed numbers
         summary["ungraphed"] = {"error": "out of memory"}
+    except DflashError as exc:  # a recompile (graph.no_recompiles): the graphed numbers stand, the error is shown
+        logging.error("drafter %s: the ungraphed steps stopped: %s", label, exc)
+        summary["ungraphed"] = {"error": f"recompiled: {' '.join(str(exc).split())[:300]}"}
     if summary["mfu"] is not None and "step_ms" in summary["ungraphed"]:
         summary["ungraphed"]["mfu"] = summary["mfu"] * summary["step_ms"] / summary["ungraphed"]["step_ms"]
     if args.profile and "step_ms" in summary["ungraphed"]:  # the ungraphed step is warm: profile it

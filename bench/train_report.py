@@ -46,7 +46,7 @@ def table_row(r: dict) -> str:
         f"| {fmt(r['context_tok_s'], ',.0f')} | {fmt(r['drafted_tok_s'], ',.0f')} | {fmt(r['mfu'], '.1f', 100, ' %')} "
         f"| {r['step_ms']:.1f} | {peak} | {spread} | {r['recompiles'] + u.get('recompiles', 0)} "
         f"| {fmt(r['data_wait'], '.2f', 100, ' %')} "
-        f"| {fmt(u.get('step_ms'), '.1f')} | {fmt(u.get('mfu'), '.1f', 100, ' %')} "
+        f"| {u['error'] if 'error' in u else fmt(u.get('step_ms'), '.1f')} | {fmt(u.get('mfu'), '.1f', 100, ' %')} "
         f"| {fmt(u.get('peak_allocated_GB'), '.1f')} |"
     )
 

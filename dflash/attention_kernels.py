@@ -41,7 +41,9 @@ def uses_flash(options: dict | None) -> bool:
 def check_flash(cuda: bool) -> None:
     """Refuse BACKEND=FLASH where it cannot run, before anything is built, and import its kernels' package now
     rather than in the step's first compile (torch's template imports it there): a pointwise step recompiled once
-    on an H100 after torch's pytree registry grew during that compile (cause not pinned down; docs/benchmarks.md)."""
+    on an H100 after torch's pytree registry grew during that compile (cause not pinned down; docs/benchmarks.md).
+    Should it recur, the recompile's error names the types registered (graph.no_recompiles): import their module
+    here."""
     if not cuda:
         raise DflashError(
             "--attention-kernel-option BACKEND=FLASH runs flash-attn-4's CUDA kernels, and this run is on the CPU "
@@ -75,14 +77,14 @@ def describe_choice(
     options: dict, tile: int, head_dim: int, options_given: bool, tile_given: bool, kv_repeat: int = 1
 ) -> str:
     """The log line's account of the step's kernels and where each choice came from (`kv_repeat`: the drafter's
-    dflash.drafter.flash_kv_repeat, which applies under FLASH only)."""
+    dflash.drafter.flash_kv_repeat, above 1 under FLASH only)."""
     by_head_dim = f"the default at head_dim {head_dim}"
     options_from = "--attention-kernel-option" if options_given else by_head_dim
     tile_from = "--mask-tile-size" if tile_given else by_head_dim
     shown = options or "torch's own"
     kernels = "flash-attn-4's CuTe kernels" if uses_flash(options) else "Triton kernels"
     line = f"attention: flex_attention on {kernels}, options ({options_from}) {shown}; BlockMask tiles of {tile} ({tile_from})"
-    if uses_flash(options) and kv_repeat > 1:  # its forward: 3.9x Triton's time at 3 or 6 query heads a K / V head
+    if kv_repeat > 1:  # its forward: 3.9x Triton's time at 3 or 6 query heads a K / V head
         line += f"; each K / V head repeated {kv_repeat}x (docs/training.md, 'Attention kernels')"
     return line
 

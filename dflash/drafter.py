@@ -384,10 +384,12 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(R, Q, self.heads * self.head_dim))
 
 
-def flash_kv_repeat(heads: int, kv_heads: int) -> int:
-    """How many times to repeat each K / V head for flex_attention's FLASH backend: its forward took 3.9x
-    Triton's time with 3 or 6 query heads per K / V head, and 0.7x with 1 or 2 (H100, docs/benchmarks.md, "Long
-    rows"), so the smallest repeat that leaves a power of two."""
+def flash_kv_repeat(heads: int, kv_heads: int, options: dict | None) -> int:
+    """How many times each K / V head is repeated before flex_attention under these kernel options: 1 unless they
+    pick the FLASH backend, whose forward took 3.9x Triton's time with 3 or 6 query heads per K / V head and 0.7x
+    with 1 or 2 (H100, docs/benchmarks.md, "Long rows"); then the smallest repeat that leaves a power of two."""
+    if not uses_flash(options):
+        return 1
     group = heads // kv_heads
     return next(r for r in range(1, group + 1) if group % r == 0 and (group // r) & (group // r - 1) == 0)
 
@@ -442,11 +444,10 @@ class DFlashDrafter(nn.Module):
         """flex_attention's kernel options for every layer (tile sizes, warps, stages: FlexKernelOptions' keys, with
         a fwd_ / bwd_ prefix for one pass only). They change the speed, and the result only by float rounding."""
         check_kernel_options(options or {})
-        flash = uses_flash(options)
         for module in self.modules():
             if isinstance(module, Attention):
                 module.kernel_options = dict(options) if options else None
-                module.kv_repeat = flash_kv_repeat(module.heads, module.kv_heads) if flash else 1
+                module.kv_repeat = flash_kv_repeat(module.heads, module.kv_heads, options)
 
     def set_recompute(self, mode: str) -> None:
         """What the backward recomputes (RECOMPUTE): memory for time, the values unchanged."""

@@ -16,6 +16,7 @@ import contextlib
 from collections.abc import Callable
 
 import torch
+import torch.utils._pytree as pytree
 
 from dflash.errors import DflashError
 
@@ -26,12 +27,26 @@ def compile_fn(fn: Callable, enabled: bool, options: dict | None = None) -> Call
     return torch.compile(fn, fullgraph=True, dynamic=False, options=options) if enabled else fn
 
 
+# The types torch's pytree knew when this run's compiles began (see no_recompiles).
+_pytree_types_at_reset: frozenset[type] = frozenset()
+
+
 def forget_compiled_code() -> None:
     """Drop what dynamo compiled earlier in this process, before a run compiles its own step. Each new drafter's
     forward is a recompile of the same code object to dynamo: a second run in one process (tests, benchmarks, a
     script training several drafters) would count the earlier runs' entries against dynamo's recompile limit and
     fail its whole-graph compile (the H100, 2026-12-05)."""
+    global _pytree_types_at_reset
     torch._dynamo.reset()
+    _pytree_types_at_reset = frozenset(pytree.SUPPORTED_NODES)
+
+
+def pytree_types_registered_since_reset() -> list[str]:
+    """Types registered with torch's pytree since forget_compiled_code, by module and name. A traced region that
+    flattens a pytree (a checkpointed layer) guards on that registry, so a package registering a type during a
+    compile invalidates the graphs compiled before it: a recompile that no input explains."""
+    new = set(pytree.SUPPORTED_NODES) - _pytree_types_at_reset if _pytree_types_at_reset else set()
+    return sorted(f"{t.__module__}.{t.__qualname__}" for t in new)
 
 
 def compiled_graphs() -> int:
@@ -48,9 +63,16 @@ def no_recompiles():
     try:
         yield
     except torch._dynamo.exc.RecompileError as exc:
+        registered = pytree_types_registered_since_reset()
+        cause = (
+            f"; torch's pytree registry gained {', '.join(registered)} since the compiles began: import "
+            "the module(s) that register them before training, so that every graph is traced after"
+            if registered
+            else ""
+        )
         raise DflashError(
             "a compiled step was recompiled after warmup, so some input changed between steps; "
-            f"dynamo says: {' '.join(str(exc).split())}"
+            f"dynamo says: {' '.join(str(exc).split())}{cause}"
         ) from exc
     finally:
         config.error_on_recompile = previous

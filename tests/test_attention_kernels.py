@@ -73,7 +73,7 @@ def test_the_log_line_names_where_each_choice_came_from():
     line = describe_choice({"BACKEND": "FLASH"}, 64, 256, options_given=True, tile_given=False, kv_repeat=3)
     assert line.startswith("attention: flex_attention on flash-attn-4's CuTe kernels")
     assert line.endswith("; each K / V head repeated 3x (docs/training.md, 'Attention kernels')")
-    assert "repeated" not in describe_choice({}, 64, 256, options_given=False, tile_given=False, kv_repeat=3)
+    assert "repeated" not in describe_choice({"BACKEND": "FLASH"}, 64, 256, options_given=True, tile_given=False)
 
 
 def test_the_flash_backend_is_refused_where_it_cannot_run(monkeypatch):

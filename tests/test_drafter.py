@@ -354,7 +354,9 @@ def test_attention_kernel_options_reach_flex_attention_in_every_layer(monkeypatc
 
 @pytest.mark.parametrize("heads, kv_heads, repeat", [(24, 4, 3), (24, 8, 3), (16, 4, 1), (24, 12, 1), (10, 2, 5)])
 def test_the_flash_backend_repeats_kv_heads_to_a_power_of_two_group(heads, kv_heads, repeat):
-    assert drafter_module.flash_kv_repeat(heads, kv_heads) == repeat
+    assert drafter_module.flash_kv_repeat(heads, kv_heads, {"BACKEND": "FLASH"}) == repeat
+    for triton in (None, {}, {"BACKEND": "TRITON"}, {"bwd_num_warps": 8}):
+        assert drafter_module.flash_kv_repeat(heads, kv_heads, triton) == 1
 
 
 def test_kv_heads_repeated_for_the_flash_backend_give_the_same_attention(monkeypatch):

@@ -4,6 +4,7 @@ Every run trains from a real store: a tiny harvest of the bundled corpus (rows o
 target (conftest.py); the alignment tests rewrite its arrays with features that make the labels knowable.
 """
 
+import dataclasses
 import logging
 import shutil
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.utils._pytree as pytree
 import zarr
 from torch.nn.attention.flex_attention import create_block_mask
 from train_support import METHOD_OPTIONS, B, assert_same_validation, config
@@ -303,6 +305,31 @@ def test_recompile_is_an_error_naming_the_cause():
     with pytest.raises(DflashError, match="size mismatch"):
         with graph.no_recompiles():
             f(torch.ones(4))
+
+
+def test_a_recompile_names_the_pytree_types_registered_since_the_compiles_began():
+    """On the H100 a pointwise FLASH step recompiled after its registry guard went stale; the error now says
+    which types a package added, and says nothing of them where none was added."""
+
+    @dataclasses.dataclass
+    class LateNode:
+        value: torch.Tensor
+
+    graph.forget_compiled_code()
+    f = graph.compile_fn(lambda x: x * 2, True)
+    f(torch.ones(3))
+    with pytest.raises(DflashError) as before:
+        with graph.no_recompiles():
+            f(torch.ones(4))
+    assert "pytree" not in str(before.value)
+    pytree.register_dataclass(LateNode)
+    try:
+        with pytest.raises(DflashError, match=r"pytree registry gained .*LateNode.*import the module"):
+            with graph.no_recompiles():
+                f(torch.ones(5))
+    finally:
+        pytree._deregister_pytree_node(LateNode)
+    assert graph.pytree_types_registered_since_reset() == []
 
 
 def test_resume_reproduces_the_uninterrupted_run(store, tmp_path):

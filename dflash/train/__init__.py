@@ -161,7 +161,7 @@ class Trainer:
         self.mask_tile = cfg.mask_tile_size or default_mask_tile(head_dim)
         if self.cuda:
             given = bool(cfg.attention_kernel_options), cfg.mask_tile_size is not None
-            repeat = flash_kv_repeat(self.dcfg.num_attention_heads, self.dcfg.num_key_value_heads)
+            repeat = flash_kv_repeat(self.dcfg.num_attention_heads, self.dcfg.num_key_value_heads, kernel_options)
             logger.info(describe_choice(kernel_options, self.mask_tile, head_dim, *given, kv_repeat=repeat))
         self.params = [p for p in self.model.parameters()]
         self.flat_grad = self._flat_grad()

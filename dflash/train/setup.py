@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 from dflash import loss, memory, methods
-from dflash.attention_kernels import uses_flash
 from dflash.config import TrainConfig
 from dflash.device import local_device
 from dflash.drafter import DrafterConfig, flash_kv_repeat
@@ -220,9 +219,7 @@ def check_step_memory(
         recompute=cfg.recompute,
         layer_parameters=memory.parameter_count(method.model_cls, dcfg, layers_only=True),
         embedding_on_host=embedding_on_host,
-        kv_repeat=flash_kv_repeat(dcfg.num_attention_heads, dcfg.num_key_value_heads)
-        if device.type == "cuda" and uses_flash(cfg.attention_kernel_options)
-        else 1,
+        kv_repeat=flash_kv_repeat(dcfg.num_attention_heads, dcfg.num_key_value_heads, cfg.attention_kernel_options),
     )
     if cfg.ignore_memory_estimate:
         available = None
