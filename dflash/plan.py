@@ -18,7 +18,7 @@ import numpy as np
 from dflash import loss, memory, methods
 from dflash.config import HarvestConfig, TrainConfig
 from dflash.data import load_documents
-from dflash.drafter import DrafterConfig
+from dflash.drafter import DrafterConfig, flash_kv_repeat
 from dflash.errors import DflashError
 from dflash.harvest import (
     BEST_CODEC_RATIO,
@@ -265,7 +265,7 @@ def plan_report(cfg: HarvestConfig, sample: int | None, train: TrainConfig) -> s
             priced,
             train.epochs,
         ),
-        _memory_line(_train_options(method.name, anchors, anchors, cfg.token_budget, train), step, anchors),
+        *_memory_lines(_train_options(method.name, anchors, anchors, cfg.token_budget, train), step, anchors),
         "These are estimates: the rates are one H200's on the benchmarks' shapes; the codec fractions are the "
         "largest the benchmarks measured (a small trained target, random-weight large ones).",
     ]
@@ -347,6 +347,8 @@ class StepMemory:
     need: float  # bytes of a train step on one GPU (dflash.memory)
     pointwise: float  # the same with --recompute pointwise
     fitting: int  # the most anchors up to the asked ones that fit an H200 (0: not even one)
+    kv_repeat: int = 1  # each K / V head's copies under BACKEND=FLASH where plan prices it (1: none, or not priced)
+    flash: tuple[float, float] = (0.0, 0.0)  # need and pointwise with those copies
 
 
 def _step_memory(method, dcfg: DrafterConfig, token_budget: int, anchors: int, row_raw: int, encoding) -> StepMemory:
@@ -366,14 +368,20 @@ def _step_memory(method, dcfg: DrafterConfig, token_budget: int, anchors: int, r
     )
     layer_parameters = memory.parameter_count(method.model_cls, dcfg, layers_only=True)
     pointwise = replace(shape, recompute="pointwise", layer_parameters=layer_parameters)
+    total = lambda shape: sum(memory.step_memory(dcfg, shape).values())  # noqa: E731
+    # Under FLASH the K / V copies cost memory; priced where plan prices FLASH's time (its measured head dims).
+    flash = {"BACKEND": "FLASH"} if dcfg.head_dim in FLASH_SPEEDUP else None
+    repeat = flash_kv_repeat(dcfg.num_attention_heads, dcfg.num_key_value_heads, flash)
     return StepMemory(
-        need=sum(memory.step_memory(dcfg, shape).values()),
-        pointwise=sum(memory.step_memory(dcfg, pointwise).values()),
+        need=total(shape),
+        pointwise=total(pointwise),
         fitting=memory.fitting_anchors(dcfg, shape, H200_MEMORY),
+        kv_repeat=repeat,
+        flash=(total(replace(shape, kv_repeat=repeat)), total(replace(pointwise, kv_repeat=repeat))),
     )
 
 
-def _memory_line(options: str, step: StepMemory, anchors: int) -> str:
+def _memory_lines(options: str, step: StepMemory, anchors: int) -> list[str]:
     verdict = (
         "fits"
         if step.fitting == anchors
@@ -381,11 +389,18 @@ def _memory_line(options: str, step: StepMemory, anchors: int) -> str:
         if step.fitting
         else "does not fit even at --anchors 1"
     )
-    return (
+    lines = [
         f"memory     a train step of a {options}, on one row: ~{_size(step.need)} on a GPU, "
         f"~{_size(step.pointwise)} with --recompute pointwise (dflash.memory, docs/training.md 'Memory'); an H200's "
         f"139 GiB: {verdict}"
-    )
+    ]
+    if step.kv_repeat > 1:
+        lines.append(
+            f"           with BACKEND=FLASH each K / V head is repeated {step.kv_repeat}x (a power-of-two group of "
+            f"query heads, docs/training.md 'Attention kernels'): ~{_size(step.flash[0])}, "
+            f"~{_size(step.flash[1])} with --recompute pointwise"
+        )
+    return lines
 
 
 def _teacher_line(teacher: TeacherSpec | None, hidden_size: int, tokens: float) -> str:

@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 
 from cli.main import main
-from dflash import store
+from dflash import plan, store
 from dflash.blocks import eligible_anchors
 from dflash.config import HarvestConfig, TrainConfig
 from dflash.harvest import run_harvest
@@ -165,7 +165,6 @@ def test_a_padded_stores_size_on_disk_counts_its_padding_as_zeros(model, tmp_pat
 
 def test_plan_prints_the_train_steps_memory_and_the_anchors_that_fit(model, tmp_path, monkeypatch):
     """Train's default anchors grow with the row: plan says whether they fit an H200, and else which count does."""
-    import dflash.plan as plan
     from dflash.harvest import check_options, feature_encoding, tapped_layers
 
     cfg = HarvestConfig(model=model, data=[str(CORPUS)], out=str(tmp_path / "s"), token_budget=BUDGET, workers=1)
@@ -281,3 +280,27 @@ def test_plan_prices_the_method_and_anchors_given_and_refuses_anchors_that_do_no
     bad = CliRunner().invoke(main, [*args, "--anchors", str(BUDGET)])
     assert bad.exit_code == 2 and f"--anchors {BUDGET} cannot fit a {BUDGET}-token row" in bad.output, bad.output
     assert len(bad.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("heads, repeat", [(24, 3), (16, 1)])
+def test_the_memory_line_prices_the_kv_copies_of_the_flash_backend(heads, repeat):
+    """bench/train.py's drafters at 4 x 3072 tokens: 24 query heads over 4 K / V heads run as 3 copies of each K / V
+    head under FLASH, each copy a [tokens, 4 x 256] bf16 K and V of every layer (one layer at a time under
+    --recompute pointwise); 16 / 4 is a power-of-two group, with no copies and no line."""
+    method = plan.methods.get("dflash")
+    dcfg = method.config_cls(
+        hidden_size=2560, intermediate_size=9216, num_attention_heads=heads, num_key_value_heads=4, head_dim=256,
+        num_layers=5, vocab_size=248320, mask_token_id=0, target_layer_ids=[1, 8, 15, 22, 29], num_target_layers=32,
+    )  # fmt: skip
+    token_budget, anchors = 12288, 2048
+    no_lift = type("Encoding", (), {"subspace": None, "width": 0})
+    step = plan._step_memory(method, dcfg, token_budget, anchors, 10**8, no_lift)
+    assert step.kv_repeat == repeat
+    copy_bytes = (token_budget + anchors * dcfg.block_size) * 2 * (repeat - 1) * 4 * 256 * 2  # K and V, bf16
+    assert step.flash[0] - step.need == pytest.approx(dcfg.num_layers * copy_bytes, rel=1e-6)
+    assert step.flash[1] - step.pointwise == pytest.approx(copy_bytes, rel=1e-6)
+    lines = plan._memory_lines("5-layer dflash drafter", step, anchors)
+    assert len(lines) == (2 if repeat > 1 else 1)
+    if repeat > 1:
+        assert f"with BACKEND=FLASH each K / V head is repeated {repeat}x" in lines[1]
+        assert f"~{plan._size(step.flash[1])} with --recompute pointwise" in lines[1]
