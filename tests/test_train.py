@@ -7,6 +7,7 @@ target (conftest.py); the alignment tests rewrite its arrays with features that 
 import dataclasses
 import logging
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -330,6 +331,39 @@ def test_a_recompile_names_the_pytree_types_registered_since_the_compiles_began(
     finally:
         pytree._deregister_pytree_node(LateNode)
     assert graph.pytree_types_registered_since_reset() == []
+
+
+GUARDED = 1  # read by the compiled step below: dynamo guards on its value
+
+
+@pytest.mark.parametrize("settled", [False, True])
+def test_settle_takes_a_recompile_that_a_later_compile_causes_into_warmup(monkeypatch, settled):
+    """The validation step's first call voids the train step's guard (as a package registering a pytree type
+    while it compiles would): settled, the train step recompiles in warmup and not in the first later call."""
+    compiled = graph.compile_fn(lambda x: x * GUARDED, True)
+
+    def validation_step():
+        monkeypatch.setattr(sys.modules[__name__], "GUARDED", 2)
+
+    graph.forget_compiled_code()
+    start = graph.compiled_graphs()
+    train, val = (
+        graph.GraphedStep(fn, device=torch.device("cpu"), cuda_graph=False, hint="")
+        for fn in (lambda: compiled(torch.ones(3)), validation_step)
+    )
+    train.warmup()
+    val.warmup(1)
+    if settled:
+        graph.settle(train, val)
+    compiles = graph.compiled_graphs()
+    if not settled:
+        with pytest.raises(DflashError, match="GUARDED"):
+            with graph.no_recompiles():
+                train()
+        return
+    with graph.no_recompiles():
+        train()
+    assert compiles - start == 2 and graph.compiled_graphs() == compiles  # the first trace and warmup's recompile
 
 
 def test_resume_reproduces_the_uninterrupted_run(store, tmp_path):

@@ -53,8 +53,8 @@ def run_training(cfg: TrainConfig) -> dict:
         log = MetricsLog(out, env.main, cfg.tensorboard)
         logger.info(
             "training %d-layer drafter (%.1f M parameters) on %d rank(s) from step %d to %d, a step's peak memory "
-            "estimated at %.1f GB; warmup + capture %.1f s (train step %.1f s, validation step %.1f s, capture and "
-            "state restore %.1f s)",
+            "estimated at %.1f GB; warmup + capture %.1f s (train step %.1f s, validation step %.1f s, both once more "
+            "%.1f s, capture and state restore %.1f s)",
             trainer.dcfg.num_layers,
             sum(p.numel() for p in trainer.params) / 1e6,
             env.world_size,
@@ -64,6 +64,7 @@ def run_training(cfg: TrainConfig) -> dict:
             prep["total_s"],
             prep["train_warmup_s"],
             prep["val_warmup_s"],
+            prep["settle_s"],
             prep["capture_s"],
         )
         # A run stopped by a damaged held-out row in the validation after its checkpoint's step has no record of it
