@@ -104,19 +104,21 @@ class StaticBuffers(dict):
         buffer.copy_(value)
 
 
-def settle(*steps: "GraphedStep", rounds: int = 2) -> None:
+def settle(*steps: "GraphedStep", rounds: int = 2) -> int:
     """After each step's own warmup, call every step once more until a round compiles nothing (at most `rounds`).
     One step's compile can leave the guards of a step traced before it stale: a package that registers a pytree
     type while the validation step compiles voids the train step's checkpointed layers (the suspected cause of
     the H100's FLASH pointwise recompile, 2026-12-05). The recompile then happens here, in warmup, instead of in
     the first call outside a CUDA graph (--no-cuda-graph, the bench's ungraphed steps). One that recurs every
-    round is left to no_recompiles, which names its guard."""
+    round is left to no_recompiles, which names its guard. Returns the graphs these rounds compiled."""
+    start = compiled_graphs()
     for _ in range(rounds):
         before = compiled_graphs()
         for step in steps:
             step.warmup(1)
         if compiled_graphs() == before:
-            return
+            break
+    return compiled_graphs() - start
 
 
 class GraphedStep:

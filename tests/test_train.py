@@ -354,7 +354,7 @@ def test_settle_takes_a_recompile_that_a_later_compile_causes_into_warmup(monkey
     train.warmup()
     val.warmup(1)
     if settled:
-        graph.settle(train, val)
+        assert graph.settle(train, val) == 1
     compiles = graph.compiled_graphs()
     if not settled:
         with pytest.raises(DflashError, match="GUARDED"):

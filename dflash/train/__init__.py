@@ -391,7 +391,14 @@ class Trainer:
             times["train_warmup_s"] = time.perf_counter() - t0
             self.val_step.warmup(1)
             times["val_warmup_s"] = time.perf_counter() - t0 - times["train_warmup_s"]
-            graph.settle(self.train_step, self.val_step)
+            if recompiled := graph.settle(self.train_step, self.val_step):
+                registered = graph.pytree_types_registered_since_reset()
+                logger.info(
+                    "warmup: %d graph(s) compiled again once both steps had compiled (a later compile voided an "
+                    "earlier one's guards%s)",
+                    recompiled,
+                    f"; torch's pytree registry gained {', '.join(registered)}" if registered else "",
+                )
             times["settle_s"] = time.perf_counter() - t0 - times["train_warmup_s"] - times["val_warmup_s"]
         compiled = graph.compiled_graphs()
         self.train_step.capture()
