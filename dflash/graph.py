@@ -13,12 +13,15 @@ that failed, instead of a stall of many seconds every time the input changes.
 """
 
 import contextlib
+import logging
 from collections.abc import Callable
 
 import torch
 import torch.utils._pytree as pytree
 
 from dflash.errors import DflashError
+
+logger = logging.getLogger(__name__)
 
 
 def compile_fn(fn: Callable, enabled: bool, options: dict | None = None) -> Callable:
@@ -104,21 +107,32 @@ class StaticBuffers(dict):
         buffer.copy_(value)
 
 
-def settle(*steps: "GraphedStep", rounds: int = 2) -> int:
+def settle(*steps: "GraphedStep", rounds: int = 2, on_any_rank: Callable[[bool], bool] = bool) -> int:
     """After each step's own warmup, call every step once more until a round compiles nothing (at most `rounds`).
     One step's compile can leave the guards of a step traced before it stale: a package that registers a pytree
     type while the validation step compiles voids the train step's checkpointed layers (the suspected cause of
     the H100's FLASH pointwise recompile, 2026-12-05). The recompile then happens here, in warmup, instead of in
     the first call outside a CUDA graph (--no-cuda-graph, the bench's ungraphed steps). One that recurs every
-    round is left to no_recompiles, which names its guard. Returns the graphs these rounds compiled."""
+    round is left to no_recompiles, which names its guard. Returns the graphs these rounds compiled (logged).
+    on_any_rank(flag): whether any rank's flag is set, so that all ranks run the same rounds (a step holding a
+    collective would otherwise wait forever on a rank that stopped)."""
     start = compiled_graphs()
     for _ in range(rounds):
         before = compiled_graphs()
         for step in steps:
             step.warmup(1)
-        if compiled_graphs() == before:
+        if not on_any_rank(compiled_graphs() != before):
             break
-    return compiled_graphs() - start
+    recompiled = compiled_graphs() - start
+    if recompiled:
+        registered = pytree_types_registered_since_reset()
+        logger.info(
+            "warmup: %d graph(s) compiled again once every step had compiled (a later compile voided an earlier "
+            "one's guards%s)",
+            recompiled,
+            f"; torch's pytree registry gained {', '.join(registered)}" if registered else "",
+        )
+    return recompiled
 
 
 class GraphedStep:

@@ -337,7 +337,7 @@ GUARDED = 1  # read by the compiled step below: dynamo guards on its value
 
 
 @pytest.mark.parametrize("settled", [False, True])
-def test_settle_takes_a_recompile_that_a_later_compile_causes_into_warmup(monkeypatch, settled):
+def test_settle_takes_a_recompile_that_a_later_compile_causes_into_warmup(monkeypatch, caplog, settled):
     """The validation step's first call voids the train step's guard (as a package registering a pytree type
     while it compiles would): settled, the train step recompiles in warmup and not in the first later call."""
     compiled = graph.compile_fn(lambda x: x * GUARDED, True)
@@ -354,7 +354,9 @@ def test_settle_takes_a_recompile_that_a_later_compile_causes_into_warmup(monkey
     train.warmup()
     val.warmup(1)
     if settled:
-        assert graph.settle(train, val) == 1
+        with caplog.at_level(logging.INFO, logger="dflash"):
+            assert graph.settle(train, val) == 1
+        assert "warmup: 1 graph(s) compiled again once every step had compiled" in caplog.text
     compiles = graph.compiled_graphs()
     if not settled:
         with pytest.raises(DflashError, match="GUARDED"):
@@ -364,6 +366,16 @@ def test_settle_takes_a_recompile_that_a_later_compile_causes_into_warmup(monkey
     with graph.no_recompiles():
         train()
     assert compiles - start == 2 and graph.compiled_graphs() == compiles  # the first trace and warmup's recompile
+
+
+def test_settle_runs_another_round_while_any_rank_compiled():
+    """Every rank runs the same rounds: one whose steps compiled nothing goes on while another rank's did (their
+    steps' collectives would wait for it otherwise), and stops at the limit."""
+    calls = []
+    step = graph.GraphedStep(lambda: calls.append(1), device=torch.device("cpu"), cuda_graph=False, hint="")
+    assert graph.settle(step, rounds=3, on_any_rank=lambda compiled: True) == 0 and len(calls) == 3
+    calls.clear()
+    assert graph.settle(step, rounds=3) == 0 and len(calls) == 1
 
 
 def test_resume_reproduces_the_uninterrupted_run(store, tmp_path):

@@ -16,6 +16,7 @@ documented in docs/training.md.
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -391,14 +392,8 @@ class Trainer:
             times["train_warmup_s"] = time.perf_counter() - t0
             self.val_step.warmup(1)
             times["val_warmup_s"] = time.perf_counter() - t0 - times["train_warmup_s"]
-            if recompiled := graph.settle(self.train_step, self.val_step):
-                registered = graph.pytree_types_registered_since_reset()
-                logger.info(
-                    "warmup: %d graph(s) compiled again once both steps had compiled (a later compile voided an "
-                    "earlier one's guards%s)",
-                    recompiled,
-                    f"; torch's pytree registry gained {', '.join(registered)}" if registered else "",
-                )
+            agree = functools.partial(any_rank, world_size=self.env.world_size, device=self.device)
+            graph.settle(self.train_step, self.val_step, on_any_rank=agree)
             times["settle_s"] = time.perf_counter() - t0 - times["train_warmup_s"] - times["val_warmup_s"]
         compiled = graph.compiled_graphs()
         self.train_step.capture()
