@@ -15,9 +15,10 @@ from torch.nn.attention.flex_attention import flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repository's dflash
 
+from bench.attention_ceiling import inputs  # noqa: E402
 from bench.mask_tiles import row_anchors  # noqa: E402
 from bench.topk import ms_per_call  # noqa: E402
-from dflash import attention_kernels, blocks  # noqa: E402
+from dflash import attention_kernels, blocks, graph  # noqa: E402
 
 HEADS = ((24, 4), (24, 24), (16, 4), (24, 8), (24, 12))  # (query heads, K / V heads)
 KERNELS = {"triton": attention_kernels.CUDA_KERNEL_OPTIONS, "flash": {"BACKEND": "FLASH"}}
@@ -38,10 +39,9 @@ def main():
 
 def forward_ms(mask, heads: int, kv_heads: int, device) -> list[float]:
     """One forward's ms under each of KERNELS, a fresh compile for this head count."""
-    torch._dynamo.reset()
+    graph.forget_compiled_code()
     flex = torch.compile(flex_attention, fullgraph=True, dynamic=False)
-    q = torch.randn(1, heads, 32768, 256, device=device, dtype=torch.bfloat16)
-    k, v = (torch.randn(1, kv_heads, 65536, 256, device=device, dtype=torch.bfloat16) for _ in range(2))
+    q, k, v = inputs(heads, kv_heads, 32768, 65536, 256, device, torch.bfloat16)
     times = []
     for options in KERNELS.values():
 
