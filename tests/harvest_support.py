@@ -87,3 +87,10 @@ def store_files(path: Path) -> dict[str, bytes]:
     return {
         str(f.relative_to(path)): f.read_bytes() for f in path.rglob("*") if f.is_file() and f.name != store.LOCK_FILE
     }
+
+
+def swap_files(a: Path, b: Path) -> None:
+    """Exchange two files' contents: two chunk files each keep a valid CRC32C, in the other's place."""
+    data = a.read_bytes()
+    a.write_bytes(b.read_bytes())
+    b.write_bytes(data)

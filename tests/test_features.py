@@ -159,7 +159,7 @@ def test_each_mode_stores_the_encoded_bf16_features(harvest, encoding):
     full_path, path = harvest(), harvest(**encoding)
     full, compact = store.Store.open(full_path), store.Store.open(path)
     m = compact.manifest
-    assert m.format_version == 2 and m.features.precision == encoding.get("precision", "bf16")
+    assert m.format_version == store.FORMAT_VERSION and m.features.precision == encoding.get("precision", "bf16")
     assert (m.features.subspace is not None) == ("subspace" in encoding)
     assert compact.num_rows == full.num_rows and np.array_equal(compact.documents(), full.documents())
     width = m.feature_dim // 4 if "subspace" in encoding else m.feature_dim
@@ -294,7 +294,9 @@ def test_a_harvest_that_cannot_fit_is_refused_before_the_target_loads(tiny_targe
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil_module, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
     monkeypatch.setattr(driver, "TappedTarget", lambda *a, **k: pytest.fail("the target must not load"))
-    with pytest.raises(DflashError, match=r"cannot fit: the rows left need .* GB before compression.*--precision fp8"):
+    # Sizes in a unit that shows them (not "need 0.0 GB"): this one's rows take megabytes, the disk has 1000 bytes.
+    sizes = r"need \d+\.\d MB before compression, \S+ has 1\.0 KB free"
+    with pytest.raises(DflashError, match=rf"cannot fit: the rows left {sizes} .*--precision fp8"):
         run_harvest(
             HarvestConfig(
                 model=str(tiny_target("qwen3")),

@@ -15,7 +15,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from harvest_support import BUDGET, OPTIONS, ROOT, assert_same_content, cli_args, run_cli, store_files, subprocess_env
+from harvest_support import (
+    BUDGET,
+    OPTIONS,
+    ROOT,
+    assert_same_content,
+    cli_args,
+    run_cli,
+    store_files,
+    subprocess_env,
+    swap_files,
+)
 
 from cli.main import main
 from dflash import store
@@ -241,6 +251,61 @@ def test_repair_rewrites_exactly_the_damaged_rows_bit_for_bit(harvested, tiny_ta
     assert result.exit_code == 0, result.output
 
 
+def test_chunks_swapped_between_rows_are_found_by_verify_and_put_back_by_repair(
+    harvested, tiny_target, harvest_data, tmp_path
+):
+    """Rows 4 and 7 exchange their hidden and input_ids chunk files, each CRC32C valid in the other's place: train
+    must not read row 4's tokens with row 7's features. The reader and inspect --verify name them, --repair
+    re-harvests both rows bit for bit."""
+    from dflash.errors import DflashError
+
+    reference, out = harvested("qwen3"), tmp_path / "store"
+    shutil.copytree(reference, out)
+    part = out / "parts" / "rank00000"
+    for chunk in ("hidden/c/{}/0/0", "input_ids/c/{}/0"):
+        swap_files(part / chunk.format(4), part / chunk.format(7))
+    with pytest.raises(DflashError, match=r"row 4 \(part rank00000, array hidden, row 4\): .*not the chunk written"):
+        Store.open(out).read_row(4)
+    result = run_cli(["inspect", str(out), "--verify"])
+    assert result.exit_code == 1, result.output
+    for row in (4, 7):
+        for array, chunk in (("hidden", f"({row}, 0, 0)"), ("input_ids", f"({row}, 0)")):
+            assert f"array {array} chunk {chunk} (row {row}): chunk file" in result.output, result.output
+    assert "rerun the harvest command with --repair for rank(s) 0" in result.output
+    result = run_cli([*cli_args(tiny_target("qwen3"), harvest_data, out), "--repair"])
+    assert result.exit_code == 0, result.output
+    assert store_files(out) == store_files(reference)
+    assert run_cli(["inspect", str(out), "--verify"]).exit_code == 0
+
+
+def test_a_part_of_another_target_in_a_complete_store_is_refused_until_harvested_again(
+    tiny_target, harvest_data, tmp_path
+):
+    """parts/rank00001 of a harvest of another target (same config.json, other weights) copied into a complete
+    store: inspect and train refuse it on open, naming the part, both header hashes and the fix, which works."""
+    from dflash.tiny import make_tiny_target
+
+    model, other = tiny_target("qwen3"), make_tiny_target(tmp_path / "other", "qwen3", seed=1)
+    out, foreign = tmp_path / "store", tmp_path / "foreign"
+    ranks = dict(world_size=2, self_check=0)
+    for rank in (0, 1):
+        assert run_cli(cli_args(model, harvest_data, out, rank=rank, **ranks)).exit_code == 0
+    assert run_cli(cli_args(other, harvest_data, foreign, rank=1, **ranks)).exit_code == 0
+    shutil.rmtree(out / "parts" / "rank00001")
+    shutil.copytree(foreign / "parts" / "rank00001", out / "parts" / "rank00001")
+    ours = json.loads((out / "parts" / "rank00000" / store.PROGRESS_FILE).read_text())["header_sha256"]
+    theirs = json.loads((foreign / "parts" / "rank00001" / store.PROGRESS_FILE).read_text())["header_sha256"]
+    result = CliRunner().invoke(main, ["inspect", str(out), "--verify"])
+    assert result.exit_code == 2, result.output
+    assert f"rank00001 records header_sha256 {theirs}, the store's is {ours}" in result.output, result.output
+    assert "weights_sha256: store has" in result.output
+    assert "delete those part folders (parts/rank00001) and manifest.json, then rerun rank(s) 1" in result.output
+    shutil.rmtree(out / "parts" / "rank00001")  # the fix it names
+    (out / store.MANIFEST_FILE).unlink()
+    assert run_cli(cli_args(model, harvest_data, out, rank=1, **ranks)).exit_code == 0
+    assert run_cli(["inspect", str(out), "--verify"]).exit_code == 0
+
+
 def copied_while_written(reference: Path, out: Path, rows_left: int) -> dict:
     """A copy of `reference` as a copy of a store being written can be: no manifest, `rows_left` rows not yet
     committed, and chunk files of committed row 3 (and a documents chunk) not copied; returns its progress."""
@@ -311,6 +376,42 @@ def test_damaged_metadata_is_rebuilt_by_the_command_its_error_names(
     assert result.exit_code == 0, result.output
     assert store_files(out) == store_files(reference)
     assert run_cli(["inspect", str(out), "--verify"]).exit_code == 0
+
+
+def test_a_missing_progress_json_and_a_damaged_chunk_are_mended_by_the_repair_verify_names(
+    harvested, tiny_target, harvest_data, tmp_path
+):
+    """A finished part without its progress.json and with a damaged chunk: verify names --repair, and --repair
+    rebuilds the file from the manifest (as for a garbled one) and then the row, instead of calling the part
+    unfinished."""
+    reference, out = harvested("qwen3"), tmp_path / "store"
+    shutil.copytree(reference, out)
+    part = out / "parts" / "rank00000"
+    (part / store.PROGRESS_FILE).unlink()
+    (part / "input_ids" / "c" / "2" / "0").write_bytes(b"torn")
+    result = CliRunner().invoke(main, ["inspect", str(out), "--verify"])
+    assert result.exit_code == 1 and "with --repair for rank(s) 0" in result.output, result.output
+    result = CliRunner().invoke(main, [*cli_args(tiny_target("qwen3"), harvest_data, out), "--repair"])
+    assert result.exit_code == 0, result.output
+    assert store_files(out) == store_files(reference)
+    assert run_cli(["inspect", str(out), "--verify"]).exit_code == 0
+
+
+def test_inspect_and_harvest_give_a_store_of_a_newer_format_the_same_advice(
+    harvested, tiny_target, harvest_data, tmp_path
+):
+    reference, out = harvested("qwen3"), tmp_path / "store"
+    shutil.copytree(reference, out)
+    for name in (store.HARVEST_FILE, store.MANIFEST_FILE):
+        raw = json.loads((out / name).read_text())
+        (out / name).write_text(json.dumps({**raw, "format_version": 4}))
+    advice = (
+        "was written by a newer dflash (format version 4 > 3, the newest this dflash reads): upgrade dflash to read "
+        "it, or harvest again into a new folder with this version"
+    )
+    for args in (["inspect", str(out)], cli_args(tiny_target("qwen3"), harvest_data, out)):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 2 and advice in " ".join(result.output.split()), result.output
 
 
 def test_repair_of_an_unfinished_part_is_refused(harvested, tiny_target, harvest_data, tmp_path):

@@ -14,6 +14,7 @@ import math
 import re
 from pathlib import Path
 
+import google_crc32c
 import numpy as np
 import pytest
 import torch
@@ -142,6 +143,24 @@ def plain_features(path: Path, manifest: dict, arrays: dict) -> np.ndarray:
     return fp8_decode(arrays["hidden"], arrays["scales"])
 
 
+def documented_digest_columns(manifest: dict) -> list[str]:
+    """The columns of `digests`: every chunk of one row, hidden, scales, the token arrays, the teacher arrays in the
+    manifest's order, each array's chunks in grid order ({row} standing for the row)."""
+    T, features, teacher = manifest["token_budget"], manifest["features"], manifest.get("teacher") or {}
+    bytes_per_value = 1 if features["precision"] == "fp8" else 2
+    hidden = math.ceil(T / chunk_tokens(T, features["width"] * bytes_per_value))
+    columns = [f"hidden/c/{{row}}/{j}/0" for j in range(hidden)]
+    columns += ["scales/c/{row}/0/0"] if features["precision"] == "fp8" else []
+    columns += [f"{name}/c/{{row}}/0" for name in ("input_ids", "position_ids", "doc_ids", "loss_mask")]
+    for name in teacher.get("arrays", {}):
+        if name == "teacher_hidden":
+            H = manifest["target"]["hidden_size"]
+            columns += [f"teacher_hidden/c/{{row}}/{j}/0" for j in range(math.ceil(T / chunk_tokens(T, 2 * H)))]
+        else:
+            columns += [f"{name}/c/{{row}}/0" + ("" if name == "teacher_tail" else "/0")]
+    return columns
+
+
 def manifest_of(path: Path) -> dict:
     return json.loads((path / "manifest.json").read_text())
 
@@ -164,7 +183,7 @@ def features_by_document(path: Path) -> dict[tuple[int, int], np.ndarray]:
 def test_arrays_have_the_documented_dtypes_chunks_fills_codecs_and_every_chunk(stores, mode):
     path = stores[mode]
     manifest = manifest_of(path)
-    assert manifest["format"] == "dflash-harvest" and manifest["format_version"] == 2
+    assert manifest["format"] == "dflash-harvest" and manifest["format_version"] == 3
     T, features, teacher = manifest["token_budget"], manifest["features"], manifest.get("teacher")
     W, G = features["width"], features["scale_groups"]
     fp8 = features["precision"] == "fp8"
@@ -188,12 +207,14 @@ def test_arrays_have_the_documented_dtypes_chunks_fills_codecs_and_every_chunk(s
     if teacher and teacher["kind"] == "hidden":
         H = manifest["target"]["hidden_size"]
         expected["teacher_hidden"] = ("uint16", (T, H), (chunk_tokens(T, 2 * H), H), 0)
+    C = len(documented_digest_columns(manifest))
     for entry in manifest["parts"]:
         folder = path / "parts" / entry["name"]
         names = {p.name for p in folder.iterdir() if (p / "zarr.json").is_file()}
-        assert names == {*expected, "documents"}
+        assert names == {*expected, "digests", "documents"}
         for name, (dtype, shape, chunk, fill) in {
             **expected,
+            "digests": ("uint32", (C,), (C,), 0),
             "documents": ("int64", (entry["documents"], 5), (65536, 5), 0),
         }.items():
             meta = json.loads((folder / name / "zarr.json").read_text())
@@ -268,6 +289,28 @@ def test_rows_documents_padding_and_counts_follow_the_docs_and_match_the_reader(
                     np.testing.assert_array_equal(value, arrays[name][row], err_msg=name)
         start += entry["rows"]
     assert manifest["counts"] == totals
+
+
+@pytest.mark.parametrize("mode", [*MODES, "ranks"])
+def test_every_chunk_has_the_documented_digest_of_its_place(stores, mode):
+    """digests[r, c]: CRC32C of `parts/<part>/` + the column's path for row r, then the chunk file's last 4 bytes."""
+    path = stores[mode]
+    manifest = manifest_of(path)
+    columns = documented_digest_columns(manifest)
+    for entry in manifest["parts"]:
+        digests = zarr.open_array(path / "parts" / entry["name"] / "digests", mode="r")
+        assert digests.attrs["columns"] == columns
+        values = np.asarray(digests[:])
+        for row in range(entry["rows"]):
+            for c, column in enumerate(columns):
+                place = f"parts/{entry['name']}/{column.format(row=row)}"
+                checksum = (path / place).read_bytes()[-4:]
+                assert values[row, c] == google_crc32c.value(place.encode() + checksum), place
+        documents = zarr.open_array(path / "parts" / entry["name"] / "documents", mode="r")
+        assert len(documents.attrs["digests"]) == math.ceil(entry["documents"] / 65536)
+        for i, recorded in enumerate(documents.attrs["digests"]):  # the table's chunks, in its attribute `digests`
+            place = f"parts/{entry['name']}/documents/c/{i}/0"
+            assert recorded == google_crc32c.value(place.encode() + (path / place).read_bytes()[-4:]), place
 
 
 def test_documents_go_to_rank_i_mod_world_size_and_sources_are_recorded(stores):

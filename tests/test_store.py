@@ -3,10 +3,12 @@ corruption detection. (End-to-end harvests are in test_harvest.py.)"""
 
 import dataclasses
 import json
+import shutil
 
 import numpy as np
 import pytest
 import zarr
+from harvest_support import swap_files
 
 from dflash import store
 from dflash.errors import DflashError
@@ -55,19 +57,20 @@ def header(world_size: int = 2, **fingerprint):
     )
 
 
-def write_store(out, rows=(3, 2), chunk_bytes=None, monkeypatch=None, zero_padding=True):
-    """A complete two-part store; returns each part's (hidden, tokens)."""
+def write_store(out, rows=(3, 2), chunk_bytes=None, monkeypatch=None, zero_padding=True, **fingerprint):
+    """A complete two-part store (of `header(**fingerprint)`); returns each part's (hidden, tokens)."""
     if chunk_bytes is not None:
         monkeypatch.setattr(store_reader, "CHUNK_BYTES", chunk_bytes)
-    store.create_store(out, header(len(rows)))
+    head = header(len(rows), **fingerprint)
+    store.create_store(out, head)
     contents = []
     for rank, n in enumerate(rows):
         spec, hidden, tokens = synthetic_part(rank, n, seed=rank, zero_padding=zero_padding)
-        part = store.PartWriter(out, spec)
+        part = store.PartWriter(out, spec, head)
         part.write_rows(0, hidden, tokens)
         part.commit(n)
         contents.append((hidden, tokens))
-    assert store.finalize(out, header(len(rows)))
+    assert store.finalize(out, head)
     return contents
 
 
@@ -225,7 +228,8 @@ def test_a_part_under_other_settings_is_never_committed_nor_finished(tmp_path):
     assert progress["rows_committed"] == 0 and progress["header_sha256"] == store.header_sha256(theirs)
     progress_file.write_text(json.dumps({**progress, "rows_committed": 2}))  # say its rows got committed anyway
     with pytest.raises(
-        DflashError, match=r"mixed store.*rank00001: data_sha256: store has None, part has 'other'.*rerun rank\(s\) 1"
+        DflashError,
+        match=r"mixed store.*rank00001 records .*\(data_sha256: store has None, part has 'other'\).*rerun rank\(s\) 1",
     ):
         store.finalize(out, ours)
     assert not (out / store.MANIFEST_FILE).exists()
@@ -292,6 +296,124 @@ def test_whole_arrays_with_a_missing_or_swapped_chunk_are_refused_on_open(tmp_pa
         store.Store.open(out)
 
 
+def test_document_sources_all_of_the_first_source_verify_clean(tmp_path):
+    """A mixture whose documents all come from source 0: the array equals its fill value, and its chunk is still
+    written (zarr skips such chunks by default, which read_whole would call damage that --repair cannot mend)."""
+    out = tmp_path / "s"
+    write_store(out)
+    store.write_document_sources(out, np.zeros(5, np.int16))
+    assert (out / store.DOCUMENT_SOURCES / "c" / "0").is_file()
+    assert store.Store.open(out).document_sources.tolist() == [0] * 5
+    assert store.damaged_whole_arrays(out, header(2)) == {}
+
+
+def test_chunks_swapped_between_rows_and_parts_are_named_by_the_reader_and_verify(tmp_path):
+    """Chunk files exchanged between places keep their valid CRC32C (hidden between two rows of a part, input_ids
+    between the parts): the trainer's reads, `inspect --verify` and `--repair`'s scan all name array and row."""
+    out = tmp_path / "s"
+    write_store(out)
+    part0, part1 = out / "parts" / "rank00000", out / "parts" / "rank00001"
+    swap_files(part0 / "hidden" / "c" / "0" / "0" / "0", part0 / "hidden" / "c" / "2" / "0" / "0")
+    swap_files(part0 / "input_ids" / "c" / "1" / "0", part1 / "input_ids" / "c" / "1" / "0")
+    shards = store.Store.open(out)
+    moved = r"not the chunk written there.*rerun the harvest command with --repair for rank"
+    with pytest.raises(DflashError, match=rf"row 0 \(part rank00000, array hidden, row 0\): .*{moved} 0"):
+        shards.read_row(0)
+    with pytest.raises(DflashError, match=rf"row 4 \(part rank00001, array input_ids, row 1\): .*{moved} 1"):
+        shards.read_row(4)
+    shape = reader.BatchShape(1, 1, reader.row_fields(shards.row_layout))
+    rows = reader.RowReader(shards, [(np.array([2]), np.zeros(1, np.int64))], shape, workers=2)
+    try:  # the trainer's reader threads
+        with pytest.raises(reader.DamagedRow, match=r"array hidden, row 2\): .*not the chunk written there"):
+            rows.next()
+    finally:
+        rows.close()
+    problems = verify.check_chunks(shards)
+    assert len(problems) == 4, problems
+    for where in ("rank00000 array hidden chunk (0, 0, 0) (row 0)", "rank00000 array hidden chunk (2, 0, 0) (row 2)"):
+        assert any(where in p and "not the chunk written there" in p for p in problems), problems
+    for where in ("rank00000 array input_ids chunk (1, 0) (row 1)", "rank00001 array input_ids chunk (1, 0) (row 4)"):
+        assert any(where in p for p in problems), problems
+    assert verify.part_damage(out, 0, BF16).rows == [0, 1, 2]
+    assert verify.part_damage(out, 1, BF16).rows == [1]
+
+
+def test_documents_chunks_swapped_between_parts_are_named_by_the_reader_and_verify(tmp_path):
+    """The documents tables are no row arrays, but their chunks are bound to their place too (the table's attribute
+    `digests`): a documents chunk of another part keeps its valid CRC32C and is still named, and --repair's scan
+    marks the table for rewriting."""
+    out = tmp_path / "s"
+    write_store(out)
+    swap_files(*(out / "parts" / part / "documents" / "c" / "0" / "0" for part in ("rank00000", "rank00001")))
+    shards = store.Store.open(out)
+    with pytest.raises(DflashError, match=r"documents table of part rank00000 .*not the chunk written there.*rank 0"):
+        shards.documents()
+    problems = verify.check_chunks(shards)
+    assert len(problems) == 2 and all("not the chunk written there" in p for p in problems), problems
+    assert any("part rank00001 array documents chunk (0, 0): chunk file" in p for p in problems), problems
+    assert verify.part_damage(out, 0, BF16).documents and verify.part_damage(out, 1, BF16).documents
+
+
+def test_a_whole_row_moved_with_its_digests_is_named(tmp_path):
+    """Every chunk file of rows 0 and 2 exchanged, the digests' own chunks too: a digest binds its path as well."""
+    out = tmp_path / "s"
+    write_store(out)
+    for array in (out / "parts" / "rank00000").iterdir():
+        if (array / "c" / "0").exists() and array.name != "documents":
+            (array / "c" / "0").rename(array / "c" / "tmp")
+            (array / "c" / "2").rename(array / "c" / "0")
+            (array / "c" / "tmp").rename(array / "c" / "2")
+    shards = store.Store.open(out)
+    for row in (0, 2):
+        with pytest.raises(DflashError, match=rf"row {row} \(part rank00000, array hidden, row {row}\)"):
+            shards.read_row(row)
+    assert verify.part_damage(out, 0, BF16).rows == [0, 2]
+
+
+def test_a_row_rewritten_through_zarr_reads_once_its_digests_are_recorded_again(tmp_path):
+    """An edit through zarr is not the chunk the harvest wrote there; record_digests accepts the chunks as they are."""
+    out = tmp_path / "s"
+    write_store(out)
+    zarr.open_group(out / "parts" / "rank00000", mode="r+")["input_ids"][1] = 7
+    with pytest.raises(DflashError, match=r"array input_ids, row 1\): .*not the chunk written there"):
+        store.Store.open(out).read_row(1)
+    store.record_digests(out)
+    assert (store.Store.open(out).read_row(1)["input_ids"] == 7).all()
+
+
+def test_a_part_of_another_harvest_in_a_complete_store_is_refused_on_open(tmp_path):
+    """A part folder put in a complete store from a harvest of other settings: its progress.json records another
+    header than the store's. Opening (train, inspect) refuses it, naming the part, both hashes and the fix."""
+    out, other = tmp_path / "s", tmp_path / "other"
+    write_store(out)
+    write_store(other, data_sha256="other")
+    shutil.rmtree(out / "parts" / "rank00001")
+    shutil.copytree(other / "parts" / "rank00001", out / "parts" / "rank00001")
+    ours, theirs = store.header_sha256(header(2)), store.header_sha256(header(2, data_sha256="other"))
+    with pytest.raises(DflashError) as refused:
+        store.Store.open(out)
+    message = str(refused.value)
+    assert f"rank00001 records header_sha256 {theirs}, the store's is {ours}" in message, message
+    assert "data_sha256: store has None, part has 'other'" in message
+    assert "delete those part folders (parts/rank00001) and manifest.json, then rerun rank(s) 1" in message
+
+
+def test_a_store_of_format_version_2_reads_without_digests_and_says_so(tmp_path, caplog):
+    """Stores written before the chunk digests (format version 2) are still read, with a warning that a chunk in
+    the wrong place goes unnoticed there."""
+    out = tmp_path / "s"
+    contents = write_store(out)
+    for part in (out / "parts").glob("rank*"):
+        shutil.rmtree(part / store.DIGESTS)
+    raw = json.loads((out / store.MANIFEST_FILE).read_text())
+    (out / store.MANIFEST_FILE).write_text(json.dumps({**raw, "format_version": 2}))
+    with caplog.at_level("WARNING", logger="dflash"):
+        shards = store.Store.open(out)
+    assert "format version 2" in caplog.text and "records no chunk digests" in caplog.text
+    np.testing.assert_array_equal(shards.read_row(1)["hidden"], contents[0][0][1])
+    assert verify.check_chunks(shards) == []
+
+
 def test_all_padding_chunks_are_still_written(tmp_path):
     """A chunk equal to the fill value is written too, so a missing chunk file always means damage."""
     out = tmp_path / "s"
@@ -307,6 +429,23 @@ def test_other_format_version_is_refused(tmp_path):
     (out / "manifest.json").write_text(json.dumps({**manifest, "format_version": 99}))
     with pytest.raises(DflashError, match="format version 99"):
         store.Store.open(out)
+
+
+def test_a_store_of_a_newer_format_gets_the_same_advice_from_inspect_and_harvest(tmp_path):
+    """Not "harvest again" from one and "use a new folder" from the other: both say a newer dflash wrote it."""
+    out = tmp_path / "s"
+    write_store(out)
+    for name in (store.HARVEST_FILE, store.MANIFEST_FILE):
+        raw = json.loads((out / name).read_text())
+        (out / name).write_text(json.dumps({**raw, "format_version": 99}))
+    advice = (
+        r"was written by a newer dflash \(format version 99 > 3, the newest this dflash reads\): upgrade dflash to "
+        r"read it, or harvest again into a new folder with this version$"
+    )
+    with pytest.raises(DflashError, match=advice):
+        store.Store.open(out)
+    with pytest.raises(DflashError, match=advice):
+        store.check_folder(out, header(2).fingerprint)
 
 
 def test_check_folder(tmp_path):

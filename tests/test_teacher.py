@@ -24,6 +24,7 @@ from harvest_support import (
     run_cli,
     store_files,
     stored_documents,
+    swap_files,
     write_harvest_data,
 )
 
@@ -157,8 +158,8 @@ def test_padding_holds_zeros_and_the_layout_matches_the_arrays(harvested):
             for name, value in opened.read_teacher(i).items():
                 assert not value[pad].any(), f"{teacher} row {i} {name}"
         raw, _ = mode_bytes(opened.features, opened.token_budget, opened.teacher)
-        per_row = sum(a.nbytes for name, a in opened.parts[0].items() if name != "documents") / opened.num_rows
-        assert raw == per_row  # plan's bytes are what the arrays hold
+        rows = [a for name, a in opened.parts[0].items() if name not in ("documents", store.DIGESTS)]
+        assert raw == sum(a.nbytes for a in rows) / opened.num_rows  # plan's bytes are what the row arrays hold
 
 
 def test_a_store_without_teacher_is_unchanged(harvested):
@@ -167,7 +168,7 @@ def test_a_store_without_teacher_is_unchanged(harvested):
         assert "teacher" not in (path / name).read_text()
     part = path / "parts" / "rank00000"
     arrays = sorted(p.name for p in part.iterdir() if p.is_dir())
-    assert arrays == sorted(["hidden", "input_ids", "position_ids", "doc_ids", "loss_mask", "documents"])
+    assert arrays == sorted(["hidden", "input_ids", "position_ids", "doc_ids", "loss_mask", "digests", "documents"])
     opened = Store.open(path)
     assert opened.teacher is None and opened.teacher_layout == {} and opened.self_check.teacher is None
     with pytest.raises(DflashError, match="holds no teacher arrays; harvest it with --teacher topk:K or hidden"):
@@ -234,6 +235,27 @@ def test_verify_and_repair_cover_the_teacher_arrays(teacher, array, harvested, p
     assert store_files(out) == store_files(reference)
 
 
+@pytest.mark.parametrize("teacher, array", [(f"topk:{K}", "teacher_ids"), ("hidden", "teacher_hidden")])
+def test_teacher_chunks_swapped_between_rows_are_found_and_repaired(
+    teacher, array, harvested, peaked_target, data_file, tmp_path
+):
+    """Rows 1 and 3 exchange a teacher chunk file, each CRC32C valid in the other's place."""
+    reference = harvested(teacher)
+    out = tmp_path / "store"
+    shutil.copytree(reference, out)
+    folder = out / "parts" / "rank00000" / array / "c"
+    swap_files(folder / "1" / "0" / "0", folder / "3" / "0" / "0")  # both arrays are [rows, T, width]
+    with pytest.raises(DflashError, match=rf"array {array}, row 1\): .*not the chunk written there"):
+        Store.open(out).read_teacher(1)
+    result = run_cli(["inspect", str(out), "--verify"])
+    assert result.exit_code == 1, result.output
+    for row in (1, 3):
+        assert f"part rank00000 array {array} chunk ({row}, 0, 0) (row {row}): chunk file" in result.output
+    result = run_cli([*cli_args(peaked_target, data_file, out, teacher=teacher), "--repair"])
+    assert result.exit_code == 0, result.output
+    assert store_files(out) == store_files(reference)
+
+
 def test_the_self_check_finds_a_teacher_of_the_next_position(harvested, tmp_path):
     """The commonest teacher bug is an off-by-one alignment: the distribution of token t+2 stored at t."""
     path = tmp_path / "store"
@@ -243,6 +265,7 @@ def test_the_self_check_finds_a_teacher_of_the_next_position(harvested, tmp_path
     part = zarr.open_group(path / "parts" / "rank00000", mode="r+")
     for name in ("teacher_ids", "teacher_probs", "teacher_tail"):
         part[name][:] = np.roll(part[name][:], -1, axis=1)
+    store.record_digests(path)  # rewritten through zarr: not the chunks the harvest wrote
     check = selfcheck.run_reforward(path, 3, device="cpu")
     assert not check.passed and not check.failures  # the features are right, the teacher is not
     assert len(check.teacher.failures) == 3 and check.teacher.worst_error > 10 * check.teacher.tolerance

@@ -4,8 +4,9 @@
     zarr.json, parts/zarr.json        Zarr v3 groups
     projection/                       subspace stores only: P [width, feature_dim] float32
     parts/rank00000/<array>/          hidden, (scales,) input_ids, position_ids, doc_ids, loss_mask, (teacher_*,)
-                                      documents
-    parts/rank00000/progress.json     rows committed; rewritten only after those rows' chunks are on disk
+                                      digests (each chunk's place), documents
+    parts/rank00000/progress.json     rows committed and the header they were written under; rewritten only after
+                                      those rows' chunks are on disk
     manifest.json                     written last: the store is complete only once it exists
 
 Every file is replaced atomically (zarr writes chunks to a temporary file and renames it; the JSON files here
@@ -59,6 +60,7 @@ from dflash.store.folder import (  # noqa: F401  (re-exported)
 from dflash.store.reader import (  # noqa: F401  (re-exported)
     BF16,
     CHUNK_BYTES,
+    DIGESTS,
     DIRECT_DECODERS,
     DOCUMENT_COLUMNS,
     HIDDEN_BLOSC,
@@ -70,15 +72,22 @@ from dflash.store.reader import (  # noqa: F401  (re-exported)
     Store,
     array_config,
     arrays_of,
+    chunk_columns,
+    chunk_digest,
     compressors_of,
     damaged_whole_arrays,
     disk_bytes,
+    document_digests,
     hidden_chunk_tokens,
     hidden_compressors,
+    misplaced,
+    misplaced_documents,
     open_manifest,
+    place_digest,
     read_document_sources,
     read_projection,
     row_arrays,
+    stored_checksum,
     target_path,
     teacher_arrays,
     token_compressors,
@@ -96,6 +105,7 @@ from dflash.store.writer import (  # noqa: F401  (re-exported)
     create_store,
     finalize,
     new_manifest,
+    record_digests,
     record_self_check,
     write_document_sources,
     write_projection,

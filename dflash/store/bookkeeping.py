@@ -12,6 +12,7 @@ import numpy as np
 import zarr
 
 from dflash.errors import DflashError, describe_differences
+from dflash.leftovers import owner_tag
 from dflash.manifest import Manifest
 
 HARVEST_FILE = "harvest.json"
@@ -28,7 +29,7 @@ def part_name(rank: int) -> str:
 
 def _fsynced_temp(path: Path, obj: dict) -> Path:
     """`obj` as JSON in a new temporary file beside `path`, fsynced: what the writers below put in place."""
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{uuid.uuid4().hex}")
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{uuid.uuid4().hex}.{owner_tag()}")  # a rerun removes a dead one's
     try:
         with open(tmp, "w") as f:
             f.write(json.dumps(obj, indent=2) + "\n")
@@ -225,9 +226,10 @@ def part_progress(out: Path, world_size: int) -> list[dict | None]:
     return [read_progress(out / "parts" / part_name(rank) / PROGRESS_FILE) for rank in range(world_size)]
 
 
-def check_parts_agree(out: Path, header: Manifest, progress: list[dict]) -> None:
+def check_parts_agree(out: Path, header: Manifest, progress: list[dict | None], complete: bool = False) -> None:
     """Refuse a mixed store: every part must have been written under the store's header (parts of a dflash that
-    did not record theirs are taken as they are)."""
+    did not record theirs are taken as they are). Checked by the finishing step and, for a part put into a
+    `complete` store afterwards (copied from another harvest), by every open of it."""
     expected, fingerprint = header_sha256(header), header_content(header)["fingerprint"]
     mixed = [
         (rank, p) for rank, p in enumerate(progress) if p is not None and p.get("header_sha256", expected) != expected
@@ -235,15 +237,24 @@ def check_parts_agree(out: Path, header: Manifest, progress: list[dict]) -> None
     if not mixed:
         return
     lines = [
-        f"{part_name(rank)}: "
+        f"{part_name(rank)} records header_sha256 {p['header_sha256']}, the store's is {expected} ("
         + (describe_differences(fingerprint, p.get("fingerprint", {}), "store has", "part has") or "its header differs")
+        + ")"
         for rank, p in mixed
     ]
     ranks = ", ".join(str(rank) for rank, _ in mixed)
+    folders = ", ".join(f"parts/{part_name(rank)}" for rank, _ in mixed)
+    rerun = f"rerun rank(s) {ranks} with the store's settings (harvest.json's `options`)"
+    fix = (
+        f"its rows are not this store's: delete those part folders ({folders}) and {MANIFEST_FILE}, then {rerun}, "
+        "which harvests them again and completes the store"
+        if complete
+        else f"no manifest is written: delete those part folders ({folders}) and {rerun}, or harvest into a new "
+        "--out folder"
+    )
     raise DflashError(
-        f"{out} is a mixed store: part(s) written under other settings than its {HARVEST_FILE} "
-        f"({'; '.join(lines)}); no manifest is written. Delete those part folders (parts/rankNNNNN) and rerun rank(s) "
-        f"{ranks} with the store's settings (harvest.json's `options`), or harvest into a new --out folder"
+        f"{out} is a mixed store: part(s) written under other settings than its {HARVEST_FILE} ({'; '.join(lines)}); "
+        f"{fix}"
     )
 
 

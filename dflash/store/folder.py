@@ -54,12 +54,12 @@ def check_folder(out: Path, fingerprint: dict) -> str:
         return "new"
     if not isinstance(raw, dict):
         raise DflashError(f"{out / HARVEST_FILE} is damaged (not a JSON object); restore it, or start in a new folder")
-    if raw.get("format_version") != FORMAT_VERSION:
+    existing = Manifest.from_json(raw, str(out / HARVEST_FILE))  # first: a newer format's message is inspect's
+    if existing.format_version != FORMAT_VERSION:
         raise DflashError(
-            f"{out} is a dflash store of format version {raw.get('format_version')}, this dflash writes "
+            f"{out} is a dflash store of format version {existing.format_version}, this dflash writes "
             f"version {FORMAT_VERSION}; harvest into a new folder"
         )
-    existing = Manifest.from_json(raw, str(out / HARVEST_FILE))
     old, new = ({**FINGERPRINT_BEFORE, **f} for f in (existing.fingerprint, fingerprint))
     details = describe_differences(old, new, "store has", "this run")
     if (
@@ -121,7 +121,7 @@ def check_writable(out: Path, option: str = "--out") -> None:
     nearest folder above it that exists, where it would be created)."""
     existing = nearest_existing(out)
     if existing == out and not out.is_dir():
-        return  # a file where the folder should be: the caller's own check names that
+        raise DflashError(f"{option} {out} is a file, not a folder; choose a new or empty folder")
     probe = existing / f"{TMP_PREFIX}probe-{uuid.uuid4().hex}"
     try:
         probe.open("x").close()

@@ -1,10 +1,12 @@
 """The harvest store's layout (its arrays, their dtypes, chunks and codecs) and its read side: `Store.open` reads
-only the manifest and the arrays' metadata; rows are read chunk by chunk without zarr's copies (`ChunkReader`),
-checking each chunk's CRC32C. The writer (dflash.store.writer) builds on the layout here; dflash.store names both.
+only the manifest, the parts' progress.json and the arrays' metadata; rows are read chunk by chunk without zarr's
+copies (`ChunkReader`), checking each chunk's CRC32C and, against the part's `digests`, its place. The writer
+(dflash.store.writer) builds on the layout here; dflash.store names both.
 The exact format, and how to read it with plain zarr, is in docs/shard-format.md.
 """
 
 import bisect
+import logging
 import math
 import os
 from pathlib import Path
@@ -17,8 +19,10 @@ from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
 from dflash.errors import DflashError
 from dflash.manifest import (
+    DIGESTS_SINCE,
     FeatureSpec,
     Manifest,
+    NewerFormat,
     PartEntry,
     SelfCheck,
     TeacherSpec,
@@ -28,14 +32,19 @@ from dflash.store.bookkeeping import (
     DOCUMENT_SOURCES_FIX,
     HARVEST_FILE,
     MANIFEST_FILE,
+    PROGRESS_FILE,
     PROJECTION,
     PROJECTION_FIX,
     REPAIR,
+    check_parts_agree,
     missing_chunks,
     part_progress,
     read_manifest,
+    read_progress,
     read_whole,
 )
+
+logger = logging.getLogger("dflash")
 
 CHUNK_BYTES = 32 << 20  # uncompressed size of one hidden chunk: a row is read in a few large, parallel reads
 TOKEN_ARRAYS = {"input_ids": "int32", "position_ids": "int32", "doc_ids": "int32", "loss_mask": "uint8"}
@@ -45,6 +54,7 @@ SCALE_DTYPE = np.int8  # power-of-two exponents: one byte per scale group
 # The teacher arrays' numpy dtypes (zarr has no bfloat16: teacher_hidden holds its bits, as hidden does).
 TEACHER_DTYPES = {"int32": np.int32, "float16": np.float16, "bfloat16": np.uint16}
 BF16 = FeatureSpec("bf16")  # the encoding of teacher_hidden: bf16 behind the features' lossless codec
+DIGESTS = "digests"  # uint32 [rows, chunks of a row]: each chunk's digest (chunk_digest), checked on every read
 
 
 HIDDEN_BLOSC = {"cname": "lz4", "clevel": 5}  # with bit shuffle, typesize 2
@@ -53,7 +63,65 @@ HIDDEN_BLOSC = {"cname": "lz4", "clevel": 5}  # with bit shuffle, typesize 2
 def arrays_of(features: FeatureSpec, teacher: TeacherSpec | None = None) -> tuple[str, ...]:
     """The arrays of one part, in write order."""
     scales = ("scales",) if features.precision == "fp8" else ()
-    return ("hidden", *scales, *TOKEN_ARRAYS, *(teacher.arrays if teacher else ()), "documents")
+    return ("hidden", *scales, *TOKEN_ARRAYS, *(teacher.arrays if teacher else ()), DIGESTS, "documents")
+
+
+def chunk_columns(arrays: dict[str, zarr.Array]) -> list[tuple[str, tuple[int, ...]]]:
+    """The columns of `digests`: (array, chunk coordinates after the row) of every chunk of one row, the row arrays
+    in write order, each array's chunks in grid order."""
+    return [
+        (name, coords)
+        for name, array in arrays.items()
+        if name not in (DIGESTS, "documents")
+        for coords in np.ndindex(*array.cdata_shape[1:])
+    ]
+
+
+def chunk_digest(part: str, name: str, key: str, checksum: bytes) -> int:
+    """What binds a chunk to its place: the CRC32C of its path in the store (`parts/rank00000/hidden/c/4/0/0`, UTF-8)
+    followed by its own CRC32C (the 4 bytes that end its file). A chunk copied or moved to another row, array or
+    part keeps a valid CRC32C, but not the digest its new place records."""
+    return google_crc32c.value(f"parts/{part}/{name}/{key}".encode() + checksum)
+
+
+def stored_checksum(path: Path) -> bytes:
+    """The CRC32C that ends a chunk file, as stored (little endian)."""
+    with open(path, "rb") as f:
+        f.seek(-4, os.SEEK_END)
+        return f.read(4)
+
+
+def place_digest(folder: Path, name: str, key: str) -> int:
+    """The digest (`chunk_digest`) of chunk file `name/key` of the part at `folder`, as the file is now."""
+    return chunk_digest(folder.name, name, key, stored_checksum(folder / name / key))
+
+
+def document_digests(folder: Path, array: zarr.Array) -> list[int]:
+    """The digest of each chunk of the documents table of the part at `folder` as it is now, in grid order: what the
+    table's attribute `digests` records, since the part's `digests` array has columns for the row arrays only."""
+    keys = (array.metadata.encode_chunk_key(coords) for coords in np.ndindex(*array.cdata_shape))
+    return [place_digest(folder, "documents", key) for key in keys]
+
+
+def misplaced_documents(folder: Path, array: zarr.Array) -> list[tuple[tuple[int, ...], str]]:
+    """(chunk coordinates, problem) of each chunk of the part's documents table that is not the one written at its
+    place, against its attribute `digests` (all named when that is missing: a zarr.json rebuilt by --repair, which
+    then rewrites the table). Every chunk file must be there."""
+    grid, recorded = list(np.ndindex(*array.cdata_shape)), array.attrs.get(DIGESTS)
+    if not isinstance(recorded, list) or len(recorded) != len(grid):
+        return [(coords, "the digests of the documents table are not recorded in its zarr.json") for coords in grid]
+    return [
+        (coords, misplaced(folder / "documents" / array.metadata.encode_chunk_key(coords)))
+        for coords, now, then in zip(grid, document_digests(folder, array), recorded)
+        if now != then
+    ]
+
+
+def misplaced(path: Path) -> str:
+    return (
+        f"chunk file {path} is not the chunk written there: its CRC32C is valid, but not the digest recorded for its "
+        "place (a chunk of another row, array or part was copied or moved here)"
+    )
 
 
 def row_arrays(features: FeatureSpec, token_budget: int) -> dict[str, tuple[tuple[int, ...], type]]:
@@ -158,6 +226,8 @@ def open_manifest(path: Path) -> Manifest:
     )
     try:
         manifest = read_manifest(path / MANIFEST_FILE)
+    except NewerFormat:
+        raise
     except DflashError as exc:
         raise DflashError(f"{str(exc).split('; restore it')[0]}; {rewrite}") from None
     if manifest is not None:
@@ -200,14 +270,17 @@ class ChunkReader:
                 "chain (little endian) this version of dflash reads; harvest again with this version"
             )
         self.array, self.folder = array, folder
+        self.part, self.name = folder.parent.name, folder.name
         self.chunk_tokens = array.chunks[1]
         self.dtype = array.dtype
         self.codec = DIRECT_DECODERS[expected[1]]()  # decoding reads its settings from each chunk's header
 
-    def read_row_into(self, row: int, out: np.ndarray, piece: int = 0, pieces: int = 1) -> None:
+    def read_row_into(
+        self, row: int, out: np.ndarray, piece: int = 0, pieces: int = 1, digests: np.ndarray | None = None
+    ) -> None:
         """Row `row` into `out` ([T, ...]); decoded in place when `out` holds integers of the stored size. With
         `pieces` > 1 only the chunks j with j % pieces == piece: threads reading the pieces of one row in parallel
-        write disjoint token ranges."""
+        write disjoint token ranges. `digests`: the row's recorded digest of chunk j at j (None: not checked)."""
         T = out.shape[0]
         # Integers of the stored size take the stored bits unchanged (bfloat16 bits as int16 or uint16); any other
         # dtype gets the values converted.
@@ -217,7 +290,7 @@ class ChunkReader:
         for j in range(piece, -(-T // self.chunk_tokens), pieces):
             start = j * self.chunk_tokens
             stop = min(start + self.chunk_tokens, T)
-            encoded = self._checked_chunk(row, j)
+            encoded = self._checked_chunk(row, j, None if digests is None else digests[j])
             if same_bits and out.flags.c_contiguous and stop - start == self.chunk_tokens:
                 self.codec.decode(encoded, out=out[start:stop])
                 continue
@@ -225,10 +298,12 @@ class ChunkReader:
             chunk = np.frombuffer(self.codec.decode(encoded), self.dtype).reshape(-1, *out.shape[1:])[: stop - start]
             np.copyto(out[start:stop], chunk.view(out.dtype) if same_bits else chunk, casting="unsafe")
 
-    def _checked_chunk(self, row: int, j: int) -> bytes:
-        """The chunk's encoded bytes, after checking the CRC32C that follows them (as zarr's crc32c codec does)."""
+    def _checked_chunk(self, row: int, j: int, digest: int | None) -> bytes:
+        """The chunk's encoded bytes, after checking the CRC32C that follows them (as zarr's crc32c codec does) and
+        that the chunk is the one written at its place (`digest`, when given)."""
         coords = (row, j) + (0,) * (self.array.ndim - 2)
-        path = self.folder / self.array.metadata.encode_chunk_key(coords)
+        key = self.array.metadata.encode_chunk_key(coords)
+        path = self.folder / key
         try:
             with open(path, "rb") as f:
                 encoded = f.read(max(os.fstat(f.fileno()).st_size - 4, 0))  # no copy to split off the checksum
@@ -237,11 +312,14 @@ class ChunkReader:
             raise DflashError(f"chunk file missing: {path}") from None
         if len(stored) != 4 or int.from_bytes(stored, "little") != google_crc32c.value(encoded):
             raise DflashError(f"checksum mismatch in chunk file {path}")
+        if digest is not None and chunk_digest(self.part, self.name, key, stored) != digest:
+            raise DflashError(misplaced(path))
         return encoded
 
 
 class Store:
-    """Read side: opening reads only the manifest and the arrays' metadata, whatever the store's size."""
+    """Read side: opening reads only the manifest, the parts' progress.json and the arrays' metadata, whatever the
+    store's size."""
 
     def __init__(self, path: Path, manifest: Manifest):
         self.path = path
@@ -254,7 +332,16 @@ class Store:
         self.row_layout = row_arrays(self.features, self.token_budget)
         self.teacher = manifest.teacher
         self.teacher_layout = teacher_arrays(self.teacher, self.token_budget)  # read apart: see read_teacher_into
-        names = arrays_of(self.features, self.teacher)
+        self.digested = manifest.format_version >= DIGESTS_SINCE
+        if not self.digested:
+            logger.warning(
+                "%s is a store of format version %d, which records no chunk digests: a chunk file copied or moved to "
+                "another row, array or part is read unnoticed (a harvest with this dflash records them)",
+                path,
+                manifest.format_version,
+            )
+        names = [name for name in arrays_of(self.features, self.teacher) if name != DIGESTS or self.digested]
+        self._check_parts_headers()
         try:
             group = zarr.open_group(path, mode="r")
             self.parts = [
@@ -267,6 +354,9 @@ class Store:
                 "rerun the harvest command of each rank with --repair, which rebuilds the zarr.json files from "
                 "harvest.json and then re-harvests any damaged rows (or restore the parts folder)"
             ) from None
+        columns = [name for name, _ in chunk_columns(self.parts[0])]  # every part has the same layout
+        self.first_column = {name: columns.index(name) for name in set(columns)}  # of each row array in `digests`
+        self.digest_layout = {DIGESTS: ((len(columns),), np.uint32)} if self.digested else {}
         for entry, arrays in zip(manifest.parts, self.parts):
             self._check_shapes(entry, arrays)
             missing = missing_chunks(arrays["documents"], path / "parts" / entry.name / "documents")
@@ -278,6 +368,7 @@ class Store:
                 )
         self.row_readers = self._chunk_readers(self.row_layout)
         self.teacher_readers = self._chunk_readers(self.teacher_layout)
+        self.digest_readers = self._chunk_readers(self.digest_layout)
         self.document_sources = read_document_sources(path)  # int16 [doc ids]: a store of several data sources
         self.projection = None  # P [width, feature_dim] float32 for a subspace store
         if self.features.subspace is not None:
@@ -289,6 +380,29 @@ class Store:
                     + f"); {PROJECTION_FIX}"
                 )
             self.projection = stored[0]
+
+    def _check_parts_headers(self) -> None:
+        """Refuse a part put into the complete store from another harvest: its progress.json records the header its
+        rows were written under, which every rank checked against harvest.json before each commit. A part whose
+        record, or a store whose harvest.json, cannot be read is read unchecked, with a warning."""
+        header = self._read_or_warn(self.path / HARVEST_FILE, read_manifest, "restore it from a copy of the store")
+        if header is None:
+            return
+        fix = f"{REPAIR}, which rewrites it from {MANIFEST_FILE}"
+        parts = [self.path / "parts" / name / PROGRESS_FILE for name in self.part_names]
+        check_parts_agree(self.path, header, [self._read_or_warn(p, read_progress, fix) for p in parts], complete=True)
+
+    @staticmethod
+    def _read_or_warn(file: Path, read, fix: str):
+        """`read(file)`, or None with a warning when the file is missing or damaged."""
+        try:
+            found = read(file)
+            problem = None if found is not None else f"{file} is missing; {fix}"
+        except DflashError as exc:
+            found, problem = None, str(exc)
+        if problem:
+            logger.warning("%s; until then the store's parts are not all checked against its header", problem)
+        return found
 
     def _chunk_readers(self, layout: dict) -> list[dict[str, ChunkReader]]:
         return [
@@ -303,7 +417,7 @@ class Store:
         """The manifest's rows and documents against the arrays on disk: reader and verify see the same rows."""
         problems = [
             f"{name} has {array.shape[0]} rows and {array.shape[1:]} per row, expected {entry.rows} and {shape}"
-            for name, (shape, _) in {**self.row_layout, **self.teacher_layout}.items()
+            for name, (shape, _) in {**self.row_layout, **self.teacher_layout, **self.digest_layout}.items()
             if (array := arrays[name]).shape != (entry.rows, *shape)
         ]
         if arrays["documents"].shape != (entry.documents, len(DOCUMENT_COLUMNS)):
@@ -385,14 +499,26 @@ class Store:
         self, i: int, readers: list[dict[str, ChunkReader]], out: dict[str, np.ndarray], piece: int, pieces: int
     ) -> None:
         part, row = self.locate(i)
-        for name, chunk_reader in readers[part].items():
-            try:
-                chunk_reader.read_row_into(row, out[name], piece, pieces)
-            except Exception as exc:  # a checksum mismatch, a missing chunk file, a codec error
-                raise DflashError(
-                    f"corrupt data in {self.path}: row {i} (part {self.part_names[part]}, array {name}, row {row}): "
-                    f"{exc}; run `dflash inspect --verify` to list every damaged chunk"
-                ) from exc
+        name = DIGESTS
+        try:
+            digests = self._recorded_digests(part, row)
+            for name, chunk_reader in readers[part].items():
+                mine = None if digests is None else digests[self.first_column[name] :]
+                chunk_reader.read_row_into(row, out[name], piece, pieces, mine)
+        except Exception as exc:  # a checksum mismatch, a chunk in another's place, a missing file, a codec error
+            raise DflashError(
+                f"corrupt data in {self.path}: row {i} (part {self.part_names[part]}, array {name}, row {row}): "
+                f"{exc}; run `dflash inspect --verify` to list every damaged chunk, then {REPAIR} for rank "
+                f"{int(self.part_names[part].removeprefix('rank'))}, which re-harvests the damaged rows"
+            ) from exc
+
+    def _recorded_digests(self, part: int, row: int) -> np.ndarray | None:
+        """The digest of each chunk of a part's row (`digests`' columns), None in stores older than them."""
+        if not self.digested:
+            return None
+        digests = np.empty(*self.digest_layout[DIGESTS])
+        self.digest_readers[part][DIGESTS].read_row_into(row, digests)
+        return digests
 
     def documents(self) -> np.ndarray:
         """int64 [n_docs, 5] of DOCUMENT_COLUMNS for the whole store, with global row numbers."""
@@ -400,7 +526,9 @@ class Store:
         for part, start, name in zip(self.parts, self.part_starts, self.part_names):
             try:
                 table = part["documents"][:]
-            except Exception as exc:  # a checksum mismatch, a codec error
+                if self.digested and (found := misplaced_documents(self.path / "parts" / name, part["documents"])):
+                    raise DflashError(found[0][1])
+            except Exception as exc:  # a checksum mismatch, a codec error, a chunk in another's place
                 raise DflashError(
                     f"the documents table of part {name} of {self.path} is damaged ({type(exc).__name__}: {exc}); "
                     f"{REPAIR} for rank {int(name.removeprefix('rank'))}, which rewrites it"

@@ -1,6 +1,6 @@
-"""Verification of a store: every chunk of every array read and its CRC32C checked (`dflash inspect --verify`,
-and the damage a `--repair` mends), and the rebuilding of a finished part's metadata by `--repair`. Imports
-dflash.store, which never imports it."""
+"""Verification of a store: every chunk of every array read, its CRC32C checked and its place against the part's
+`digests` (`dflash inspect --verify`, and the damage a `--repair` mends), and the rebuilding of a finished part's
+metadata by `--repair`. Imports dflash.store, which never imports it."""
 
 import os
 import shutil
@@ -15,7 +15,17 @@ import zarr
 from dflash import store
 from dflash.errors import DflashError
 from dflash.manifest import FeatureSpec, Manifest, TeacherSpec
-from dflash.store import Store, array_config, arrays_of, part_name
+from dflash.store import (
+    DIGESTS,
+    Store,
+    array_config,
+    arrays_of,
+    chunk_columns,
+    misplaced,
+    misplaced_documents,
+    part_name,
+    place_digest,
+)
 
 
 def check_projection_source(source: Path, fingerprint: dict, config_hash: str) -> None:
@@ -44,7 +54,7 @@ def check_projection_source(source: Path, fingerprint: dict, config_hash: str) -
 
 @dataclass
 class PartDamage:
-    rows: list[int]  # rows of the part (local) with a missing or corrupt chunk in any row array
+    rows: list[int]  # rows of the part (local) with a missing, corrupt or misplaced chunk in any row array
     documents: bool  # the documents table is damaged
     problems: list[str]
 
@@ -57,6 +67,56 @@ def _chunk_problem(array: zarr.Array, chunk_file: Path, coords) -> str | None:
         return None
     except Exception as exc:  # zarr raises ValueError on a checksum mismatch, codec errors otherwise
         return str(exc)
+
+
+def _recorded_digests(folder: Path, arrays: dict[str, zarr.Array], pool: ThreadPoolExecutor) -> dict[int, np.ndarray]:
+    """Row -> the digests recorded for its chunks. Rows whose digests chunk is missing or corrupt are left out
+    (that chunk is named damaged itself), as is every row of a store older than the digests."""
+    digests = arrays.get(DIGESTS)
+    if digests is None:
+        return {}
+
+    def read(row: int):
+        if not (folder / DIGESTS / digests.metadata.encode_chunk_key((row, 0))).is_file():
+            return row, None
+        try:
+            return row, digests.get_block_selection((row, 0))[0]
+        except Exception:  # a checksum mismatch, a codec error
+            return row, None
+
+    return {row: values for row, values in pool.map(read, range(digests.shape[0])) if values is not None}
+
+
+def _part_problems(
+    folder: Path, arrays: dict[str, zarr.Array], pool: ThreadPoolExecutor, progress=None
+) -> list[tuple[str, tuple, str]]:
+    """(array, chunk coordinates, problem) of every missing, corrupt or misplaced chunk of the part at `folder`:
+    each chunk read and its CRC32C checked, then its digest (a row array's in `digests`, the documents table's in
+    its attributes)."""
+    recorded = _recorded_digests(folder, arrays, pool)
+    columns = {place: column for column, place in enumerate(chunk_columns(arrays))}
+    jobs = [(name, array, coords) for name, array in arrays.items() for coords in np.ndindex(*array.cdata_shape)]
+
+    def check(job):
+        name, array, coords = job
+        key = array.metadata.encode_chunk_key(coords)
+        try:
+            problem = _chunk_problem(array, folder / name / key, coords)
+            column = columns.get((name, coords[1:]))
+            if problem is None and column is not None and coords[0] in recorded:
+                same = place_digest(folder, name, key) == recorded[coords[0]][column]
+                problem = None if same else misplaced(folder / name / key)
+            return None if problem is None else (name, coords, problem)
+        finally:
+            if progress is not None:
+                progress(array.nbytes // array.nchunks)
+
+    found = [found for found in pool.map(check, jobs) if found is not None]
+    if DIGESTS in arrays and not any(name == "documents" for name, _, _ in found):  # its chunks all there and whole
+        found += [
+            ("documents", coords, problem) for coords, problem in misplaced_documents(folder, arrays["documents"])
+        ]
+    return found
 
 
 def part_damage(
@@ -73,43 +133,23 @@ def part_damage(
             f"the arrays of part {part_name(rank)} of {out} cannot be opened ({exc}); their metadata is damaged "
             "beyond what --repair rebuilds: restore the part folder, or harvest again into a new folder"
         ) from None
-    jobs = [(name, array, coords) for name, array in arrays.items() for coords in np.ndindex(*array.cdata_shape)]
-
-    def check(job):
-        name, array, coords = job
-        problem = _chunk_problem(array, folder / name / array.metadata.encode_chunk_key(coords), coords)
-        return None if problem is None else (name, coords, f"array {name} chunk {coords}: {problem}")
-
     with ThreadPoolExecutor(threads) as pool:
-        found = [result for result in pool.map(check, jobs) if result is not None]
+        found = _part_problems(folder, arrays, pool)
     rows = sorted({coords[0] for name, coords, _ in found if name != "documents"})
-    return PartDamage(rows, any(name == "documents" for name, _, _ in found), [text for _, _, text in found])
+    problems = [f"array {name} chunk {coords}: {problem}" for name, coords, problem in found]
+    return PartDamage(rows, any(name == "documents" for name, _, _ in found), problems)
 
 
 def check_chunks(store: Store, progress=None, threads: int = 8) -> list[str]:
-    """Read every chunk of every array; return one line per missing or corrupt chunk, naming part/array/row."""
-    jobs = [
-        (part, name, array, coords)
-        for part, arrays in enumerate(store.parts)
-        for name, array in arrays.items()
-        for coords in np.ndindex(*array.cdata_shape)
-    ]
-
-    def check(job) -> str | None:
-        part, name, array, coords = job
-        where = f"part {store.part_names[part]} array {name} chunk {coords}"
-        if name != "documents":
-            where += f" (row {store.part_starts[part] + coords[0]})"
-        chunk_file = store.path / "parts" / store.part_names[part] / name / array.metadata.encode_chunk_key(coords)
-        try:
-            problem = _chunk_problem(array, chunk_file, coords)
-            return None if problem is None else f"{where}: {problem}"
-        finally:
-            if progress is not None:
-                progress(array.nbytes // array.nchunks)
-
+    """Read every chunk of every array; return one line per missing, corrupt or misplaced chunk, naming
+    part/array/row."""
+    problems = []
     with ThreadPoolExecutor(threads) as pool:
-        return [problem for problem in pool.map(check, jobs) if problem is not None]
+        for start, part, arrays in zip(store.part_starts, store.part_names, store.parts):
+            for name, coords, problem in _part_problems(store.path / "parts" / part, arrays, pool, progress):
+                row = "" if name == "documents" else f" (row {start + coords[0]})"
+                problems.append(f"part {part} array {name} chunk {coords}{row}: {problem}")
+    return problems
 
 
 def _opens(folder: Path, kind: str) -> bool:
@@ -121,33 +161,46 @@ def _opens(folder: Path, kind: str) -> bool:
         return False
 
 
+def _finished_progress(out: Path, rank: int, header: Manifest) -> dict | None:
+    """The progress.json of part `rank` as its harvest left it when finished, from manifest.json's entry; None when
+    the manifest (missing or damaged) lists no such part."""
+    try:
+        manifest = store.read_manifest(out / store.MANIFEST_FILE)
+    except DflashError:
+        manifest = None
+    entry = next((e for e in manifest.parts if e.name == part_name(rank)), None) if manifest else None
+    if entry is None:
+        return None
+    counts = {key: getattr(entry, key) for key in store.PART_COUNTS}
+    return {
+        "rows": entry.rows,
+        "rows_committed": entry.rows,
+        "counts": counts,
+        "header_sha256": store.header_sha256(header),
+        "fingerprint": store.header_content(header)["fingerprint"],
+    }
+
+
 def repair_metadata(out: Path, rank: int, header: Manifest) -> list[str]:
     """`--repair`: rebuild what of part `rank`'s metadata is damaged and can be rebuilt exactly, before its
-    chunks are checked: its progress.json from manifest.json (a finished part), the zarr.json of each of its
+    chunks are checked: its progress.json, missing or garbled, from manifest.json (a finished part: without it the
+    part would pass for unfinished, and --repair refuse it), the zarr.json of each of its
     arrays from harvest.json and the part's rows and documents, and the groups' zarr.json (root, parts, the
     part). Each file is written as the harvest wrote it (temporary file and rename). Returns what it rewrote."""
     folder, fixed = out / "parts" / part_name(rank), []
+    damaged = None
     try:
         progress = store.read_progress(folder / store.PROGRESS_FILE)
-    except DflashError:
-        progress = None
-        try:
-            manifest = store.read_manifest(out / store.MANIFEST_FILE)
-        except DflashError:
-            manifest = None
-        entry = next((e for e in manifest.parts if e.name == part_name(rank)), None) if manifest else None
-        if entry is None:
-            raise
-        counts = {key: getattr(entry, key) for key in store.PART_COUNTS}
-        progress = {"rows": entry.rows, "rows_committed": entry.rows, "counts": counts}
-        progress |= {
-            "header_sha256": store.header_sha256(header),
-            "fingerprint": store.header_content(header)["fingerprint"],
-        }
+    except DflashError as exc:
+        progress, damaged = None, exc
+    if progress is None:  # garbled or missing: a part the manifest lists is finished, and its file rebuilt
+        progress = _finished_progress(out, rank, header)
+        if progress is None and damaged is not None:
+            raise damaged
+        if progress is None:
+            return fixed  # a part never started: nothing of it to rebuild
         store.write_json_atomic(folder / store.PROGRESS_FILE, progress)
         fixed.append(str(folder / store.PROGRESS_FILE))
-    if progress is None:
-        return fixed  # a part never started: nothing of it to rebuild
     names = [name for name in arrays_of(header.features, header.teacher) if not _opens(folder / name, "array")]
     groups = [g for g in (out, out / "parts", folder) if not _opens(g, "group")]
     if not names and not groups:

@@ -52,6 +52,7 @@ from dflash.store.bookkeeping import (
 )
 from dflash.store.reader import (
     BF16,
+    DIGESTS,
     DOCUMENT_COLUMNS,
     HIDDEN_BLOSC,
     HIDDEN_DTYPES,
@@ -60,10 +61,13 @@ from dflash.store.reader import (
     Store,
     array_config,
     arrays_of,
+    chunk_columns,
     compressors_of,
+    document_digests,
     hidden_chunk_tokens,
     hidden_compressors,
     open_manifest,
+    place_digest,
     read_projection,
     teacher_arrays,
     token_compressors,
@@ -95,6 +99,11 @@ def _hidden_encoder(features: FeatureSpec):
         return numcodecs.Zstd(level=1)
     return numcodecs.Blosc(**HIDDEN_BLOSC, shuffle=numcodecs.Blosc.BITSHUFFLE, typesize=2)
 
+
+DIGESTS_MEANING = (
+    "per row, the CRC32C of each chunk's path in the store (parts/<part>/ + the column's, {row} filled in) followed "
+    "by the 4 CRC32C bytes ending that chunk's file: binds every chunk to its row, array and part"
+)
 
 CHUNK_WRITTEN = ("hidden", "teacher_hidden")  # the large arrays, written by HiddenChunkWriter outside zarr
 
@@ -185,7 +194,7 @@ class PartWriter:
         names = arrays_of(spec.features, spec.teacher)
         self.arrays = {name: group[name].with_config(array_config(read=False)) for name in names}
         if missing_chunks(self.arrays["documents"], self.folder / "documents"):  # a copy of a store being written
-            self.arrays["documents"][:] = spec.documents
+            self.write_documents(spec.documents)
         self.chunk_writers = {
             name: HiddenChunkWriter(self.arrays[name], self.folder / name, spec.features if name == "hidden" else BF16)
             for name in CHUNK_WRITTEN
@@ -193,10 +202,13 @@ class PartWriter:
         }
 
     def _create(self, out: Path, spec: PartSpec, recorded: dict) -> None:
-        documents = create_part_arrays(_ensure_group(self.folder), spec)
-        documents[:] = spec.documents
+        _write_documents(self.folder, create_part_arrays(_ensure_group(self.folder), spec), spec.documents)
         self.progress = {"rows": spec.rows, "rows_committed": 0, "counts": spec.counts, **recorded}
         write_json_atomic(self.folder / PROGRESS_FILE, self.progress)
+
+    def write_documents(self, table: np.ndarray) -> None:
+        """(Re)write the part's documents table: one with missing chunks, or a repair's."""
+        _write_documents(self.folder, self.arrays["documents"], table)
 
     @property
     def rows_committed(self) -> int:
@@ -209,8 +221,9 @@ class PartWriter:
         for name, writer in self.chunk_writers.items():
             writer.write_rows(first_row, hidden if name == "hidden" else others[name])
         for name in self.arrays:
-            if name not in (*CHUNK_WRITTEN, "documents"):
+            if name not in (*CHUNK_WRITTEN, DIGESTS, "documents"):
                 self.arrays[name][rows] = others[name]
+        _write_digests(self.folder, self.arrays, range(rows.start, rows.stop))
 
     def commit(self, rows_committed: int) -> None:
         """Record rows as durable; call only once write_rows for them has returned. The store's harvest.json is
@@ -221,13 +234,48 @@ class PartWriter:
         write_json_atomic(self.folder / PROGRESS_FILE, self.progress)
 
 
+def _write_digests(folder: Path, arrays: dict[str, zarr.Array], rows: range) -> None:
+    """Record the digest of each chunk of `rows` (`chunk_digest`) from the CRC32C ending its file, as it is now."""
+    columns = chunk_columns(arrays)
+    digests = np.zeros((len(rows), len(columns)), np.uint32)
+    for i, row in enumerate(rows):
+        for c, (name, coords) in enumerate(columns):
+            digests[i, c] = place_digest(folder, name, arrays[name].metadata.encode_chunk_key((row, *coords)))
+    arrays[DIGESTS][rows.start : rows.stop] = digests
+
+
+def _write_documents(folder: Path, array: zarr.Array, table: np.ndarray) -> None:
+    """Write the documents table of the part at `folder`, then record its chunks' digests in its attribute `digests`
+    (zarr.json, rewritten atomically): not a row array, it has no columns in the part's `digests`."""
+    array[:] = table
+    _record_document_digests(folder, array)
+
+
+def _record_document_digests(folder: Path, array: zarr.Array) -> None:
+    array.update_attributes({DIGESTS: document_digests(folder, array)})
+
+
+def record_digests(out: Path) -> None:
+    """Record every part's digests (its rows', its documents table's) anew from its chunk files as they are now. For
+    stores whose rows were rewritten in place through zarr (tests, benchmarks, hand edits), which the old digests
+    would call chunks in another's place; never a way past damage, since it accepts whatever each chunk file holds."""
+    manifest = open_manifest(out)
+    for entry in manifest.parts:
+        group = zarr.open_group(out / "parts" / entry.name, mode="r+")
+        names = arrays_of(manifest.features, manifest.teacher)
+        arrays = {name: group[name].with_config(array_config(read=False)) for name in names}
+        _write_digests(out / "parts" / entry.name, arrays, range(entry.rows))
+        _record_document_digests(out / "parts" / entry.name, arrays["documents"])
+
+
 def create_part_arrays(group: zarr.Group, spec: PartSpec) -> zarr.Array:
     """Create (metadata only, overwriting) every array of a part in `group`; returns the documents array. Also
     what `--repair` rebuilds a damaged zarr.json from (dflash.store.verify.repair_metadata)."""
     T, f = spec.token_budget, spec.features
     write = dict(overwrite=True, config=array_config(read=False))
     chunk = hidden_chunk_tokens(T, f.width * f.bytes_per_value)
-    group.create_array(
+    arrays = {}
+    arrays["hidden"] = group.create_array(
         "hidden",
         shape=(spec.rows, T, f.width),
         chunks=(1, chunk, f.width),
@@ -238,7 +286,7 @@ def create_part_arrays(group: zarr.Group, spec: PartSpec) -> zarr.Array:
         attributes={"precision": f.precision, "encoding": HIDDEN_ENCODINGS[f.precision]},
     )
     if f.precision == "fp8":
-        group.create_array(
+        arrays["scales"] = group.create_array(
             "scales",
             shape=(spec.rows, T, f.scale_groups),
             chunks=(1, T, f.scale_groups),
@@ -250,7 +298,7 @@ def create_part_arrays(group: zarr.Group, spec: PartSpec) -> zarr.Array:
         )
     for name, dtype in TOKEN_ARRAYS.items():
         fill = -1 if name == "doc_ids" else 0
-        group.create_array(
+        arrays[name] = group.create_array(
             name,
             shape=(spec.rows, T),
             chunks=(1, T),
@@ -261,7 +309,7 @@ def create_part_arrays(group: zarr.Group, spec: PartSpec) -> zarr.Array:
         )
     for name, (shape, dtype) in teacher_arrays(spec.teacher, T).items():
         chunk = (hidden_chunk_tokens(T, 2 * shape[1]), shape[1]) if name == "teacher_hidden" else shape
-        group.create_array(
+        arrays[name] = group.create_array(
             name,
             shape=(spec.rows, *shape),
             chunks=(1, *chunk),
@@ -271,6 +319,20 @@ def create_part_arrays(group: zarr.Group, spec: PartSpec) -> zarr.Array:
             attributes={"meaning": TEACHER_MEANINGS[name]},
             **write,
         )
+    columns = chunk_columns(arrays)
+    group.create_array(
+        DIGESTS,
+        shape=(spec.rows, len(columns)),
+        chunks=(1, len(columns)),
+        dtype="uint32",
+        compressors=token_compressors(),
+        fill_value=0,
+        attributes={
+            "meaning": DIGESTS_MEANING,
+            "columns": ["/".join([name, "c", "{row}", *map(str, coords)]) for name, coords in columns],
+        },
+        **write,
+    )
     documents = group.create_array(
         "documents",
         shape=spec.documents.shape,
@@ -379,7 +441,16 @@ def _write_array_once(out: Path, name: str, data: np.ndarray, chunks: tuple, att
         return
     tmp = out / f"{TMP_PREFIX}{name}.{uuid.uuid4().hex}"
     attributes = {**(attributes or {}), "sha256": content_sha256(data)}
-    zarr.create_array(tmp, data=data, chunks=chunks, compressors=token_compressors(), attributes=attributes)
+    # Every chunk written, even one equal to the fill value (document sources all 0: one source's documents only),
+    # since read_whole takes a missing chunk file for damage.
+    zarr.create_array(
+        tmp,
+        data=data,
+        chunks=chunks,
+        compressors=token_compressors(),
+        attributes=attributes,
+        config=array_config(False),
+    )
     try:
         os.rename(tmp, out / name)  # fails when another rank's is already there, which then wins
     except OSError:
