@@ -27,6 +27,11 @@ METHOD_VARIANTS = {
     # DSpark trains from a store harvested with a teacher (the `teacher` key: the harvest's --teacher)
     "dspark-topk": {"method": "dspark", "teacher": "topk:32"},
     "dspark-hidden": {"method": "dspark", "teacher": "hidden"},
+    "dspark-b16": {"method": "dspark", "teacher": "topk:32", "block_size": 16},
+    # DFlash 2 against the target's distribution (issue 52): the same top-K teacher store, TrainConfig.teacher_loss
+    # auto; with 64 candidates the K-way draft can reach more of a flat distribution's mass
+    "dflash2-distill": {"method": "dflash2", "teacher": "topk:32"},
+    "dflash2-distill-k64": {"method": "dflash2", "teacher": "topk:32", "drafter_overrides": {"selector_top_k": 64}},
 }
 
 

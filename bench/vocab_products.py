@@ -1,5 +1,5 @@
 """DSpark's products over the vocabulary on the GPU, one loss chunk's worth: each [c, V] product its loss makes
-(dflash.methods.dspark._MarkovHeadLoss) timed alone at several chunk sizes, next to the joint [head | W2] forms that
+(dflash.methods.distill._TeacherHeadLoss) timed alone at several chunk sizes, next to the joint [head | W2] forms that
 would read the [c, V] operand once (issue 23; the loss now takes the joint forward, after this script and
 bench/step_profile.py's per-shape table: docs/benchmarks.md, "Drafter methods").
 

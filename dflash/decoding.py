@@ -65,6 +65,20 @@ def accept_sampled(draft: Draft, target_logits: torch.Tensor, temperature: float
     return accepted, int(torch.multinomial(residual, 1, generator=generator))
 
 
+def draft_overlap(draft: Draft, target_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[k, 2] per drafted position i at temperature > 0: sum_v min(p_i(v), q_i(v)), the chance that speculative
+    sampling accepts draft i given the drafts before it (the target's p_i is conditioned on them), and p_i's mass
+    on q_i's support, which caps it: a K-way q (DFlash 2's) can never be accepted more often than the target puts
+    mass on its K candidates; the gap between the two is q's mismatch with p on that support."""
+    k = draft.tokens.numel()
+    p = torch.softmax(target_logits[:k].float() / temperature, dim=-1)
+    if draft.probs is None:  # a point mass on each draft
+        mass = p.gather(1, draft.tokens[:, None])
+        return torch.cat([mass, mass], dim=1)
+    q = draft.probs.float()
+    return torch.stack([torch.minimum(p, q).sum(-1), (p * (q > 0)).sum(-1)], dim=1)
+
+
 def accept(draft: Draft, target_logits: torch.Tensor, temperature: float, generator=None) -> tuple[int, int]:
     """(accepted drafts, the target's token after them): greedy at temperature 0, speculative sampling above."""
     if temperature == 0:
@@ -129,6 +143,9 @@ class Generation:
     tokens: list[int]  # new tokens, ending at the first EOS (kept) or at max_new_tokens
     seconds: float
     accepted: list[int] = field(default_factory=list)  # accepted drafts per round (speculative only)
+    # per round, draft_overlap's [overlap, support mass] of the drafts verification reached (the accepted ones and
+    # the first rejected one); speculative sampling only
+    overlaps: list[list[list[float]]] = field(default_factory=list)
     margins: list[float] = field(default_factory=list)  # top-2 logit gap per step (plain greedy only)
 
 
@@ -165,6 +182,7 @@ class SpeculativeState:
         self.stateful = False  # set from the cache's layers once the prefill has built them
         self.features = None
         self.capacity = capacity
+        self.overlaps = []  # draft_overlap per round at temperature > 0
 
     def prefill(self) -> torch.Tensor:
         """Run the prompt through the target; returns the logits for the first new token."""
@@ -192,6 +210,8 @@ class SpeculativeState:
         snapshot = LinearStates(self.cache) if self.stateful and k > 0 else None
         out = self._forward(torch.cat([pending, draft.tokens]), logits_to_keep=k + 1)
         accepted, bonus = accept(draft, out.logits[0].float(), temperature, generator)
+        if temperature > 0 and k > 0:  # on the device until the generation ends: no sync here
+            self.overlaps.append(draft_overlap(draft, out.logits[0], temperature)[: accepted + 1])
         if self.features is not None:
             # Rows of the last pending token and the accepted drafts: committed positions n-1 .. n-1+accepted.
             first = pending.numel() - 1
@@ -256,7 +276,9 @@ def speculative_generate(
         if stop is not None:
             break
     _sync(device)
-    return Generation(tokens, time.perf_counter() - start, accepted=accepted)
+    seconds = time.perf_counter() - start
+    overlaps = [o.tolist() for o in state.overlaps[: len(accepted)]]  # rounds past an EOS cut were never made
+    return Generation(tokens, seconds, accepted=accepted, overlaps=overlaps)
 
 
 @torch.inference_mode()

@@ -13,11 +13,12 @@ from test_drafter import (
     small_config,
     training_batch,
 )
+from test_dspark import distance_reference, teacher_of
 from torch.nn.attention.flex_attention import create_mask
 
 from dflash import loss
 from dflash.blocks import block_attention_mask, dense_block_mask
-from dflash.decoding import accept_sampled
+from dflash.decoding import accept_sampled, draft_overlap
 from dflash.errors import DflashError
 from dflash.methods import ObjectiveOptions
 from dflash.methods.dflash2 import (
@@ -26,6 +27,7 @@ from dflash.methods.dflash2 import (
     DFlash2Proposer,
     DynamicBlockConv,
     objective,
+    selector_distance,
     selector_targets,
 )
 
@@ -131,6 +133,9 @@ def test_config_checks_and_round_trip():
         dflash2_config(conv_kernel_size=5, block_size=4)
     with pytest.raises(DflashError, match="sliding_window 0 leaves a block no context"):
         dflash2_config(sliding_window=0)  # the base config's check, through DFlash 2's own
+    with pytest.raises(DflashError, match="sliding_window 8 is below block_size 16.*sliding_window=16 or more"):
+        dflash2_config(sliding_window=8, block_size=16)  # z-lab's reference agrees on 53 of 360 tokens there
+    assert dflash2_config(sliding_window=16, block_size=16).sliding_window == 16
 
 
 # ---- the selector
@@ -240,16 +245,52 @@ def test_speculative_sampling_with_the_selector_emits_the_target_distribution():
     assert (q_counts / 2000 - p).abs().sum() > 0.3
 
 
+def test_draft_overlap_is_the_acceptance_chance_of_each_k_way_draft():
+    """draft_overlap's sum min(p, q) against a float64 loop, and against the frequency with which speculative
+    sampling accepts the first draft of the selector's K-way q."""
+    cfg, model, proposer, head, hidden = selector_setup(seed=2)
+    generator = torch.Generator().manual_seed(1)
+    p_logits = torch.randn(4, cfg.vocab_size, generator=generator, dtype=torch.float64) * 2
+    with torch.no_grad():
+        draft = proposer.choose(hidden[:3], torch.tensor(3), 0.7, generator)
+    p = torch.softmax(p_logits / 0.7, dim=-1)
+    want = [sum(min(float(p[i, v]), float(draft.probs[i, v])) for v in range(cfg.vocab_size)) for i in range(3)]
+    support = [float(p[i, draft.probs[i] > 0].sum()) for i in range(3)]
+    torch.testing.assert_close(draft_overlap(draft, p_logits, 0.7), torch.tensor([want, support]).T)
+    assert all(o <= m + 1e-6 < 1 for o, m in zip(want, support))  # capped by the K candidates' mass under 1
+    trials, accepted = 4000, 0
+    with torch.no_grad():
+        for _ in range(trials):
+            draft = proposer.choose(hidden[:1], torch.tensor(3), 0.7, generator)
+            accepted += accept_sampled(draft, p_logits[:2], 0.7, generator)[0]
+    assert abs(accepted / trials - want[0]) < 4 * (want[0] * (1 - want[0]) / trials) ** 0.5
+
+
 # ---- the training objective
 
 
-def objective_reference(model, hidden, head, labels, weights, B, kind, outside, alpha):
-    """The loss from full float64 logits, candidates and edge scores as brute-force loops."""
+def teacher_prob(teacher, full, n, token):
+    """The target's p of one token as the selector's distance reads it (a top-k teacher: 0 off its K tokens)."""
+    if full is not None:
+        return full[n, token]
+    ids = teacher["teacher_ids"][n].long().tolist()
+    return teacher["teacher_probs"][n, ids.index(token)] if token in ids else torch.tensor(0.0, dtype=torch.float64)
+
+
+def objective_reference(model, hidden, head, labels, weights, B, kind, outside, alpha, teacher=None, full=None):
+    """The loss from full float64 logits, candidates and edge scores as brute-force loops; with a teacher, each CE
+    becomes 0.1 CE + 0.9 L1 to the target's distribution (the selector's over its K candidates and the rest)."""
     cfg = model.config
     unary = (hidden * cfg.output_multiplier) @ head.T
     ce = F.cross_entropy(unary, labels, reduction="none")
     w = weights if kind == "decay" else loss.dpace_weights(ce.detach(), weights > 0, B).double()
-    total = (w * ce).sum()
+    if teacher is None:
+        total = (w * ce).sum()
+    else:
+        distance = distance_reference(
+            torch.softmax(unary, dim=-1), "hidden" if full is not None else "topk", teacher, full
+        )
+        total = (w * (0.1 * ce + 0.9 * distance)).sum()
     selector = model.candidate_selector
     gate = selector.predecessor_codebook[labels.roll(1)] * selector.hidden_projection(hidden)
     correct = []
@@ -261,7 +302,12 @@ def objective_reference(model, hidden, head, labels, weights, B, kind, outside, 
         scores = torch.stack([unary[n, c] + (gate[n] * selector.successor_codebook[c]).sum() for c in candidates])
         if inside or outside == "replace":
             target = candidates.index(int(labels[n]))
-            total = total + alpha * w[n] * (scores.logsumexp(0) - scores[target])
+            term = scores.logsumexp(0) - scores[target]
+            if teacher is not None:
+                p = torch.stack([teacher_prob(teacher, full, n, c) for c in candidates])
+                l1 = (torch.softmax(scores, 0) - p).abs().sum() + (1 - p.sum())
+                term = 0.1 * term + 0.9 * l1
+            total = total + alpha * w[n] * term
         correct.append(inside and int(scores.argmax()) == candidates.index(int(labels[n])))
     correct = torch.tensor(correct)
     correct.view(-1, B)[:, 0] = False  # slot 0 (the anchor) is never drafted
@@ -300,6 +346,84 @@ def test_objective_and_its_gradients_equal_the_float64_reference(kind, outside):
         torch.testing.assert_close(grads[name], p.grad, msg=name)
     # Some label sits outside the top K, so the two ways of handling it were both exercised.
     assert not selector_targets(torch.topk((hidden.detach() * 0.8) @ head.T, 3).indices, labels, outside)[2].all()
+
+
+@pytest.mark.parametrize("kind", ["decay", "dpace"])
+@pytest.mark.parametrize("source", ["topk", "hidden"])
+def test_objective_with_a_teacher_and_its_gradients_equal_the_float64_reference(kind, source):
+    """DFlash 2 against the target's distribution: the unary and the selector's K-way terms (value and gradients
+    of hidden and every selector parameter) against brute-force float64 loops, with the label outside the top K at
+    some positions."""
+    B = 4
+    cfg = dflash2_config(block_size=B, output_multiplier=0.8, selector_top_k=3, vocab_size=12, mask_token_id=11)
+    model = dflash2_drafter(cfg, seed=3)
+    g = torch.Generator().manual_seed(6)
+    N = 6 * B
+    hidden = torch.randn(N, cfg.hidden_size, generator=g, dtype=torch.float64, requires_grad=True)
+    head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, cfg.vocab_size, (N,), generator=g)
+    weights = torch.rand(N, generator=g, dtype=torch.float64) + 0.1
+    weights.view(-1, B)[:, 0] = 0
+    teacher, full = teacher_of(source, N, cfg, g, head)
+    options = ObjectiveOptions(position_weights=kind, loss_chunk=8, selector_weight=0.7)
+    got = objective(model, hidden, head, labels, weights, B, options, teacher)
+    got.loss_sum.backward()
+    grads = {"hidden": hidden.grad.clone()} | {
+        n: p.grad.clone() for n, p in model.candidate_selector.named_parameters()
+    }
+    hidden.grad = None
+    model.zero_grad()
+    # The store's teacher sits at every position, the anchor slot's included; the objective drops that slot.
+    want, correct = objective_reference(model, hidden, head, labels, weights, B, kind, "replace", 0.7, teacher, full)
+    want.backward()
+    torch.testing.assert_close(got.loss_sum, want)
+    torch.testing.assert_close(got.position_loss.sum(), want.detach())
+    assert torch.equal(got.correct, correct)
+    torch.testing.assert_close(grads["hidden"], hidden.grad)
+    for name, p in model.candidate_selector.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)
+
+
+def test_the_selector_distance_is_twice_the_rejection_chance_of_its_k_way_draft():
+    """L1 over the K candidates and the rest = 2 (1 - sum_c min(p_c, q_c)): twice the chance that speculative
+    sampling rejects a token drawn from q, which an exact count over the vocabulary gives."""
+    g = torch.Generator().manual_seed(2)
+    scores = torch.randn(5, 4, generator=g, dtype=torch.float64)
+    p_full = torch.softmax(torch.randn(5, 9, generator=g, dtype=torch.float64), dim=-1)
+    candidates = torch.stack([torch.randperm(9, generator=g)[:4] for _ in range(5)])
+    p = p_full.gather(1, candidates)
+    q = torch.softmax(scores, dim=-1)
+    rejection = 1 - torch.minimum(p, q).sum(-1)
+    torch.testing.assert_close(selector_distance(scores, p), 2 * rejection)
+
+
+def test_the_compiled_selector_backward_is_bit_repeatable_on_two_cpu_threads():
+    """Many rows gathering the same codebook rows: inductor's threaded CPU code accumulates their gradients with
+    atomic adds (repeats differed in the last bits, so a CPU run's exact resume did not hold); the trainer's
+    init_distributed switches the CPU to deterministic kernels, under which four repeats agree bit for bit."""
+    from dflash.train.setup import init_distributed
+
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(2)
+    try:
+        init_distributed("cpu")
+        cfg = dflash2_config(vocab_size=4096, mask_token_id=4095, selector_rank=32, selector_top_k=16)
+        selector = dflash2_drafter(cfg).float().candidate_selector
+        g = torch.Generator().manual_seed(0)
+        N = 4096
+        hidden = torch.randn(N, cfg.hidden_size, generator=g)
+        unary = torch.randn(N, 16, generator=g)
+        previous, candidates = torch.randint(0, 50, (N,), generator=g), torch.randint(0, 200, (N, 16), generator=g)
+        scores = torch.compile(selector.edge_scores)
+        grads = []
+        for _ in range(4):
+            selector.zero_grad()
+            scores(hidden, unary, previous, candidates).logsumexp(-1).sum().backward()
+            grads.append([p.grad.clone() for p in selector.parameters()])
+        assert all(torch.equal(a, b) for again in grads[1:] for a, b in zip(grads[0], again, strict=True))
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
 
 
 def test_training_refuses_a_softcap():

@@ -14,12 +14,11 @@ from dflash import blocks, loss
 from dflash.decoding import accept_sampled
 from dflash.errors import DflashError
 from dflash.methods import ObjectiveOptions
+from dflash.methods.distill import _chunk_size, teacher_head_loss
 from dflash.methods.dspark import (
     DSparkConfig,
     DSparkDrafter,
     DSparkProposer,
-    _chunk_size,
-    markov_head_loss,
     objective,
 )
 from dflash.metrics import step_flops
@@ -225,7 +224,7 @@ def test_markov_head_loss_terms_equal_the_reference_and_l1_is_twice_tv():
     labels = torch.randint(0, cfg.vocab_size, (N,), generator=g)
     weights = torch.rand(N, generator=g, dtype=torch.float64)
     teacher, full = teacher_of("hidden", N, cfg, g, head)
-    total, ce, distance, correct, w = markov_head_loss(
+    total, ce, distance, correct, w, _ = teacher_head_loss(
         hidden, previous, head, w2, labels, weights, teacher, chunk_size=4
     )
     z = hidden @ head.T + previous @ w2.T
@@ -255,7 +254,7 @@ def test_top_k_gradient_equals_autograd_of_the_reference_with_the_label_inside_a
     ids = teacher["teacher_ids"].long()
     outside = [next(v for v in range(cfg.vocab_size) if v not in ids[n]) for n in range(N)]
     labels = torch.tensor([int(ids[n, n % 4]) if n % 2 else outside[n] for n in range(N)])
-    loss_fn = torch.compile(markov_head_loss, fullgraph=True) if compiled else markov_head_loss
+    loss_fn = torch.compile(teacher_head_loss, fullgraph=True) if compiled else teacher_head_loss
     total, *_ = loss_fn(hidden, previous, head, w2, labels, weights, teacher, chunk_size=4)
     got = torch.autograd.grad(total, (hidden, previous, w2))
     z = hidden @ head.T + previous @ w2.T

@@ -49,11 +49,13 @@ METHOD_OPTIONS = {
         "drafter_overrides": {"selector_rank": 8, "selector_top_k": 4, "sliding_window": 24},
     },
     "dflash2-drop": {"method": "dflash2", "selector_outside": "drop", "drafter_overrides": {"selector_top_k": 4}},
+    # against the target's distribution, from a top-k teacher store (TrainConfig.teacher_loss auto)
+    "dflash2-distill": {"method": "dflash2", "drafter_overrides": {"selector_rank": 8, "selector_top_k": 4}},
     # block 3 whose anchor slot drafts: the same 3 drafts as DFlash's block of 4
     "dspark-topk": {"method": "dspark", "block_size": 3, "drafter_overrides": {"markov_rank": 8}},
     "dspark-hidden": {"method": "dspark", "block_size": 3, "drafter_overrides": {"markov_rank": 8}},
 }
-METHOD_TEACHER = {"dspark-topk": "topk:8", "dspark-hidden": "hidden"}  # the store's --teacher each one trains from
+METHOD_TEACHER = {"dspark-topk": "topk:8", "dspark-hidden": "hidden", "dflash2-distill": "topk:8"}  # the store's --teacher each one trains from
 
 
 def metrics_records(out, kind: str = "train") -> list[dict]:

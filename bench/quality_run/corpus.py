@@ -1,6 +1,7 @@
 """The run's text: this machine's Python standard library split into the target's, the drafter's and the eval's
-files, and prompts cut from them."""
+files, and prompts cut from them; each file as it is (fixture "code") or its prose alone (fixture "prose")."""
 
+import ast
 import hashlib
 import json
 import logging
@@ -19,7 +20,7 @@ def stdlib_files(scale: Scale) -> tuple[dict[str, str], dict[str, str], dict[str
     """(train, drafter, held-out) {relative path: source}, split by a hash of the path; and counts."""
     root = Path(sysconfig.get_paths()["stdlib"])
     train, drafter, heldout = {}, {}, {}
-    skipped = {"site_packages": 0, "too_big": 0, "not_utf8": 0, "empty": 0}
+    skipped = {"site_packages": 0, "too_big": 0, "unreadable": 0, "empty": 0}
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).as_posix()
         if {"site-packages", "dist-packages"} & set(rel.split("/")):
@@ -30,8 +31,9 @@ def stdlib_files(scale: Scale) -> tuple[dict[str, str], dict[str, str], dict[str
             continue
         try:
             text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            skipped["not_utf8"] += 1
+            text = prose(text) if scale.fixture == "prose" else text
+        except (UnicodeDecodeError, OSError, SyntaxError, ValueError):
+            skipped["unreadable"] += 1
             continue
         if not text.strip():
             skipped["empty"] += 1
@@ -48,6 +50,17 @@ def stdlib_files(scale: Scale) -> tuple[dict[str, str], dict[str, str], dict[str
         counts.update({f"{name}_files": len(files), f"{name}_chars": sum(map(len, files.values()))})
     counts["skipped"] = skipped
     return train, drafter, heldout, counts
+
+
+def prose(source: str, min_chars: int = 200, min_letters: float = 0.85) -> str:
+    """A Python file's long strings that read as text (docstrings, pydoc_data's topics), blank-line separated:
+    those of at least `min_chars` characters, `min_letters` of them letters or white space."""
+    texts = [
+        node.value
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and len(node.value) >= min_chars
+    ]
+    return "\n\n".join(t for t in texts if sum(c.isalpha() or c.isspace() for c in t) >= min_letters * len(t))
 
 
 def capped(texts: list[str], chars: int | None, seed: int) -> list[str]:

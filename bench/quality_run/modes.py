@@ -148,7 +148,10 @@ def run_modes(
             "val_store": store_stats(results["harvest"]["val_path"]),
         }
         write_json_atomic(Path(paths[m]["harvested"]), {"mode": asdict(m), **bf16_stores, "harvest_s": 0.0})
-    unharvested = [m for m in unharvested if not m.on_bf16_store]
+    # Variants on the same encoding and teacher (dspark-topk, dflash2-distill) share one harvest: the first's.
+    harvested = {m.store_key: m for m in modes if Path(paths[m]["harvested"]).exists()}
+    leaders = {m.store_key: m for m in reversed(unharvested) if not m.on_bf16_store} | harvested
+    unharvested = [m for m in unharvested if not m.on_bf16_store and leaders[m.store_key] is m]
     in_workers(
         harvest_mode,
         [
@@ -168,6 +171,10 @@ def run_modes(
         at_once=max(scale.mode_workers, 1),
         names=[f"mode {m.name} harvest" for m in unharvested],
     )
+    for m in todo:
+        if not Path(paths[m]["harvested"]).exists():
+            shared = json.loads(Path(paths[leaders[m.store_key]]["harvested"]).read_text())
+            write_json_atomic(Path(paths[m]["harvested"]), {**shared, "mode": asdict(m), "harvest_s": 0.0})
     in_workers(
         train_mode,
         [dict(steps=steps, seed=seed, done=str(mode_done(stages, m.folder)), **paths[m], **common) for m in todo],

@@ -11,7 +11,9 @@ logger = logging.getLogger("quality")
 @dataclass(frozen=True)
 class Scale:
     name: str
-    # data
+    # data: the stdlib's Python files as they are ("code"), or only their prose ("prose": docstrings and the
+    # documentation strings of pydoc_data, English text whose next token is far less certain than code's)
+    fixture: str = "code"
     heldout_percent: int = 10
     # Files for the regeneration prompts: unseen by the target, like the eval's, so that the drafter learns how the
     # target continues code it has not memorised (answers to its own training files are recitation).
@@ -69,6 +71,7 @@ class Scale:
     total_seconds: float = 530.0
 
 
+FIXTURES = ("code", "prose")
 GPU = Scale("gpu")
 TINY = Scale(
     "tiny",
@@ -122,4 +125,6 @@ def scale_with_overrides(scale: Scale, assignments: list[str], parser: argparse.
             changes[field] = kind(value)
         except ValueError:
             parser.error(f"--set {assignment}: {field} takes a {kind.__name__}")
+    if changes.get("fixture", scale.fixture) not in FIXTURES:
+        parser.error(f"--set fixture={changes['fixture']}: one of {', '.join(FIXTURES)}")
     return dataclasses.replace(scale, **changes)

@@ -32,6 +32,11 @@ class StoreMode:
         return hash((self.name, self.precision, self.subspace, self.teacher))
 
     @property
+    def store_key(self) -> tuple:
+        """What its stores are made of: modes with the same key can share them."""
+        return (self.precision, self.subspace, self.teacher)
+
+    @property
     def on_bf16_store(self) -> bool:
         """A method variant trains on the bf16 run's own stores: nothing to harvest."""
         return (self.precision, self.subspace, self.teacher) == ("bf16", "none", None)

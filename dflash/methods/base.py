@@ -52,4 +52,6 @@ class Method:
     # N = A * span positions in block-major order (DrafterConfig.span), teacher: the store's teacher arrays at the
     # position before each label ({name: [N, ...]}), or None for a method that does not read them
     objective_fn: object
-    needs_teacher: bool = False  # trains against the target's next-token distribution (a store with --teacher)
+    # Whether it trains against the target's next-token distribution (a store harvested with --teacher): "none",
+    # "optional" (when the store holds one and TrainConfig.teacher_loss is auto) or "required"
+    teacher: str = "none"

@@ -19,6 +19,7 @@ successor codebook): an untrained DFlash 2 drafter is a DFlash one with extra pa
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -26,6 +27,7 @@ from dflash import loss
 from dflash.drafter import INIT_STD, DFlashDrafter, DrafterConfig, Layer, acc_dtype
 from dflash.errors import DflashError
 from dflash.methods.base import Method, Objective, drafted_slots, with_slot0
+from dflash.methods.distill import teacher_head_loss, teacher_logit_copies, teacher_probs_at
 from dflash.proposers import DFlashProposer, Draft
 from dflash.topk import vocab_top_k
 
@@ -78,8 +80,6 @@ class DFlash2Config(DrafterConfig):
         )
         if self.final_logit_softcapping is not None:  # absent means off to every engine
             config["dflash_config"]["final_logit_softcapping"] = self.final_logit_softcapping
-        # The reference treats sliding layers as causal unless told: the block is bidirectional.
-        config["is_causal"] = False
         return config
 
     @classmethod
@@ -98,6 +98,9 @@ class DFlash2Config(DrafterConfig):
         convs = self.num_layers * 2 * (2 * H * 2 * self.conv_kernel_size * self.conv_groups)  # two projections a layer
         return convs + 2 * H * r + 2 * K * H + 2 * K * r  # P h, candidate logits, edge scores
 
+    def loss_logit_copies(self, teacher: str | None) -> float:
+        return super().loss_logit_copies(None) if teacher is None else teacher_logit_copies(teacher)
+
     def method_activation_copies(self, recompute: str = "none") -> float:
         if recompute == "pointwise":  # down_proj's output and the two kernel projections' (counted: test_memory)
             return 1 + 2 * 2 * self.conv_kernel_size * self.conv_groups / self.hidden_size
@@ -111,6 +114,9 @@ class DFlash2Config(DrafterConfig):
     def extra_keys(self) -> list[str]:
         return [f"candidate_selector.{name}" for name in SELECTOR_KEYS]
 
+
+# With a teacher store (TrainConfig.teacher_loss): (CE, L1) weights of the unary and the selector terms, DSpark's.
+DISTILL_WEIGHTS = (0.1, 0.9)
 
 CONV_KEYS = ("base_kernel", "kernel_projection.weight")
 SELECTOR_KEYS = ("predecessor_codebook", "successor_codebook", "hidden_projection.weight")
@@ -250,17 +256,58 @@ def objective(model, hidden, head, labels, weights, block_size, options, teacher
         raise DflashError("training a DFlash 2 drafter with final_logit_softcapping is not supported; leave it unset")
     previous = labels.roll(1)  # slot k's predecessor is the token at k - 1 (slot 1's: the anchor)
     hidden, labels, weights, previous = (drafted_slots(t, block_size) for t in (hidden, labels, weights, previous))
+    if teacher:
+        teacher = {name: drafted_slots(values, block_size) for name, values in teacher.items()}
     unary_hidden = hidden * cfg.output_multiplier if cfg.output_multiplier != 1.0 else hidden
-    ce, _, top = loss.head_cross_entropy(unary_hidden, head, labels, options.loss_chunk, cfg.selector_top_k)
-    w = loss.position_weights(options.position_weights, ce, weights, block_size - 1)
+    unary_total, unary_terms, w, top = _unary_loss(
+        unary_hidden, head, labels, weights, block_size - 1, options, teacher, cfg.selector_top_k
+    )
     candidates, target, in_top = selector_targets(top, labels, options.selector_outside)
     unary = candidate_logits(unary_hidden, head, candidates).to(acc_dtype(hidden.dtype))
     scores = model.candidate_selector.edge_scores(hidden, unary, previous, candidates)
-    selector_ce = scores.logsumexp(dim=-1) - scores.gather(1, target[:, None])[:, 0]
+    selector = scores.logsumexp(dim=-1) - scores.gather(1, target[:, None])[:, 0]
+    if teacher:
+        distance = selector_distance(scores, teacher_probs_at(teacher, candidates, head))
+        selector = DISTILL_WEIGHTS[0] * selector + DISTILL_WEIGHTS[1] * distance
     kept = in_top if options.selector_outside == "drop" else torch.ones_like(in_top)
-    terms = w * ce + options.selector_weight * w * kept * selector_ce
+    selector_terms = options.selector_weight * w * kept * selector
+    terms = (unary_terms + selector_terms).detach()
     correct = in_top & (scores.argmax(dim=-1) == target)
-    return Objective(terms.sum(), with_slot0(terms.detach(), block_size), with_slot0(correct, block_size))
+    return Objective(unary_total + selector_terms.sum(), with_slot0(terms, block_size), with_slot0(correct, block_size))
+
+
+def _unary_loss(hidden, head, labels, weights, span, options, teacher, top_k):
+    """The unary logits' loss: (its differentiable sum, its terms [N], the position weights w [N], the top_k
+    candidates [N, K]); the block CE, or with a teacher 0.1 CE + 0.9 L1 to the target's distribution."""
+    if not teacher:
+        ce, _, top = loss.head_cross_entropy(hidden, head, labels, options.loss_chunk, top_k)
+        w = loss.position_weights(options.position_weights, ce, weights, span)
+        return (w * ce).sum(), w * ce, w, top
+    no_markov = hidden[:, :0], head[:, :0]  # e and W2 of width 0: the plain LM head's logits
+    got = teacher_head_loss(
+        hidden,
+        no_markov[0],
+        head,
+        no_markov[1],
+        labels,
+        weights,
+        teacher,
+        options.position_weights,
+        span,
+        options.loss_chunk,
+        *DISTILL_WEIGHTS,
+        top_k=top_k,
+    )
+    terms = got.weight * (DISTILL_WEIGHTS[0] * got.ce + DISTILL_WEIGHTS[1] * got.distance)
+    return got.total, terms, got.weight, got.top
+
+
+def selector_distance(scores: Tensor, teacher_probs: Tensor) -> Tensor:
+    """L1 [N] between the selector's K-way q = softmax(S) and the target's p over the K candidates and the rest as
+    one outcome (where q is 0): 2 (1 - sum_c min(p_c, q_c)), twice the chance that verification at T = 1 rejects a
+    draft sampled from q. teacher_probs [N, K]: p at each candidate (0 where the teacher does not know it)."""
+    q = torch.softmax(scores, dim=-1)
+    return (q - teacher_probs).abs().sum(-1) + (1 - teacher_probs.sum(-1)).clamp_min(0)
 
 
 class DFlash2Proposer(DFlashProposer):
@@ -272,23 +319,42 @@ class DFlash2Proposer(DFlashProposer):
         if cfg.final_logit_softcapping is not None:
             unary = cfg.final_logit_softcapping * torch.tanh(unary / cfg.final_logit_softcapping)
         values, candidates = vocab_top_k(unary, cfg.selector_top_k)  # the top-K the trainer takes
-        lattice = self.drafter.candidate_selector.lattice(hidden, values, anchor, candidates)
-        # The walk: slot 0's rows all hold the anchor; each next row is the candidate chosen at the slot before.
-        row, picks, probs = torch.zeros((), dtype=torch.long, device=hidden.device), [], []
-        for scores in lattice:
-            scores = scores[row]
-            if temperature == 0:
-                row = scores.argmax()
-            else:
-                q = torch.softmax(scores / temperature, dim=-1)
-                row = torch.multinomial(q, 1, generator=generator)[0]
-                probs.append(q)
-            picks.append(row)
-        tokens = candidates.gather(1, torch.stack(picks)[:, None])[:, 0]
-        if not probs:
+        lattice = self.drafter.candidate_selector.lattice(hidden, values, anchor, candidates).float()
+        picks, probs = walk(lattice, temperature, generator)
+        tokens = candidates.gather(1, picks[:, None])[:, 0]
+        if probs is None:
             return Draft(tokens)
-        q = torch.zeros_like(unary).scatter_(1, candidates, torch.stack(probs))  # the K-way q, 0 elsewhere
+        q = torch.zeros_like(unary, dtype=probs.dtype).scatter_(1, candidates, probs)  # the K-way q, 0 elsewhere
         return Draft(tokens, q)
+
+
+def walk(lattice: Tensor, temperature: float, generator) -> tuple[Tensor, Tensor | None]:
+    """The left-to-right walk over a block's lattice [k, K, K]: (the candidate index picked at each slot [k], and at
+    T > 0 the K-way q [k, K] each was drawn from, both on the lattice's device). Slot 0's rows all hold the anchor;
+    each next row is the candidate picked at the slot before. The walk is k dependent steps over K values each, so
+    it runs on the host from one copy of the lattice (and of k uniforms drawn on the device's generator): on a GPU,
+    k steps of small kernels cost more than the drafter's forward. At T > 0 each pick inverts the CDF of
+    softmax(S / T) at its uniform, an exact sample of it."""
+    k, device = lattice.shape[0], lattice.device
+    if temperature == 0:
+        host, uniforms = lattice.cpu().numpy(), None
+    else:
+        uniforms = torch.rand(k, generator=generator, device=device, dtype=lattice.dtype)
+        both = torch.cat([lattice.flatten(), uniforms]).cpu().numpy()  # one transfer, one sync
+        host, uniforms = both[:-k].reshape(lattice.shape), both[-k:]
+    row, picks, probs = 0, [], []
+    for slot, scores in enumerate(host):
+        scores = scores[row].astype(np.float64)
+        if uniforms is None:
+            row = int(scores.argmax())
+        else:
+            q = np.exp((scores - scores.max()) / temperature)
+            q /= q.sum()
+            row = min(int(np.searchsorted(np.cumsum(q), uniforms[slot], side="right")), len(q) - 1)
+            probs.append(q)
+        picks.append(row)
+    picks = torch.tensor(picks, device=device)
+    return picks, (torch.tensor(np.stack(probs), dtype=torch.float32, device=device) if probs else None)
 
 
 METHOD = Method(
@@ -297,4 +363,5 @@ METHOD = Method(
     model_cls=DFlash2Drafter,
     proposer_cls=DFlash2Proposer,
     objective_fn=objective,
+    teacher="optional",
 )
