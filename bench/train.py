@@ -94,9 +94,8 @@ from bench.synthetic import ENCODINGS, shared_data
 from bench.train_report import report, table_row, versions
 from bench.variants import VARIANT_CHOICES, parse_variants, split_variant
 from dflash import graph, loss
-from dflash.attention_kernels import CUDA_KERNEL_OPTIONS
+from dflash.attention_kernels import CUDA_KERNEL_OPTIONS, check_kernel_options
 from dflash.config import TrainConfig
-from dflash.drafter import check_kernel_options
 from dflash.errors import DflashError
 from dflash.metrics import MetricsLog
 from dflash.step_time import BENCH_DRAFTERS, nearest_bench_drafter, rates_at

@@ -104,7 +104,9 @@ def plan(sample, epochs, draft_layers, block_size, method, anchors, **options):
 @click.command()
 @config_option
 @click.argument("store_path", metavar="STORE", type=click.Path())
-@click.option("--verify", is_flag=True, help="Read every chunk and check its CRC32C checksum.")
+@click.option(
+    "--verify", is_flag=True, help="Read every chunk and check its CRC32C checksum and its place (the part's digests)."
+)
 @click.option(
     "--reforward",
     type=click.IntRange(min=0),
@@ -120,8 +122,9 @@ def inspect(store_path, verify, reforward, seed, model, device):
     """Summarise a store (--verify: check chunks; --reforward N: check features against the target).
 
     Prints the manifest, counts, padding and bytes per token; --verify reads every chunk and checks its
-    checksum, exiting with status 1 if any is damaged; --reforward N re-runs N stored documents through the
-    target and exits with status 1 if any stored feature differs by more than the store's encoding error.
+    checksum and that it is the chunk written at its place, exiting with status 1 if any is damaged or misplaced;
+    --reforward N re-runs N stored documents through the target and exits with status 1 if any stored feature
+    differs by more than the store's encoding error.
     """
     from pathlib import Path
 
@@ -197,5 +200,11 @@ def _verify(opened) -> bool:
             "re-harvests exactly the damaged rows"
         )
         return True
-    click.echo("verify     every chunk present and its checksum correct")
+    if not opened.digested:  # older stores record no digests
+        click.echo(
+            "verify     every chunk present and its checksum correct; format version "
+            f"{opened.manifest.format_version} records no digests: a chunk in another's place goes unnoticed"
+        )
+        return False
+    click.echo("verify     every chunk present and its checksum correct, each the one written at its place")
     return False

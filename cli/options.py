@@ -61,6 +61,8 @@ def _load_config(ctx: click.Context, _param, path: str | None):
                 tables = [(k, f"[{own}] {k}", v) for k, v in value.items()]
         elif key.replace("-", "_") in others:
             continue  # a key only other commands take serves those
+        elif _serves_a_list_option(ctx, key.replace("-", "_"), value):
+            continue  # harvest's `data = [...]` (docs/data.md): eval's single --data comes from its table or flag
         elif isinstance(value, dict) and key.replace("-", "_") not in names:
             raise click.BadParameter(
                 f"{path}: [{key}] is neither a dflash command's table ({', '.join(sorted(commands))}) nor an "
@@ -88,6 +90,29 @@ def _load_config(ctx: click.Context, _param, path: str | None):
     return path
 
 
+def _param(command: click.Command, key: str) -> click.Parameter | None:
+    """The parameter of `command` that the --config key `key` (`-` as `_`) sets, if any."""
+    name = _key_names(command).get(key)
+    return next((p for p in command.params if p.name == name), None) if name else None
+
+
+def _serves_a_list_option(ctx: click.Context, key: str, value) -> bool:
+    """Whether a top-level list for a key this command takes once is the value of another command's repeatable
+    option of that key: one file then serves the chain (harvest's mixture, eval's own prompts in [eval])."""
+    own = _param(ctx.command, key)
+    if not isinstance(value, list) or own is None or getattr(own, "multiple", False):
+        return False
+    for command in _commands(ctx).values():
+        other = _param(command, key)
+        if other is not None and getattr(other, "multiple", False) and other.callback is None:
+            try:
+                _checked(other, value, "")
+            except click.BadParameter:
+                continue
+            return True
+    return False
+
+
 def _checked(param: click.Parameter, value, where: str):
     """A --config value checked against its option's type; lists of integers as `1,3,5` for _int_list."""
 
@@ -109,7 +134,8 @@ def _checked(param: click.Parameter, value, where: str):
         raise wrong('a string or a list of strings, e.g. ["a.jsonl", "b.parquet:0.25"]')
     if param.callback is _key_values:
         if not isinstance(value, dict):
-            raise wrong("a table, e.g. {intermediate_size = 9216}")
+            key, example = _example(param)
+            raise wrong(f"a table, e.g. {{{key} = {example}}}")
         return value
     if param.callback is _int_list:
         if isinstance(value, list) and all(is_int(v) for v in value):
@@ -173,6 +199,14 @@ def reports_errors(command):
     return wrapper
 
 
+# An example KEY=VALUE of each such option (the drafter's otherwise), for the error naming a malformed one.
+_EXAMPLES = {"attention_kernel_options": ("bwd_num_warps", 8)}
+
+
+def _example(param: click.Parameter) -> tuple[str, object]:
+    return _EXAMPLES.get(param.name, ("intermediate_size", 9216))
+
+
 def _key_values(ctx, param, values):
     """`--drafter-option intermediate_size=9216` (repeatable) -> {"intermediate_size": 9216}; the flags win over
     a `drafter-option = {...}` table of the --config file."""
@@ -180,7 +214,7 @@ def _key_values(ctx, param, values):
     for item in values or ():
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise click.BadParameter(f"{item!r} is not KEY=VALUE, e.g. intermediate_size=9216")
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE, e.g. {'='.join(map(str, _example(param)))}")
         out[key.strip()] = _number(raw.strip())
     return out or None
 
@@ -225,7 +259,9 @@ def _option_for(f: dataclasses.Field, annotation):
     shown = meta.get("default_doc", default)
     help_text = meta["help"] + ("" if required or shown in (None, {}) else f"  [default: {shown}]")
     kind = _base_type(annotation)
-    kwargs: dict = {"help": help_text, "required": required, "default": None, "show_default": False}
+    kwargs: dict = {"help": help_text, "required": required, "show_default": False}
+    if not required:  # a default of None is a value to click (8.3 on): a required option given it is never missing
+        kwargs["default"] = None
     if kind is bool:
         decls = [f"{name}/--no-{name[2:]}"]
     else:

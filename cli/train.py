@@ -24,6 +24,7 @@ def train(**options):
     to OUT/drafter at the end. One run at a time owns OUT. Ctrl-C or SIGTERM saves a checkpoint after the
     current step and stops; the same command with --resume continues the run.
     """
+    from dflash.parallel import is_first_process
     from dflash.train.run import run_training
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -39,7 +40,7 @@ def train(**options):
     if result.get("damaged_rows"):
         rows = result["damaged_rows"]
         click.echo(f"skipped {len(rows)} damaged row(s) of the store: {', '.join(map(str, rows[:20]))}")
-    if "export" in result:
+    if "export" in result and is_first_process():  # every rank's result names the export that rank 0 wrote
         click.echo(f"drafter written to {result['export']}")
 
 
@@ -55,8 +56,21 @@ def export(**options):
     temporary folder beside OUT and renamed into place, so an interrupted export leaves no half-written folder.
     The folder also loads with transformers: AutoModel.from_pretrained(OUT, trust_remote_code=True).
     """
+    from pathlib import Path
+
+    from dflash.errors import DflashError
     from dflash.train.checkpoint import Checkpointer
 
     cfg = given(ExportConfig, options)
-    path = Checkpointer(cfg.run).export(cfg.out, step=cfg.step, dtype=cfg.dtype, force=cfg.force)
+    if not Path(cfg.run).is_dir():  # a mistyped name: "no complete checkpoint" would send one looking for those
+        what = "is a file, not a folder" if Path(cfg.run).exists() else "does not exist"
+        raise DflashError(f"the run folder {cfg.run} {what}; give dflash export the --out folder of a dflash train run")
+    path = Checkpointer(cfg.run).export(
+        cfg.out,
+        step=cfg.step,
+        dtype=cfg.dtype,
+        force=cfg.force,
+        with_target_embeddings=cfg.with_target_embeddings,
+        target=cfg.target,
+    )
     click.echo(f"drafter written to {path}")

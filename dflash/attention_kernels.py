@@ -8,9 +8,15 @@ kernels"); other head dims run torch's own kernels, whose tiles they must fit.
 import contextlib
 import functools
 import importlib.util
+import logging
+import typing
+
+from torch.nn.attention.flex_attention import FlexKernelOptions
 
 from dflash import blocks, graph
 from dflash.errors import DflashError
+
+logger = logging.getLogger("dflash")
 
 # flex_attention's options on CUDA when --attention-kernel-option gives none: the backward on 8 warps (half the dK /
 # dV accumulator registers per thread at head_dim 256) was faster for both bench drafters at 4 x 3072 and at long
@@ -58,12 +64,42 @@ def check_flash(cuda: bool) -> None:
     importlib.import_module("flash_attn.cute.interface")
 
 
+def check_kernel_options(options: dict) -> None:
+    """Refuse keys that torch's flex_attention does not know, and values not of their key's kind: Triton would
+    ignore a misspelt tile size silently, and torch takes any BACKEND until the step's first compile."""
+    kinds = typing.get_type_hints(FlexKernelOptions)
+    unknown = sorted(k for k in options if k.removeprefix("fwd_").removeprefix("bwd_") not in kinds)
+    if unknown:
+        raise DflashError(
+            f"unknown flex_attention kernel option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} in "
+            f"--attention-kernel-option; the options are {', '.join(sorted(kinds))}, optionally prefixed fwd_ or bwd_"
+        )
+    for key, value in options.items():
+        kind = kinds[key.removeprefix("fwd_").removeprefix("bwd_")]
+        if typing.get_origin(kind) is typing.Literal:
+            ok, want = value in typing.get_args(kind), f"one of {', '.join(typing.get_args(kind))}"
+        elif kind is bool:
+            ok, want = isinstance(value, bool), "true or false"
+        else:  # the tiles, warps and stages
+            ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
+        if not ok:
+            raise DflashError(f"--attention-kernel-option {key}={value!r} is not {want}; give {key} {want}")
+
+
 def attention_kernel_options(given: dict, cuda: bool, head_dim: int) -> dict:
     """The drafter's flex_attention options: the flags' when given, else the CUDA default where it was measured
     (the CPU's flex_attention evaluates the mask densely and takes none)."""
     if given:
+        check_kernel_options(given)
         if uses_flash(given):
             check_flash(cuda)
+        elif not cuda:  # kept (they cannot change a value), but the run should not pass for a tuned one
+            shown = " ".join(f"{key}={value}" for key, value in given.items())
+            logger.warning(
+                "--attention-kernel-option %s tunes flex_attention's CUDA kernels; on the CPU the attention is a "
+                "dense mask, which takes no kernel options: ignored",
+                shown,
+            )
         return dict(given)
     return dict(CUDA_KERNEL_OPTIONS) if cuda and head_dim >= TUNED_MIN_HEAD_DIM else {}
 

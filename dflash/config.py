@@ -152,6 +152,11 @@ class HarvestConfig:
 
 
 EXPORT_DTYPES = ["bfloat16", "float32"]
+TARGET_EMBEDDINGS_HELP = (
+    "Write the target's embedding and LM head into the export's model.safetensors too (embed_tokens.weight, "
+    "lm_head.weight): DeepSpec's evaluator needs them for a DSpark drafter; vLLM, SGLang and z-lab share the "
+    "target's, so the default leaves them out (docs/export.md)."
+)
 # The names of dflash.methods.METHODS and dflash.loss.POSITION_WEIGHTS (this module stays torch-free; a test keeps
 # the lists equal).
 DRAFTER_METHODS = ("dflash", "dflash2", "dspark")
@@ -208,6 +213,13 @@ class TrainConfig:
         "that position leaves the selector's CE (drop).",
         choices=["replace", "drop"],
     )
+    teacher_loss: str = option(
+        "auto",
+        "dflash2: from a store harvested with --teacher, train the unary logits and the selector's K-way "
+        "distribution against the target's next-token distribution (0.1 CE + 0.9 L1, as DSpark; auto), or on the "
+        "hard labels alone (off).",
+        choices=["auto", "off"],
+    )
     rows_per_step: int = option(1, "Rows per micro-step on each rank.")
     grad_accum: int = option(1, "Micro-steps per optimizer step.")
     loss_chunk: int | None = option(
@@ -241,6 +253,7 @@ class TrainConfig:
     resume: bool = option(False, "Continue from the latest complete checkpoint in --out.")
     export: bool = option(True, "Export the drafter to OUT/drafter at the end.")
     export_dtype: str = option("bfloat16", "Dtype of the exported weights.", choices=EXPORT_DTYPES)
+    export_with_target_embeddings: bool = option(False, TARGET_EMBEDDINGS_HELP)
     # execution
     prefetch: int = option(2, "Steps of rows read ahead.")
     reader_workers: int = option(4, "Threads reading rows from the store.")
@@ -293,6 +306,16 @@ class TrainConfig:
     allow_failed_self_check: bool = option(
         False, "Train on a store whose check against its target failed at harvest (refused otherwise)."
     )
+    allow_other_target_weights: bool = option(
+        False,
+        "Train although --target or the --val-shards store comes from other target weights than the store (its "
+        "manifest's weights_sha256; refused otherwise): a deliberate fine-tune of the same config.",
+    )
+    allow_val_overlap: bool = option(
+        False,
+        "Validate on a --val-shards store harvested from the training store's data (refused otherwise: its "
+        "documents are training documents, so the validation is not held out).",
+    )
     ignore_memory_estimate: bool = option(
         False,
         "Train even when a step's estimated peak memory exceeds the memory free on the device (refused otherwise, "
@@ -328,6 +351,7 @@ class TrainConfig:
             ("--method", self.method, DRAFTER_METHODS),
             ("--position-weights", self.position_weights, POSITION_WEIGHTS),
             ("--selector-outside", self.selector_outside, ("replace", "drop")),
+            ("--teacher-loss", self.teacher_loss, ("auto", "off")),
         ):
             if value not in allowed:
                 bad.append(f"{flag} {value} ({' or '.join(allowed)})")
@@ -351,6 +375,13 @@ class ExportConfig:
     step: int | None = option(None, "Checkpoint step to export.", default_doc="the latest complete one")
     dtype: str = option("bfloat16", "Dtype of the exported weights.", choices=EXPORT_DTYPES)
     force: bool = option(False, "Replace an earlier dflash export at --out (any other non-empty folder is refused).")
+    with_target_embeddings: bool = option(False, TARGET_EMBEDDINGS_HELP)
+    target: str | None = option(
+        None,
+        "The target checkpoint whose embedding and LM head --with-target-embeddings writes.",
+        path=True,
+        default_doc="the run's --target, else its store's target",
+    )
 
 
 # ---- generation: regenerate and eval --------------------------------------------------------------------------
@@ -491,6 +522,11 @@ class EvalConfig:
         path=True,
     )
     resume: bool = option(False, "Go on from the partial report at --json: its prompts are not run again.")
+    allow_other_target_weights: bool = option(
+        False,
+        "Evaluate a drafter whose export names another target than --model (other weights_sha256; refused "
+        "otherwise): a deliberate fine-tune of the target it was trained for.",
+    )
     warmup: bool = option(
         True,
         "Run the first prompt briefly before timing, to keep allocations and kernel selection out of the timings.",
@@ -519,3 +555,7 @@ class EvalConfig:
             raise DflashError("a --drafter folder is given twice; give each drafter to compare once")
         if self.resume and not self.json_path:
             raise DflashError("--resume goes on from the report at --json: give --json REPORT")
+        if self.confidence_cut is not None and not 0 <= self.confidence_cut <= 1:
+            raise DflashError(
+                f"--confidence-cut {self.confidence_cut} is not a chance between 0 and 1; give e.g. --confidence-cut 0.5"
+            )

@@ -17,10 +17,10 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention.flex_attention import BlockMask, FlexKernelOptions, create_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from dflash.attention_kernels import uses_flash
+from dflash.attention_kernels import check_kernel_options, uses_flash
 from dflash.config import RECOMPUTE
 from dflash.errors import DflashError
 
@@ -62,6 +62,9 @@ class DrafterConfig:
     num_target_layers: int | None = None
     # Attention over the context limited to the last `sliding_window` positions before each block token (None: all).
     sliding_window: int | None = None
+    # The target trained for, as TargetIdentity.to_record() (config.json's `dflash_target`): eval compares it with
+    # --model, which the config's shape alone cannot tell from a fine-tune. None: a drafter exported before it.
+    target_identity: dict | None = None
 
     method: ClassVar[str] = "dflash"  # the key of dflash.methods.METHODS
     architecture: ClassVar[str] = "DFlashDraftModel"  # config.json's `architectures`, what the engines dispatch on
@@ -75,6 +78,15 @@ class DrafterConfig:
             raise DflashError(
                 f"sliding_window {self.sliding_window} leaves a block no context; give a window of at least 2 tokens "
                 "with --drafter-option sliding_window=N, or sliding_window=none for the whole context"
+            )
+        # dflash lets a block's tokens see each other whatever the window; z-lab's reference hides those the window
+        # or more apart too, so below the block size the two would draft differently (issue 53).
+        if self.sliding_window is not None and self.sliding_window < self.block_size:
+            raise DflashError(
+                f"sliding_window {self.sliding_window} is below block_size {self.block_size}: z-lab's reference "
+                "would hide a block's own tokens from each other, which training does not; give "
+                f"--drafter-option sliding_window={self.block_size} or more (or sliding_window=none), or a smaller "
+                "--block-size"
             )
 
     @property
@@ -146,11 +158,16 @@ class DrafterConfig:
             "sliding_window": self.sliding_window,
             "tie_word_embeddings": False,
             "initializer_range": INIT_STD,
+            # The block is bidirectional in every method and layer type. The engines and z-lab's class make
+            # sliding_attention layers causal unless told (vLLM: is_causal decides every layer when set).
+            "is_causal": False,
             "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
             # Some loaders read block_size from dflash_config, others from the top level: write both.
             "dflash_config": {**dflash, "block_size": self.block_size},
         }
+        if self.target_identity is not None:  # engines ignore the key
+            config["dflash_target"] = self.target_identity
         if dtype is not None:
             name = str(dtype).removeprefix("torch.")
             config["dtype"] = config["torch_dtype"] = name  # transformers 5 name and the 4.x one
@@ -226,6 +243,7 @@ class DrafterConfig:
             target_layer_ids=[int(i) for i in dflash_field("target_layer_ids")],
             num_target_layers=config.get("num_target_layers"),
             sliding_window=sliding_window_of(config),
+            target_identity=config.get("dflash_target"),
             **cls.extra_from_hf(dflash_field),
         )
 
@@ -288,17 +306,6 @@ def check_overrides(config_cls: type, overrides: dict) -> None:
             ok, want = True, ""
         if not ok:
             raise DflashError(f"--drafter-option {name}={value!r} is not {want}; give {want} for {name}")
-
-
-def check_kernel_options(options: dict) -> None:
-    """Refuse keys that torch's flex_attention does not know: Triton would ignore a misspelt tile size silently."""
-    known = set(FlexKernelOptions.__annotations__)
-    unknown = sorted(k for k in options if k.removeprefix("fwd_").removeprefix("bwd_") not in known)
-    if unknown:
-        raise DflashError(
-            f"unknown flex_attention kernel option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} in "
-            f"--attention-kernel-option; the options are {', '.join(sorted(known))}, optionally prefixed fwd_ or bwd_"
-        )
 
 
 def _get(config, name, *default):

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from dflash import methods
 from dflash.drafter import DFlashDrafter, DrafterConfig
-from dflash.errors import DflashError
+from dflash.errors import DflashError, check_not_foreign
 from dflash.locks import FileLock
 
 
@@ -33,6 +33,9 @@ def fold_projection(state: dict, config: DrafterConfig, projection: Tensor) -> d
 
 EXPORT_MODELING = "modeling_dflash.py"  # dflash/export_modeling.py, copied: AutoModel(trust_remote_code) loads it
 EXPORT_FILES = ("config.json", "model.safetensors", EXPORT_MODELING)
+# The target's embedding and LM head under the names of DeepSpec's Qwen3DSparkModel, which owns both and whose
+# evaluator never copies the target's into it: written only on request (`target_embeddings`), ignored on load.
+TARGET_TENSORS = ("embed_tokens.weight", "lm_head.weight")
 
 
 def is_export(folder) -> bool:
@@ -60,13 +63,8 @@ def check_export_target(folder, replace_export: bool, force_flag: str = "--force
             return folder
     except OSError as exc:
         raise DflashError(f"cannot read {folder} ({exc.strerror}); give --out a folder you can write") from None
-    if not is_export(folder):
-        shown = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
-        listing = ", ".join(shown[:8]) + (f" and {len(shown) - 8} more" if len(shown) > 8 else "")
-        raise DflashError(
-            f"{folder} is not empty and is not a dflash export (it holds {listing}); "
-            "give --out a new or empty folder: an export never overwrites other files"
-        )
+    fix = "give --out a new or empty folder: an export never overwrites other files"
+    check_not_foreign(folder, is_export, "a dflash export", fix)
     if not replace_export:
         raise DflashError(f"{folder} holds an earlier drafter export; pass {force_flag} to replace it")
     return folder
@@ -79,6 +77,7 @@ def export_drafter(
     dtype: torch.dtype | None = None,
     projection: Tensor | None = None,
     replace_export: bool = True,
+    target_embeddings: tuple[Tensor, Tensor] | None = None,
 ) -> Path:
     """Write `config.json` + `model.safetensors` in the public layout, plus `modeling_dflash.py` and an `auto_map`
     so that `AutoModel.from_pretrained(folder, trust_remote_code=True)` gives the drafter; returns the folder.
@@ -89,6 +88,8 @@ def export_drafter(
     replace_export: whether an earlier dflash export in `folder` may be replaced. A folder holding anything else is
     always refused. The files are written into a temporary sibling folder that is renamed into place, so that an
     interruption leaves either the earlier folder or the whole new export, never half of one.
+    target_embeddings: the target's (embed_tokens, lm_head) weights [V, H], written too as `TARGET_TENSORS` (for
+    DeepSpec's evaluator; `read_target_embeddings`). None: the drafter's tensors only, as every engine else reads.
     """
     folder = check_export_target(folder, replace_export)
     state = model if isinstance(model, dict) else getattr(model, "_orig_mod", model).state_dict()
@@ -101,45 +102,74 @@ def export_drafter(
             f"the drafter's weights do not match the {config.architecture} layout (unexpected {extra[:5]}, missing {missing[:5]}); "
             "pass the bare drafter or its full state dict, not a DDP/FSDP wrapper"
         )
+    saved_dtype = dtype or next(iter(state.values())).dtype
+    if target_embeddings is not None:
+        state = {**state, **dict(zip(TARGET_TENSORS, _checked_embeddings(target_embeddings, config)))}
     tensors = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in state.items()}
-    saved_dtype = dtype or next(iter(tensors.values())).dtype
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise DflashError(f"cannot create {folder.parent} ({exc.strerror}); give --out a writable folder") from None
     with FileLock(folder.parent / f".{folder.name}.export-lock", lambda holder: _busy(folder, holder), remove=True):
-        if _recover_killed_export(folder):  # the earlier export is back in place: may it be replaced?
-            check_export_target(folder, replace_export)
+        _recover_killed_export(folder)
+        # Checked again under the lock: another export may have written the folder since the check above, or a
+        # killed one's earlier export may be back in place.
+        check_export_target(folder, replace_export)
         _write_export(tensors, config, saved_dtype, folder)
     return folder
+
+
+def _checked_embeddings(weights: tuple[Tensor, Tensor], config: DrafterConfig) -> tuple[Tensor, Tensor]:
+    want = (config.vocab_size, config.hidden_size)
+    for name, w in zip(("embedding", "LM head"), weights):
+        if tuple(w.shape) != want:
+            raise DflashError(
+                f"the target's {name} is {tuple(w.shape)}, the drafter's target has {want} (vocabulary, hidden size); "
+                "give the target checkpoint the drafter was trained with"
+            )
+    return weights
+
+
+def read_target_embeddings(path: str, config: DrafterConfig) -> tuple[Tensor, Tensor]:
+    """The embedding and LM head of the target checkpoint `path`, for an export that carries them: refused when
+    the export names a target of other weights (`dflash_target`), whose embedding the drafter was not trained with."""
+    from dflash.manifest import TargetIdentity
+    from dflash.target_files import load_embedding_and_head
+
+    recorded = TargetIdentity.from_record(config.target_identity)
+    found = TargetIdentity.of_checkpoint(path)
+    if None not in (recorded.weights_sha256, found.weights_sha256) and recorded.weights_sha256 != found.weights_sha256:
+        raise DflashError(
+            f"the drafter was trained with the target {recorded.describe()}, but {path} holds other weights "
+            f"({found.describe()}): its embedding and LM head are not the drafter's; pass --target that checkpoint"
+        )
+    return load_embedding_and_head(path)
 
 
 def _busy(folder: Path, holder: str) -> str:
     return f"{folder} is being exported by {holder}; wait for it to finish or export to another folder"
 
 
-def _recover_killed_export(folder: Path) -> bool:
+def _recover_killed_export(folder: Path) -> None:
     """Clear what an export of `folder` killed mid-way left beside it (its lock held: no live export's): a partial
     `.NAME.tmp-PID` is removed; an earlier export moved aside as `.NAME.old-PID` is put back if the new one never
-    took its place, removed otherwise. Returns whether an earlier export was put back."""
+    took its place, removed otherwise."""
     import shutil
 
-    restored = False
     for leftover in sorted(folder.parent.glob(f".{glob.escape(folder.name)}.old-*")):
         if not folder.exists() and is_export(leftover):
             leftover.rename(folder)
-            restored = True
         else:
             shutil.rmtree(leftover, ignore_errors=True)
     for leftover in folder.parent.glob(f".{glob.escape(folder.name)}.tmp-*"):
         shutil.rmtree(leftover, ignore_errors=True)
-    return restored
 
 
 def _write_export(tensors: dict, config: DrafterConfig, saved_dtype: torch.dtype, folder: Path) -> None:
     """Write the export into a temporary sibling folder, then rename it into place (an earlier one moved aside)."""
     import os
     import shutil
+    import stat
 
     from safetensors.torch import save_file
 
@@ -152,6 +182,9 @@ def _write_export(tensors: dict, config: DrafterConfig, saved_dtype: torch.dtype
         auto_map = {"AutoModel": f"{EXPORT_MODELING.removesuffix('.py')}.{config.architecture}"}
         hf_config = {**config.to_hf_config(saved_dtype), "auto_map": auto_map}
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        # safetensors creates its file 0600: an engine serving as another user must read it as it reads
+        # config.json, which open() created as the umask allows
+        os.chmod(tmp / "model.safetensors", stat.S_IMODE((tmp / "config.json").stat().st_mode))
         shutil.copyfile(Path(__file__).with_name("export_modeling.py"), tmp / EXPORT_MODELING)
         if folder.exists():  # empty, or an earlier export (checked above): moved aside, removed once replaced
             folder.rename(old)
@@ -188,13 +221,15 @@ def read_drafter_config(folder) -> DrafterConfig:
 
 
 def load_drafter(folder, device="cpu", dtype: torch.dtype | None = None) -> tuple[DFlashDrafter, DrafterConfig]:
-    """Load an exported (or public) drafter of any method; dtype None keeps the file's dtype."""
-    from safetensors.torch import load_file
+    """Load an exported (or public) drafter of any method; dtype None keeps the file's dtype. The target's tensors
+    an export may carry (`TARGET_TENSORS`) are not read: dflash applies the target's own."""
+    from safetensors import safe_open
 
     folder = Path(folder)
     config = read_drafter_config(folder)
     try:
-        state = load_file(folder / "model.safetensors", device=str(device))
+        with safe_open(folder / "model.safetensors", framework="pt", device=str(device)) as f:
+            state = {key: f.get_tensor(key) for key in f.keys() if key not in TARGET_TENSORS}
     except Exception as exc:  # safetensors raises its own SafetensorError for damaged files, OSError for I/O
         raise DflashError(
             f"cannot read {folder / 'model.safetensors'}: it is damaged or cut short ({exc}); export the drafter again"

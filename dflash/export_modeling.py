@@ -107,6 +107,9 @@ class DFlashDraftModel(PreTrainedModel):
     config_class = Qwen3Config
     base_model_prefix = "dflash"
     _no_split_modules = ["DFlashLayer", "DFlash2Layer"]
+    # The target's own, in an export made for DeepSpec's evaluator (`dflash export --with-target-embeddings`):
+    # applied from the target outside this model, as without them
+    _keys_to_ignore_on_load_unexpected = [r"^embed_tokens\.weight$", r"^lm_head\.weight$"]
     layer_cls = DFlashLayer
 
     def __init__(self, config):

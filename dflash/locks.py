@@ -6,12 +6,14 @@ import errno
 import fcntl
 import os
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 
-from dflash.errors import DflashError
+from dflash.errors import DISK_ERRORS, DflashError, disk_error
 
 LOCK_FILE = ".lock"
+RERUN = "rerun the same command"
 
 
 class FileLock:
@@ -25,26 +27,41 @@ class FileLock:
         self.path, self.busy, self.remove, self.fd = Path(path), busy, remove, None
 
     def acquire(self) -> "FileLock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        while self.fd is None:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "an unknown process"
-                os.close(fd)
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise DflashError(
-                        f"cannot lock {self.path}: {exc.strerror}; check the folder's permissions"
-                    ) from None
-                raise DflashError(self.busy(holder)) from None
-            if self.remove and not _is_file_at(fd, self.path):
-                os.close(fd)  # its holder deleted it as we opened it: lock the file now at the path
-                continue
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
-            self.fd = fd
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            while self.fd is None:
+                self.fd = self._lock()
+        except OSError as exc:  # a full disk, at a run's, an export's or an eval's start: not a traceback
+            if exc.errno in DISK_ERRORS:
+                raise disk_error(exc, f"writing the lock file {self.path} failed", self.path.parent, RERUN) from None
+            raise DflashError(
+                f"cannot write the lock file {self.path} ({exc.strerror}); check the folder's permissions and {RERUN}"
+            ) from None
         return self
+
+    def _lock(self) -> int | None:
+        """The descriptor of the lock file, locked and naming this process; None to try again."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = _holder(fd)
+            os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise DflashError(f"cannot lock {self.path}: {exc.strerror}; check the folder's permissions") from None
+            raise DflashError(self.busy(holder)) from None
+        if self.remove and not _is_file_at(fd, self.path):
+            os.close(fd)  # its holder deleted it as we opened it: lock the file now at the path
+            return None
+        holder = f"process {os.getpid()} on {socket.gethostname()}\n".encode()
+        try:  # written over the last holder's line, then cut to it: never an empty file while held
+            os.pwrite(fd, holder, 0)
+            os.ftruncate(fd, len(holder))
+        except OSError:
+            self.path.unlink(missing_ok=True)  # an empty lock file names no holder; held, so no one else's
+            os.close(fd)
+            raise
+        return fd
 
     def release(self) -> None:
         if self.fd is not None:
@@ -58,6 +75,16 @@ class FileLock:
 
     def __exit__(self, *_exc) -> None:
         self.release()
+
+
+def _holder(fd: int) -> str:
+    """The holder's line; a lock taken a moment ago may not name it yet (its holder writes it right after)."""
+    for _ in range(50):
+        text = os.pread(fd, 200, 0).decode(errors="replace").strip()
+        if text:
+            return text
+        time.sleep(0.002)
+    return "an unknown process"
 
 
 def _is_file_at(fd: int, path: Path) -> bool:

@@ -6,19 +6,26 @@ code reads attributes, never string keys. Format version 2 adds what training ne
 that it reads only the embedding and the LM head from the target's files) and the feature encoding (`features`:
 precision, stored width, scale groups and the subspace projection); version-1 stores read as bf16, full width.
 `teacher` (`--teacher`) is an optional field of version 2, absent from stores without one: those are what they
-were before it existed, and a reader that ignores it reads the rest of a teacher store unchanged.
+were before it existed, and a reader that ignores it reads the rest of a teacher store unchanged. Version 3 adds
+each part's `digests` array, which binds every chunk to its place (dflash.store.reader.chunk_digest); version-2
+stores are read without that check.
 """
 
 import dataclasses
 import json
+import logging
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from dflash.errors import DflashError
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+logger = logging.getLogger("dflash")
+
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+DIGESTS_SINCE = 3  # the first format version whose parts hold `digests`
 PART_NAME = re.compile(r"rank\d{5}")
 PRECISIONS = ("bf16", "fp8")
 # The target's next-token distribution stored per position (`--teacher`), by kind: array name -> dtype.
@@ -67,6 +74,55 @@ class TargetSpec:
             "num_hidden_layers": self.num_layers,
             "tie_word_embeddings": self.tie_word_embeddings,
         }
+
+
+@dataclass(frozen=True)
+class TargetIdentity:
+    """Which target checkpoint a store, a held-out store or a drafter was made from: its name (a folder's name, or
+    a hub name) and the fingerprint of its weights (`weights_sha256`, docs/shard-format.md), None where the record
+    predates it. The config alone does not tell a fine-tune from its base."""
+
+    name: str
+    weights_sha256: str | None
+
+    @classmethod
+    def of_checkpoint(cls, path: str) -> "TargetIdentity":
+        from dflash.target_files import weights_sha256  # torch: only where a checkpoint is read
+
+        return cls(Path(path).name if Path(path).is_dir() else str(path), weights_sha256(path))
+
+    @classmethod
+    def from_record(cls, record: dict | None) -> "TargetIdentity":
+        """From an export's `dflash_target` (None: exported before dflash recorded it)."""
+        record = record or {}
+        return cls(record.get("name", ""), record.get("weights_sha256"))
+
+    def to_record(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        """Its digest's first 12 digits and its name."""
+        digest = self.weights_sha256[:12] if self.weights_sha256 else "not recorded"
+        return f"{digest} ({self.name})" if self.name else digest
+
+
+def check_same_weights(
+    expected: TargetIdentity, given: TargetIdentity, what: str, fix: str, flag: str, allowed: bool
+) -> None:
+    """Compare the weights of `what` (a phrase naming both sides: "the weights of A and of B"): `given`'s must be
+    `expected`'s. Other weights are refused naming both digests and `fix`, unless `allowed` (by `flag`, for a
+    deliberate fine-tune): then a warning. Where a side records no digest (made by a dflash from before the record)
+    there is nothing to compare: a note says so."""
+    digests = f"weights_sha256 {given.describe()} against {expected.describe()}"
+    if expected.weights_sha256 is None or given.weights_sha256 is None:
+        logger.info("%s: not compared (%s; made by an older dflash, a record holds no digest)", what, digests)
+        return
+    if given.weights_sha256 == expected.weights_sha256:
+        return
+    if allowed:
+        logger.warning("%s differ (%s); going on as %s asks", what, digests, flag)
+        return
+    raise DflashError(f"{what} differ ({digests}): {fix}, or pass {flag} if the difference is deliberate")
 
 
 @dataclass(frozen=True)
@@ -238,6 +294,11 @@ class Manifest:
     def world_size(self) -> int:
         return int(self.fingerprint["world_size"])
 
+    @property
+    def target_identity(self) -> TargetIdentity:
+        """The checkpoint the store was harvested from (stores older than `weights_sha256` record no digest)."""
+        return TargetIdentity(self.target.name, self.fingerprint.get("weights_sha256"))
+
     def with_parts(self, parts: list[PartEntry]) -> "Manifest":
         totals = {
             key: sum(getattr(p, key) for p in parts) for key in ("documents", "tokens", "loss_tokens", "padding_tokens")
@@ -390,9 +451,19 @@ def _features(raw: Any, where: str, feature_dim: int) -> FeatureSpec:
     return FeatureSpec(precision, width, groups, subspace)
 
 
+class NewerFormat(DflashError):
+    """A store of a format newer than this dflash reads: every command that meets it (inspect, train, harvest) gives
+    this one message as it is, since no rerun or repair of this dflash mends it."""
+
+
 def _parse_manifest(raw: Any, where: str) -> Manifest:
     f = _Fields(raw, where)
     version = f.get("format_version", int)
+    if version > max(READABLE_VERSIONS):
+        raise NewerFormat(
+            f"{where} was written by a newer dflash (format version {version} > {max(READABLE_VERSIONS)}, the newest "
+            "this dflash reads): upgrade dflash to read it, or harvest again into a new folder with this version"
+        )
     if version not in READABLE_VERSIONS:
         raise DflashError(
             f"{where} has store format version {version}; this dflash reads versions "

@@ -7,6 +7,7 @@ record. Field meanings and the MFU formula are in docs/training.md.
 """
 
 import contextlib
+import glob
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from dflash import graph
 from dflash.drafter import DrafterConfig
 from dflash.errors import DflashError
+from dflash.leftovers import owner_tag, remove_dead
 
 logger = logging.getLogger("dflash")
 
@@ -380,12 +382,14 @@ def read_records(out: Path) -> list[dict]:
 
 def drop_records_after(out: Path, step: int) -> list[dict]:
     """A resumed run recomputes the steps after its checkpoint: drop the interrupted run's records of them (and a
-    torn last line). Returns the records kept; the file is replaced atomically."""
+    torn last line). Returns the records kept; the file is replaced atomically, through a temporary that a resume
+    killed while writing it leaves and the next one removes."""
     path = Path(out) / METRICS_FILE
+    remove_dead(path.parent.glob(f".{glob.escape(METRICS_FILE)}.*"))
     if not path.exists():
         return []
     kept = [r for r in read_records(out) if r["step"] <= step]
-    tmp = path.with_name(f".{METRICS_FILE}.{os.getpid()}")
+    tmp = path.with_name(f".{METRICS_FILE}.{owner_tag()}")
     with open(tmp, "w") as f:
         f.write("".join(json.dumps(r) + "\n" for r in kept))
         f.flush()

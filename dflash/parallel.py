@@ -20,6 +20,7 @@ results through torchrun's store and alone writes the output (`GroupShares`).
 import contextlib
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -76,6 +77,40 @@ def is_first_process() -> bool:
     """Whether this process writes the output of a command whose launch shares its work (eval, regenerate): the first
     one does (global rank 0; a run outside torchrun is it)."""
     return int(os.environ.get("RANK", 0)) == 0
+
+
+# Plan entries whose output the forward reshapes into heads (transformers splits any other width unevenly without
+# harm): each process must hold whole ones, or every process of the group fails in its first forward.
+HEAD_SPLITS = {"q_proj": ("attention heads", "num_attention_heads"), "k_proj": ("KV heads", "num_key_value_heads")}
+
+
+def check_split(model: str, tensor_parallel: int, expert_parallel: bool = False) -> None:
+    """Refuse, before loading, a split of `model` over `tensor_parallel` processes that it cannot take: the harvest,
+    eval and regenerate before their groups start, and plan before it prices one."""
+    if tensor_parallel > 1:
+        check_tp_plan(model)
+    if expert_parallel:
+        check_ep_plan(model, tensor_parallel)
+    if tensor_parallel > 1:
+        check_heads(model, tensor_parallel)
+
+
+def check_heads(model: str, tensor_parallel: int) -> None:
+    """Refuse a split whose processes would hold parts of a head (see HEAD_SPLITS)."""
+    text = load_config(model).get_text_config()
+    split = {entry.rsplit(".", 1)[-1] for entry, style in text.base_model_tp_plan.items() if style == "colwise"}
+    heads = {
+        what: getattr(text, field, None) or text.num_attention_heads
+        for projection, (what, field) in HEAD_SPLITS.items()
+        if projection in split
+    }
+    bad = [f"{count} {what}" for what, count in heads.items() if count % tensor_parallel]
+    if bad:
+        raise DflashError(
+            f"--tensor-parallel {tensor_parallel} does not divide the target's {' and '.join(bad)} ({model}): each "
+            f"process of a group must hold whole heads; pick a --tensor-parallel that divides "
+            f"{math.gcd(*heads.values())}"
+        )
 
 
 def check_tp_plan(model: str) -> None:
@@ -224,10 +259,7 @@ def open_group(
     check_weights_fit(model, tensor_parallel, device)
     if tensor_parallel == 1 and not (shares_work and int(os.environ.get("WORLD_SIZE", 1)) > 1):
         return None
-    if tensor_parallel > 1:
-        check_tp_plan(model)
-    if expert_parallel:
-        check_ep_plan(model, tensor_parallel)
+    check_split(model, tensor_parallel, expert_parallel)
     layout = group_layout(tensor_parallel)
     logger.info(layout.describe())
     return Group(layout, device)

@@ -20,6 +20,7 @@ from dflash.config import HarvestConfig, TrainConfig
 from dflash.data import load_documents
 from dflash.drafter import DrafterConfig, flash_kv_repeat
 from dflash.errors import DflashError
+from dflash.errors import format_size as _size  # the plan's every size
 from dflash.harvest import (
     BEST_CODEC_RATIO,
     check_options,
@@ -31,7 +32,7 @@ from dflash.harvest import (
 )
 from dflash.manifest import FeatureSpec, TeacherSpec, teacher_spec
 from dflash.packing import PartPlan
-from dflash.parallel import checkpoint_bytes
+from dflash.parallel import check_split, checkpoint_bytes
 from dflash.step_time import (
     ATTENTION_SPEEDUP,
     FLASH_SPEEDUP,
@@ -41,7 +42,7 @@ from dflash.step_time import (
     rates_at,
     row_flops,
 )
-from dflash.store import nearest_existing
+from dflash.store import check_writable, nearest_existing
 from dflash.target_files import checkpoint_file, load_config, tensor_files
 from dflash.train.setup import anchors_per_row, check_shapes
 
@@ -170,13 +171,15 @@ def mode_bytes(features: FeatureSpec, token_budget: int, teacher: TeacherSpec | 
 def plan_report(cfg: HarvestConfig, sample: int | None, train: TrainConfig) -> str:
     """The report of `dflash plan`: the harvest of `cfg` and the training run `train` on its store."""
     cfg = check_options(cfg)  # harvest's checks, in harvest's words
+    check_writable(Path(cfg.out))  # the tokens spill beside it, and the harvest would refuse it
+    check_split(cfg.model, cfg.tensor_parallel, cfg.expert_parallel)  # a split the harvest would refuse
     config = load_config(cfg.model)
     text = config.get_text_config()
     layers = tapped_layers(cfg, text.num_hidden_layers)
     feature_dim = len(layers) * text.hidden_size
     chosen_encoding = feature_encoding(cfg, len(layers), feature_dim)  # refuses invalid options
     method = methods.get(train.method)
-    block = {"block_size": train.block_size} if train.block_size else {}
+    block = {"block_size": train.block_size} if train.block_size is not None else {}  # 0 is refused, not the default
     dcfg = method.config_cls.from_target_config(config, layers, 0, num_layers=train.draft_layers, **block)
     anchors = anchors_per_row(train, cfg.token_budget)
     check_shapes(cfg.token_budget, anchors, feature_dim, dcfg)  # the store's width, as train checks it
@@ -415,14 +418,6 @@ def _teacher_line(teacher: TeacherSpec | None, hidden_size: int, tokens: float) 
         f"teacher    none (DSpark-style training needs one): --teacher topk:K adds 6K + 2 bytes per token raw ({topk} "
         f"for topk:32), --teacher hidden adds 2H = {hidden:,} ({_size(hidden * tokens)} for the data)"
     )
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000:
-            return f"{n:,.1f} {unit}"
-        n /= 1000
-    return f"{n:,.1f} TB"
 
 
 def check_plan_options(sample: int | None) -> None:

@@ -86,6 +86,35 @@ def test_the_flash_backend_is_refused_where_it_cannot_run(monkeypatch):
     assert attention_kernel_options({"BACKEND": "TRITON"}, True, 256) == {"BACKEND": "TRITON"}
 
 
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"BACKEND": "nonsense"}, "BACKEND='nonsense' is not one of AUTO, TRITON, FLASH, TRITON_DECODE"),
+        ({"BACKEND": "flash"}, "BACKEND='flash' is not one of AUTO, TRITON, FLASH, TRITON_DECODE"),
+        ({"bwd_num_warps": "eight"}, "bwd_num_warps='eight' is not an integer"),
+        ({"fwd_BLOCK_M": 6.5}, "fwd_BLOCK_M=6.5 is not an integer"),
+        ({"USE_TMA": 1}, "USE_TMA=1 is not true or false"),
+    ],
+)
+def test_kernel_option_values_of_the_wrong_kind_are_refused_before_anything_is_built(options, message):
+    # torch would take any of them until the step's first compile, or drop them silently
+    for cuda in (True, False):
+        with pytest.raises(DflashError, match=f"--attention-kernel-option {message}"):
+            attention_kernel_options(options, cuda, 256)
+
+
+def test_kernel_options_on_the_cpu_are_said_to_be_ignored(caplog):
+    with caplog.at_level("WARNING", logger="dflash"):
+        assert attention_kernel_options({"bwd_num_warps": 8}, False, 256) == {"bwd_num_warps": 8}
+    assert "--attention-kernel-option bwd_num_warps=8 tunes flex_attention's CUDA kernels" in caplog.text
+    assert "on the CPU" in caplog.text and "ignored" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dflash"):
+        attention_kernel_options({"bwd_num_warps": 8}, True, 256)
+        attention_kernel_options({}, False, 256)
+    assert not caplog.text
+
+
 def test_the_flash_kernels_refusals_name_the_flags():
     # flash-attn-4's words (4.0.0b40) for a KV tile its SM90 forward at head_dim 256 does not take, and torch 2.11's
     # for a mask op its CuTe lowering lacks (the clamp dflash.blocks no longer uses)

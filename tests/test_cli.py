@@ -81,38 +81,48 @@ def test_config_keys_may_be_the_flags_names(tmp_path):
 
 
 def _echo_group():
-    """A group shaped like `dflash`: a stand-in `train` that prints the options it got, and the real harvest."""
+    """A group shaped like `dflash`: stand-in `train`, `eval` and `regenerate` commands that print the options they
+    got (none required: the tests give only the ones they look at), and the real harvest."""
     import json
 
     import click
 
     from cli.harvest import harvest
     from cli.options import config_option, config_options, reports_errors
-    from dflash.config import TrainConfig
-
-    @click.command("train")
-    @config_option
-    @config_options(TrainConfig)
-    @reports_errors
-    def train(**options):
-        click.echo(json.dumps({k: v for k, v in options.items() if v is not None}))
+    from dflash.config import EvalConfig, RegenerateConfig, TrainConfig
 
     @click.group()
     def group():
         pass
 
-    group.add_command(train)
+    for name, cls in (("train", TrainConfig), ("eval", EvalConfig), ("regenerate", RegenerateConfig)):
+
+        @click.command(name)
+        @config_option
+        @config_options(cls)
+        @reports_errors
+        def echo(**options):
+            click.echo(json.dumps({k: v for k, v in options.items() if v is not None}))
+
+        for param in echo.params:
+            param.required = False
+        group.add_command(echo)
     group.add_command(harvest)
     return group
 
 
-def _train_options(tmp_path, config_text: str, *flags: str):
+def _options(tmp_path, command: str, config_text: str, *flags: str):
+    """The options the stand-in `command` got from `config_text` and `flags`; the failed result otherwise."""
     import json
 
     config = tmp_path / "c.toml"
     config.write_text(config_text)
-    result = CliRunner().invoke(_echo_group(), ["train", "--config", str(config), *flags])
+    result = CliRunner().invoke(_echo_group(), [command, "--config", str(config), *flags])
     return json.loads(result.output) if result.exit_code == 0 else result
+
+
+def _train_options(tmp_path, config_text: str, *flags: str):
+    return _options(tmp_path, "train", config_text, *flags)
 
 
 def test_config_top_level_and_command_table_both_apply(tmp_path):
@@ -135,6 +145,38 @@ def test_config_top_level_keys_of_other_commands_serve_those_and_unknown_ones_ar
     assert _train_options(tmp_path, chain) == {"store": "s", "out": "r"}
     result = _train_options(tmp_path, chain + "tokn-budget = 8\n")
     assert result.exit_code == 2 and "unknown keys" in result.output and "tokn-budget" in result.output
+
+
+def test_a_top_level_data_list_serves_harvest_while_eval_and_regenerate_take_their_own(tmp_path):
+    # docs/data.md's mixture at top level; eval's and regenerate's single --data in their tables or flags.
+    chain = 'model = "m"\ndata = ["chat.jsonl", "code/:0.25"]\n'
+    tables = '[eval]\ndata = "prompts.jsonl"\n[regenerate]\ndata = "p.jsonl"\nout = "o.jsonl"\n'
+    assert _options(tmp_path, "eval", chain + tables)["data"] == "prompts.jsonl"
+    assert _options(tmp_path, "regenerate", chain + tables)["data"] == "p.jsonl"
+    assert _options(tmp_path, "eval", chain, "--data", "q.jsonl")["data"] == "q.jsonl"
+    config = tmp_path / "chain.toml"
+    config.write_text(chain)  # nothing of eval's own: click names the option
+    missing = CliRunner().invoke(main, ["eval", "--config", str(config)])
+    assert missing.exit_code == 2 and "Missing option '--data'" in missing.output, missing.output
+    # A list no dflash command takes is still refused.
+    result = _options(tmp_path, "eval", 'model = ["m", "n"]\ndata = "p.jsonl"\n')
+    assert result.exit_code == 2 and "model = ['m', 'n'] is not a single value" in result.output, result.output
+
+
+def test_a_required_option_missing_from_the_command_line_is_named_by_click(tmp_path):
+    result = CliRunner().invoke(main, ["export", str(tmp_path / "nope_run")])
+    assert result.exit_code == 2 and "Missing option '--out'" in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+def test_export_of_a_run_folder_that_does_not_exist_says_so(tmp_path):
+    run = tmp_path / "nope_run"
+    result = CliRunner().invoke(main, ["export", str(run), "--out", str(tmp_path / "drafter")])
+    assert result.exit_code == 2, result.output
+    assert f"error: the run folder {run} does not exist; give dflash export the --out folder of a dflash train run" in (
+        result.output
+    )
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "drafter").exists()
 
 
 def test_config_values_of_the_wrong_type_are_named(tmp_path):
@@ -180,6 +222,14 @@ def test_attention_kernel_options_and_mask_tiles_reach_the_train_config(tmp_path
     for tile in (8, 100):  # the kernels' tiles are powers of two that must divide it
         with pytest.raises(DflashError, match=f"--mask-tile-size {tile} \\(must be a power of two, at least 16\\)"):
             TrainConfig(store="s", out="o", mask_tile_size=tile)
+
+
+def test_a_key_value_flag_that_is_not_one_gives_an_example_of_its_own_kind(tmp_path):
+    for flag, example in (("--attention-kernel-option", "bwd_num_warps=8"), ("--drafter-option", "intermediate_size=")):
+        result = _train_options(tmp_path, "", flag, "nonsense")
+        assert result.exit_code == 2 and f"'nonsense' is not KEY=VALUE, e.g. {example}" in result.output, result.output
+    result = _train_options(tmp_path, "attention-kernel-option = 3\n")
+    assert result.exit_code == 2 and "is not a table, e.g. {bwd_num_warps = 8}" in result.output, result.output
 
 
 def test_config_list_for_a_list_flag(tmp_path):

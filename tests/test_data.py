@@ -69,7 +69,7 @@ def test_template_not_prefix_consistent_falls_back_to_content_search(tmp_path, s
 def test_template_that_rewrites_content_is_refused(tmp_path, save_tokenizer):
     tokenizer_path = save_tokenizer(tmp_path / "rewrite", REWRITING_TEMPLATE)
     path = _jsonl(tmp_path, {"text": "fine"}, {"messages": CONVERSATION})
-    with pytest.raises(DflashError, match=r"line 2: cannot locate assistant message 2"):
+    with pytest.raises(DflashError, match=r"line 2: cannot locate assistant message 3"):
         load_documents(DataConfig(path, workers=2), tokenizer_path)  # raised in a worker, reported here
 
 
@@ -190,10 +190,10 @@ BAD_LINES = {
     "text not a string": ({"text": 3}, '"text" must be a string'),
     "messages not a list": ({"messages": "hi"}, "non-empty list"),
     "empty messages": ({"messages": []}, "non-empty list"),
-    "message not an object": ({"messages": ["hi"]}, "message 0 must be an object"),
+    "message not an object": ({"messages": ["hi"]}, "message 1 must be an object"),
     "content not a string": (
         {"messages": [{"role": "assistant", "content": None}]},
-        'message 0 needs a string "content"',
+        'message 1 needs a string "content"',
     ),
     "no assistant turn": ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant turn"),
 }
@@ -333,7 +333,7 @@ def test_only_the_turns_the_target_wrote_are_on_the_loss(tmp_path, tokenizer_pat
     documents, stats = load_documents(DataConfig(_jsonl(tmp_path, {"messages": unmarked})), tokenizer_path)
     assert len(_masked_runs(tokenizer_path, documents[0])) == 2 and stats.context_turns == 0
     for bad in ({**marked[0], "target": True}, {**marked[1], "target": "yes"}):
-        with pytest.raises(DflashError, match='message 0 has "target"|message 1 has "target"'):
+        with pytest.raises(DflashError, match='message 1 has "target"|message 2 has "target"'):
             load_documents(DataConfig(_jsonl(tmp_path, {"messages": [bad, *marked[1:]]})), tokenizer_path)
 
 
@@ -380,7 +380,7 @@ def test_tool_calls_are_rendered_and_on_the_loss_or_refused_never_dropped(tmp_pa
     runs = _masked_runs(str(tmp_path / "tools"), documents[0])
     assert runs == ['<tool_call>get_weather({"city": "Oslo"})</tool_call><|im_end|>', "It rains.<|im_end|>"]
     # The tiny template leaves tool calls out: refused, naming the message and the way out.
-    with pytest.raises(DflashError, match="does not render the tool_calls of message 1 .*renders tool turns and tool"):
+    with pytest.raises(DflashError, match="does not render the tool_calls of message 2 .*renders tool turns and tool"):
         load_documents(DataConfig(data), tokenizer_path)
     # ShareGPT turns keep their tool calls.
     sharegpt = {"conversations": [{"from": m["role"], "value": m["content"], **m} for m in TOOL_CALLS]}
@@ -409,7 +409,7 @@ def test_openai_list_content_is_its_text_parts_joined_and_other_parts_are_refuse
     assert documents[0].input_ids.tolist() == expected[0].input_ids.tolist()
     assert documents[0].loss_mask.tolist() == expected[0].loss_mask.tolist()
     image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
-    with pytest.raises(DflashError, match="line 1: message 0 has a content part of type 'image_url'; dflash trains"):
+    with pytest.raises(DflashError, match="line 1: message 1 has a content part of type 'image_url'; dflash trains"):
         load_documents(
             DataConfig(_jsonl(tmp_path, {"messages": [{**listed[0], "content": [image]}, listed[1]]})), tokenizer_path
         )

@@ -172,10 +172,10 @@ def assert_inference_form_equals_training_form(model, cfg, s: int = 13):
     torch.testing.assert_close(inferred, trained, rtol=1e-12, atol=1e-12)
 
 
-# Windows that hide context (2, the smallest a config takes: slot 0 sees one token, the later slots none), one that
-# hides the first position from the last slot only (16 = s + B - 1) and one just past it (17: decoding passes no
-# mask at all), with 13 context tokens and B = 4.
-@pytest.mark.parametrize("window", [None, 2, 6, 16, 17])
+# Windows that hide context (4 = B, the smallest a config takes: slot 0 sees three tokens, the last slot none), one
+# that hides the first position from the last slot only (16 = s + B - 1) and one just past it (17: decoding passes
+# no mask at all), with 13 context tokens and B = 4.
+@pytest.mark.parametrize("window", [None, 4, 6, 16, 17])
 def test_inference_form_equals_training_form_with_one_anchor_at_the_end(window):
     cfg = small_config(sliding_window=window)
     assert_inference_form_equals_training_form(make_drafter(cfg, seed=1), cfg)

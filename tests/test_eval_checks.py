@@ -198,3 +198,13 @@ def test_per_prompt_headers_never_run_together(tiny_target):
     header, row = evaluate(cfg).prompt_table().splitlines()
     assert "prompt-lookup tau, speedup  prompt-lookup-generate tau, speedup" in header
     assert len(header) == len(row)
+
+
+@pytest.mark.parametrize("cut", ["2", "-0.5"])
+def test_a_confidence_cut_outside_0_to_1_is_refused_before_anything_loads(tmp_path, cut):
+    result = CliRunner().invoke(
+        main, ["eval", "--model", str(tmp_path / "m"), "--data", "p.jsonl", "--confidence-cut", cut]
+    )
+    assert result.exit_code == 2, result.output
+    assert f"--confidence-cut {float(cut)} is not a chance between 0 and 1" in result.output
+    assert len(result.output.strip().splitlines()) == 1

@@ -131,6 +131,81 @@ def test_what_a_killed_export_left_is_cleared_by_the_next_one_never_a_live_ones(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d"] and is_export(out)
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_the_exported_files_follow_the_umask(umask, tmp_path):
+    """A serving engine often runs as another user: model.safetensors (which safetensors creates 0600) must be as
+    readable as config.json, both as the umask allows."""
+    import os
+    import stat
+
+    from dflash.export import EXPORT_FILES
+
+    cfg = small_config()
+    previous = os.umask(umask)
+    try:
+        out = export_drafter(drafter(cfg), cfg, tmp_path / "d")
+    finally:
+        os.umask(previous)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert modes == {name: 0o666 & ~umask for name in EXPORT_FILES}
+
+
+def _holds(folder, model) -> bool:
+    """Whether the export in `folder` holds `model`'s weights."""
+    loaded = load_drafter(folder)[0].state_dict()
+    return all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+
+
+def test_two_exports_into_one_new_folder_write_it_once_and_refuse_the_other(tmp_path, monkeypatch):
+    """Issue 53: `dflash export A --out D & dflash export B --out D &`: one export writes D, the other is refused,
+    also where the second checked D (still new) before the first wrote it and locks it after the first is done."""
+    from dflash.locks import FileLock
+
+    cfg = small_config()
+    models = [drafter(cfg, seed=0), drafter(cfg, seed=1)]
+    acquire = FileLock.acquire
+
+    def first_export_meanwhile(lock):
+        monkeypatch.setattr(FileLock, "acquire", acquire)
+        export_drafter(models[0], cfg, tmp_path / "d", replace_export=False)
+        return acquire(lock)
+
+    monkeypatch.setattr(FileLock, "acquire", first_export_meanwhile)
+    with pytest.raises(DflashError, match="holds an earlier drafter export; pass --force"):
+        export_drafter(models[1], cfg, tmp_path / "d", replace_export=False)
+    assert _holds(tmp_path / "d", models[0])
+
+    for attempt in range(8):  # two threads let loose on one new folder: whichever wins, the other is refused
+        folder = tmp_path / f"race{attempt}"
+        outcomes = _race_exports(models, cfg, folder)
+        assert outcomes.count("written") == 1, outcomes
+        refusal = next(o for o in outcomes if o != "written")
+        assert "is being exported by process" in refusal or "holds an earlier drafter export" in refusal, refusal
+        assert _holds(folder, models[outcomes.index("written")])
+
+
+def _race_exports(models, cfg, folder) -> list[str]:
+    """Each model exported to `folder` by its own thread, started together: "written" or the refusal, per model."""
+    import threading
+
+    start, outcomes = threading.Barrier(len(models)), [""] * len(models)
+
+    def export(i):
+        start.wait()
+        try:
+            export_drafter(models[i], cfg, folder, replace_export=False)
+            outcomes[i] = "written"
+        except DflashError as exc:
+            outcomes[i] = str(exc)
+
+    threads = [threading.Thread(target=export, args=(i,)) for i in range(len(models))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return outcomes
+
+
 def test_export_cli_refuses_before_reading_the_run(tmp_path):
     run = tmp_path / "run"
     run.mkdir()

@@ -2,6 +2,7 @@
 sources), and reloaded through transformers' AutoModel (our modeling file) and our own loader to the trained
 drafter's outputs, logits and selector scores."""
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -89,6 +90,17 @@ def test_export_has_exactly_the_documented_keys_and_tensors(method, tmp_path):
     assert config["architectures"] == [cfg.architecture]
 
 
+@pytest.mark.parametrize("method", sorted(CASES))
+def test_every_method_exports_sliding_layers_as_not_causal(method, tmp_path):
+    """z-lab's class, vLLM and SGLang make `sliding_attention` layers causal unless config.json says `is_causal:
+    false`: without it every engine would load a windowed drafter with a causal block."""
+    make_config, make_model, _ = CASES[method]
+    cfg = dataclasses.replace(make_config(), sliding_window=8)
+    folder = export_drafter(make_model(cfg), cfg, tmp_path / "d", dtype=torch.float32)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["layer_types"] == ["sliding_attention"] * cfg.num_layers and config["is_causal"] is False
+
+
 @pytest.mark.parametrize("window", [None, 8])
 def test_a_dflash_window_is_in_the_keys_the_engines_read_and_reloads(window, tmp_path):
     """--method dflash --drafter-option sliding_window=N: the layer types, the window and transformers' switch."""
@@ -173,3 +185,31 @@ def test_dspark_export_reloads_to_the_trained_logits(tmp_path):
             torch.testing.assert_close(model.confidence_logits(flat, previous), confidence, rtol=1e-5, atol=1e-5)
             loaded_e = loaded.markov_head.markov_w1(previous)
             torch.testing.assert_close(loaded.confidence_head(flat, loaded_e), confidence, rtol=1e-5, atol=1e-5)
+
+
+def test_dspark_export_with_the_target_embeddings_holds_them_under_deepspecs_names(tmp_path):
+    """DeepSpec's evaluator loads `Qwen3DSparkModel.from_pretrained(drafter)`, whose own `embed_tokens` and
+    `lm_head` stay random unless the file holds them: `target_embeddings` writes the target's under those names.
+    Our loaders take such a folder and leave them out (dflash applies the target's own)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModel
+
+    from dflash.errors import DflashError
+
+    cfg = dspark_config(num_anchors=5)
+    ours = dspark_trained(cfg)
+    g = torch.Generator().manual_seed(0)
+    embed, head = (torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g) for _ in range(2))
+    plain = export_drafter(ours, cfg, tmp_path / "plain", dtype=torch.float32)
+    folder = export_drafter(ours, cfg, tmp_path / "d", dtype=torch.float32, target_embeddings=(embed, head))
+    saved, without = load_file(folder / "model.safetensors"), load_file(plain / "model.safetensors")
+    assert sorted(set(saved) - set(without)) == ["embed_tokens.weight", "lm_head.weight"]
+    assert torch.equal(saved["embed_tokens.weight"], embed) and torch.equal(saved["lm_head.weight"], head)
+    model, info = AutoModel.from_pretrained(
+        folder, trust_remote_code=True, output_loading_info=True, dtype=torch.float32
+    )
+    assert {k: v for k, v in info.items() if v} == {}, info
+    loaded, loaded_cfg = load_drafter(folder)
+    assert loaded_cfg == cfg and sorted(loaded.state_dict()) == cfg.checkpoint_keys()
+    with pytest.raises(DflashError, match=r"embedding is \(11, 32\), the drafter.s target has \(12, 32\)"):
+        export_drafter(ours, cfg, tmp_path / "bad", target_embeddings=(embed[:11], head))

@@ -77,3 +77,67 @@ def test_a_calibration_no_row_uses_is_refused_by_a_harvest_of_other_settings(tin
     run_harvest(config(tiny_target, data, out, subspace="1/4", self_check=0))  # the same settings resume with it
     stored = json.loads((out / "projection" / "zarr.json").read_text())["attributes"]
     assert Store.open(out).features.subspace.captured == stored["captured"]
+
+
+def _exited_pid() -> int:
+    import subprocess
+
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
+
+
+def test_a_rerun_removes_what_killed_writers_left_in_the_store_never_a_live_ones(tiny_target, data, tmp_path):
+    """The temporaries of harvest.json and manifest.json (written and renamed into place in a moment) and the
+    projection a --repair moved aside (zarr lists that folder as an array of the store): a kill leaves them; the
+    next run removes those of dead processes on this host (and untagged ones, of a dflash from before the tag)
+    and leaves a live process's and another host's alone."""
+    import socket
+    import subprocess
+
+    out = tmp_path / "store"
+    run_harvest(config(tiny_target, data, out, self_check=0))
+    before = sorted(p.name for p in out.iterdir())
+    host, dead = socket.gethostname(), _exited_pid()
+    live = subprocess.Popen(["sleep", "60"])
+    killed = [
+        ".dflash-tmp-harvest.json.0123abcd",
+        f".dflash-tmp-manifest.json.4567cdef.{dead}@{host}",
+        f".dflash-tmp-projection.damaged.89abcdef.{dead}@{host}",
+    ]
+    kept = [f".dflash-tmp-manifest.json.0000aaaa.{live.pid}@{host}", f".dflash-tmp-harvest.json.1111bbbb.{dead}@other"]
+    try:
+        for name in killed + kept:
+            if "projection" in name:
+                (out / name / "c").mkdir(parents=True)
+                (out / name / "zarr.json").write_text('{"shape": [')
+            else:
+                (out / name).write_text('{"format": ')
+        run_harvest(config(tiny_target, data, out, self_check=0))  # complete: nothing else to do
+        assert sorted(p.name for p in out.iterdir()) == sorted(before + kept)
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_a_complete_store_whose_harvest_json_was_deleted_gets_it_back_from_its_manifest(
+    tiny_target, data, tmp_path, caplog
+):
+    """manifest.json holds what harvest.json held (and its parts record the header's digest, which the rebuilt one
+    must match): a rerun rebuilds it instead of calling the folder no dflash store."""
+    caplog.set_level("INFO", "dflash")
+    out = tmp_path / "store"
+    run_harvest(config(tiny_target, data, out, self_check=0))
+    original = json.loads((out / "harvest.json").read_text())
+    (out / "harvest.json").unlink()
+    run_harvest(config(tiny_target, data, out, self_check=0))
+    assert json.loads((out / "harvest.json").read_text()) == original
+    assert "rebuilt" in caplog.text and "already a complete store" in caplog.text
+    Store.open(out)
+    # A manifest that is not the header the parts were written under: refused, naming the fix, nothing written
+    (out / "harvest.json").unlink()
+    manifest = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps({**manifest, "token_budget": manifest["token_budget"] * 2}))
+    with pytest.raises(DflashError, match="harvest.json is missing.*restore harvest.json from a copy of the store"):
+        run_harvest(config(tiny_target, data, out, self_check=0))
+    assert not (out / "harvest.json").exists()

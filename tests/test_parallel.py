@@ -249,6 +249,28 @@ def test_a_world_that_groups_do_not_divide_is_refused(tiny_target, data_file, tm
     assert not (tmp_path / "s").exists()
 
 
+def test_a_split_the_targets_heads_do_not_divide_is_refused_before_loading(
+    tiny_target, data_file, tmp_path, monkeypatch
+):
+    from dflash.config import EvalConfig, RegenerateConfig
+    from dflash.evaluate import evaluate
+    from dflash.regenerate import regenerate
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setattr("dflash.parallel.Group", None)  # refused before any process group, so before loading
+    model = str(tiny_target("llama"))  # 4 attention heads, 2 KV heads
+    message = r"--tensor-parallel 3 does not divide the target's 4 attention heads and 2 KV heads .*divides 2"
+    config = HarvestConfig(model=model, data=str(data_file), out=str(tmp_path / "s"), tensor_parallel=3, **OPTIONS)
+    with pytest.raises(DflashError, match=message):
+        run_harvest(config)
+    with pytest.raises(DflashError, match=message):
+        evaluate(EvalConfig(model, [{"text": "a"}], untrained=True, device="cpu", tensor_parallel=3))
+    with pytest.raises(DflashError, match=message):
+        regenerate(RegenerateConfig(model, str(data_file), str(tmp_path / "o.jsonl"), device="cpu", tensor_parallel=3))
+    assert not (tmp_path / "s").exists() and not (tmp_path / "o.jsonl").exists()
+
+
 def test_a_model_without_a_tp_plan_is_refused_naming_its_type(data_file, tmp_path, monkeypatch):
     from transformers import StableLmConfig
 
@@ -407,9 +429,9 @@ def test_a_world_that_groups_do_not_divide_is_refused_by_eval(tiny_target, monke
     from dflash.tiny import PROMPTS
 
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "6")
-    config = EvalConfig(str(tiny_target("llama")), str(PROMPTS), untrained=True, device="cpu", tensor_parallel=4)
-    with pytest.raises(DflashError, match=r"--tensor-parallel 4 does not divide the 6 processes: launch a multiple"):
+    monkeypatch.setenv("WORLD_SIZE", "3")  # a split of 2 the target's heads take
+    config = EvalConfig(str(tiny_target("llama")), str(PROMPTS), untrained=True, device="cpu", tensor_parallel=2)
+    with pytest.raises(DflashError, match=r"--tensor-parallel 2 does not divide the 3 processes: launch a multiple"):
         evaluate(config)
 
 

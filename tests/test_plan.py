@@ -55,9 +55,10 @@ def test_full_count_equals_the_harvest(model, tmp_path):
             start = int((doc_ids[0] == doc_ids[0, position]).nonzero()[0])
             contexts[position - start] += 1
     np.testing.assert_array_equal(estimate.contexts, contexts)
-    # The raw row size of the mode is what the store's arrays hold per row, before the codec.
+    # The raw row size of the mode is what the store's row arrays hold per row, before the codec.
     raw, _ = mode_bytes(harvested.features, BUDGET)
-    per_row = sum(a.nbytes for name, a in harvested.parts[0].items() if name != "documents") / counts.rows
+    rows = [a for name, a in harvested.parts[0].items() if name not in ("documents", "digests")]
+    per_row = sum(a.nbytes for a in rows) / counts.rows
     assert raw == per_row
 
 
@@ -108,12 +109,44 @@ def test_plan_prints_the_weights_per_gpu_of_a_split_target(model, tmp_path):
     from dflash.plan import _size
 
     args = ["plan", "--model", model, "--data", str(CORPUS), "--out", str(tmp_path / "s"), "--workers", "1"]
-    result = CliRunner().invoke(main, [*args, "--token-budget", str(BUDGET), "--tensor-parallel", "4"])
+    result = CliRunner().invoke(main, [*args, "--token-budget", str(BUDGET), "--tensor-parallel", "2"])
     assert result.exit_code == 0, result.output
     line = next(line for line in result.output.splitlines() if line.startswith("target "))
-    per_gpu = checkpoint_bytes(model) / 4
-    assert "split over --tensor-parallel 4" in line and f"{_size(per_gpu)} per GPU" in line, line
-    assert "on each group of 4" in result.output
+    per_gpu = checkpoint_bytes(model) / 2
+    assert "split over --tensor-parallel 2" in line and f"{_size(per_gpu)} per GPU" in line, line
+    assert "on each group of 2" in result.output
+
+
+@pytest.mark.parametrize(
+    "split, message",
+    [
+        ("3", "--tensor-parallel 3 does not divide the target's 4 attention heads and 2 KV heads"),
+        ("4", "--tensor-parallel 4 does not divide the target's 2 KV heads"),
+    ],
+)
+def test_plan_refuses_a_split_the_targets_heads_do_not_divide(model, tmp_path, split, message):
+    """The harvest would crash on every process of the group: plan refuses to price it, in harvest's words."""
+    args = ["plan", "--model", model, "--data", str(CORPUS), "--out", str(tmp_path / "s"), "--tensor-parallel", split]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert "pick a --tensor-parallel that divides" in result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "s").exists()
+
+
+def test_plan_refuses_an_out_that_harvest_refuses_in_harvests_words(model, tmp_path):
+    (tmp_path / "file").write_text("")
+    for out, message in (
+        (tmp_path / "file", "is a file, not a folder"),
+        (tmp_path / "file" / "s", "is not writable"),
+    ):
+        outputs = []
+        for command in ("plan", "harvest"):
+            args = [command, "--model", model, "--data", str(CORPUS), "--out", str(out), "--workers", "1"]
+            result = CliRunner().invoke(main, args + (["--device", "cpu"] if command == "harvest" else []))
+            assert result.exit_code == 2 and message in result.output, (command, result.output)
+            assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+            outputs.append(result.output)
+        assert outputs[0] == outputs[1]
 
 
 @pytest.mark.parametrize(
@@ -129,6 +162,10 @@ def test_plan_prints_the_weights_per_gpu_of_a_split_target(model, tmp_path):
         ("plan", ["--token-budget", "64", "--max-length", "100"], "--max-length 100 must be between 1 and the token"),
         ("plan", ["--token-budget", "0"], "token budget 0 is too small to hold a block of 16 tokens"),
         ("harvest", ["--subspace", "1/4", "--projection-from", "/nonexistent"], "/nonexistent is not a dflash store"),
+        ("harvest", ["--self-check=-1"], "--self-check -1 must be at least 0 (0 skips the check)"),
+        ("plan", ["--method", "dflash", "--block-size", "0"], "--block-size 0 drafts no token; give --block-size 2"),
+        ("plan", ["--method", "dflash", "--block-size", "1"], "--block-size 1 drafts no token; give --block-size 2"),
+        ("plan", ["--token-budget", "16", "--method", "dflash", "--block-size", "32"], "cannot hold a block of 32 "),
         (
             "plan",
             ["--data", "WEIGHTED:0.01"],

@@ -220,7 +220,7 @@ def test_prompts_load_from_every_kind_of_data_source(tmp_path):
             '{"messages": [{"role": "assistant", "content": "hi"}]}',
             "line 2: the conversation must end with a user turn",
         ),
-        ('{"messages": [{"role": "user"}]}', 'line 2: message 0 needs a string "content"'),
+        ('{"messages": [{"role": "user"}]}', 'line 2: message 1 needs a string "content"'),
         ('{"text": "a", "messages": []}', "line 2: the object has the keys messages, text"),
         ('{"prompt": 3}', 'line 2: "prompt" must be a string'),
         ('{"text": ""}', "line 2: empty document"),
@@ -383,7 +383,7 @@ def test_answers_cut_at_max_new_tokens_are_marked_counted_and_keep_no_end_token_
 def test_prompts_with_openai_list_content_are_their_text():
     listed = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
     assert prompt_records([listed]) == [{"messages": [{"role": "user", "content": "a\nb"}]}]
-    with pytest.raises(DflashError, match="prompt 1: message 0 has a content part of type 'input_audio'"):
+    with pytest.raises(DflashError, match="prompt 1: message 1 has a content part of type 'input_audio'"):
         prompt_records([{"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}])
 
 
@@ -425,3 +425,46 @@ def test_a_full_disk_stops_regenerate_in_one_line_with_the_output_whole(
     monkeypatch.undo()
     assert CliRunner().invoke(main, args).exit_code == 0
     assert out.read_bytes() == reference.read_bytes()  # the rerun resumed after them
+
+
+def test_max_new_tokens_past_the_targets_positions_is_refused_before_loading(tiny_target, prompts_file, tmp_path):
+    from cli.main import main
+
+    out = tmp_path / "out.jsonl"
+    args = ["regenerate", "--model", str(tiny_target("qwen3_5")), "--data", str(prompts_file), "--out", str(out)]
+    result = CliRunner().invoke(main, args + ["--max-new-tokens", "100000", "--device", "cpu"])
+    assert result.exit_code == 2, result.output
+    assert "error: prompt 5 has " in result.output  # the longest, PROMPTS[4]: counted from 1, as lines are
+    assert "with --max-new-tokens 100000 it reaches position" in result.output
+    assert "past the target's max_position_embeddings 4096; pass --max-new-tokens" in result.output
+    assert len(result.output.strip().splitlines()) == 1 and sorted(tmp_path.iterdir()) == [prompts_file]
+
+
+def test_the_progress_bar_shows_the_new_tokens_of_the_batch(tiny_target, prompts_file, tmp_path, capsys):
+    cfg = RegenerateConfig(tiny_target("qwen3_5"), prompts_file, tmp_path / "out.jsonl", max_new_tokens=4, device="cpu")
+    regenerate(cfg, progress=True)
+    assert "/4 new tokens of the batch" in capsys.readouterr().err
+
+
+def test_a_prompt_ending_in_a_tool_turn_is_skipped_with_a_count_as_eval_skips_it(tiny_target, tmp_path, caplog):
+    from cli.main import main
+
+    tool_call = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+    called = [
+        {"role": "user", "content": "Call a tool."},
+        {"role": "assistant", "content": "", "tool_calls": [tool_call]},
+        {"role": "tool", "content": "42"},
+    ]
+    prompts = write_jsonl(tmp_path / "p.jsonl", [PROMPTS[2], {"messages": called}, PROMPTS[3]])
+    out = tmp_path / "out.jsonl"
+    args = ["regenerate", "--model", str(tiny_target("qwen3_5")), "--data", str(prompts), "--out", str(out)]
+    args += ["--max-new-tokens", "2", "--device", "cpu"]
+    with caplog.at_level("WARNING", logger="dflash"):
+        result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "2 responses written, 0 already there, 2 prompts" in result.output
+    skipped = f"skipping 1 prompt(s) that do not end with a user turn for the target to answer ({prompts} line 2)"
+    assert f"{skipped}; regenerate answers the other 2" in caplog.text
+    assert [line["prompt"] for line in read_lines(out)] == [PROMPTS[2]["text"], PROMPTS[3]["prompt"]]
+    again = CliRunner().invoke(main, args)  # the same prompts are left out: the output resumes
+    assert again.exit_code == 0 and "0 responses written, 2 already there" in again.output, again.output

@@ -2,7 +2,9 @@
 
 import gzip
 import json
+import re
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -138,7 +140,7 @@ def test_a_rendered_tool_turn_is_kept_with_the_loss_off(tmp_path, tokenizer_path
 @pytest.mark.parametrize(
     "template, problem",
     [
-        (SKIPPING_TEMPLATE, r"does not render message 2 \(role 'tool'\)"),
+        (SKIPPING_TEMPLATE, r"does not render message 3 \(role 'tool'\)"),
         (REFUSING_TEMPLATE, "cannot render its tool turns"),
     ],
 )
@@ -258,7 +260,7 @@ def test_damaged_files_are_named(tmp_path, tokenizer_path, name, content):
     "record, problem",
     [
         ({"title": "hi"}, 'none of the keys "messages", "text", "prompt" \\(nor ShareGPT "conversations"\\)'),
-        ({"conversations": [{"from": "alien", "value": "hi"}]}, "turn 0 has the role 'alien'"),
+        ({"conversations": [{"from": "alien", "value": "hi"}]}, "turn 1 has the role 'alien'"),
         ({"conversations": []}, '"conversations" must be a non-empty list'),
         ({"conversations": [{"from": "human", "value": "hi"}], "messages": []}, 'both "conversations" and "messages"'),
         ({"conversations": [{"from": "human", "value": "hi"}]}, "no assistant turn"),
@@ -270,6 +272,31 @@ def test_bad_records_name_the_file_and_the_record(tmp_path, tokenizer_path, reco
     place = "line 3" if name.endswith(".zst") else "row 3"
     with pytest.raises(DflashError, match=f"{name} {place}: .*{problem}"):
         _load(path, tokenizer_path)
+
+
+@pytest.mark.parametrize(
+    "line, problem",
+    [
+        # json counts the column past a trailing line break as line 2's first: the line's own is named instead
+        ('{"text": "abc"', "Expecting ',' delimiter at column 15: the line ends before its object does (cut off?)"),
+        ('{"text": "ab', "Unterminated string starting at column 10: the line ends before its object does (cut off?)"),
+        ('{"text": "a\tb"}', "Invalid control character at column 12)"),
+        ('{"text": "a"} x', "Extra data at column 15)"),
+    ],
+)
+def test_a_malformed_json_line_is_named_at_its_own_column(tmp_path, line, problem):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(_lines([{"text": "fine"}]) + line.encode() + b"\n")
+    with pytest.raises(DflashError, match=f"d.jsonl line 2: malformed JSON \\({re.escape(problem)}"):
+        list(iter_records([path]))
+
+
+def test_a_jsonl_file_with_a_byte_order_mark_reads_as_without(tmp_path, tokenizer_path):
+    plain = _write(tmp_path / "plain.jsonl", _texts("alpha", 3))
+    marked = tmp_path / "marked.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + Path(plain).read_bytes())  # as Windows editors save UTF-8
+    assert [r for _, r in iter_records([marked])] == [r for _, r in iter_records([plain])]
+    _same(_load(str(marked), tokenizer_path)[0], _load(str(plain), tokenizer_path)[0])
 
 
 def _harvest_options(tmp_path, config_text: str, *flags: str):

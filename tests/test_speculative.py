@@ -110,7 +110,7 @@ def test_greedy_and_sampled_dflash2_decoding_on_real_targets(loaded, arch):
         block_size=BLOCK,
         selector_rank=8,
         selector_top_k=4,
-        sliding_window=5,
+        sliding_window=BLOCK,  # the smallest a block of BLOCK takes
     )
     torch.manual_seed(0)
     drafter = DFlash2Drafter(config).eval()
@@ -335,6 +335,29 @@ def test_evaluate_several_drafters_against_one_plain_run_within_a_time_budget(ti
     assert [len(p.prompts) for p in partials] == [1, 2] and all(p.methods["dflash"].mismatches == 0 for p in partials)
     with pytest.raises(DflashError, match="both be reported"):
         evaluate(dataclasses.replace(cfg, data=PROMPTS, max_new_tokens=4), drafters=["untrained", "untrained"])
+
+
+def test_drafters_are_named_by_method_each_with_its_own_block_size(tiny_target, tmp_path):
+    """Several drafters of different methods: each is named by its method (`dspark[A]`, `dflash[B]`) and reports
+    its own block size; the top-level block_size is --block-size's, the untrained drafter's, None without one."""
+    from dflash.evaluate.drafters import untrained_drafter
+    from dflash.export import export_drafter
+    from dflash.methods.dspark import DSparkConfig, DSparkDrafter
+
+    target_path = tiny_target("qwen3")
+    target, tokenizer = load_target(target_path, "cpu", "float32")
+    mask = tokenizer.convert_tokens_to_ids("<|MASK|>")
+    spark = DSparkConfig.from_target_config(target.config, [1, 3, 5], mask, num_layers=1, markov_rank=8)
+    torch.manual_seed(0)
+    a = export_drafter(DSparkDrafter(spark).eval(), spark, tmp_path / "a")
+    b = export_drafter(*untrained_drafter(target, tokenizer, BLOCK, seed=1), tmp_path / "b")
+    cfg = EvalConfig(target_path, PROMPTS[:1], max_new_tokens=6, device="cpu", prompt_lookup=0, block_size=BLOCK)
+    report = as_json(evaluate(cfg, drafters=[str(a), str(b)]))
+    sizes = {name: m["block_size"] for name, m in report["methods"].items()}
+    assert sizes == {f"dspark[{a}]": spark.block_size, f"dflash[{b}]": BLOCK} and spark.block_size != BLOCK
+    assert report["block_size"] is None
+    untrained = evaluate(dataclasses.replace(cfg, block_size=4), drafters=["untrained"])
+    assert untrained.block_size == 4 and untrained.methods["untrained-dflash"].block_size == 4
 
 
 def test_eval_compares_several_drafters_paired_over_the_prompts(tiny_target, tmp_path):

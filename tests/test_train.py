@@ -26,7 +26,7 @@ from dflash.drafter import DFlashDrafter
 from dflash.errors import DflashError
 from dflash.export import load_drafter
 from dflash.metrics import visible_pairs
-from dflash.store import Store
+from dflash.store import Store, record_digests
 from dflash.target_files import load_embedding_and_head
 from dflash.train import Trainer, reader
 from dflash.train.checkpoint import Checkpointer, fingerprint
@@ -71,6 +71,7 @@ def write_knowable_store(src: Path, dst: Path, head: torch.Tensor, seed: int = 0
     for name, value in arrays.items():
         part[name][:] = value
     part["hidden"][:] = torch.from_numpy(hidden).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    record_digests(dst)  # rewritten through zarr: not the chunks the harvest wrote
 
 
 def inclusive_mask(anchors, valid, doc_ids, block_size, window=None):

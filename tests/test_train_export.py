@@ -118,10 +118,59 @@ def test_dspark_reads_each_labels_teacher_at_the_position_before_it(teacher, sto
     assert checked > 20
 
 
+def test_dflash2_trains_against_a_teacher_store_unless_told_and_exports_the_same_tensors(store_for, tmp_path):
+    """From a top-k teacher store DFlash 2 reads the teacher (teacher_loss auto: other losses than on hard labels
+    from the same start), --teacher-loss off trains as from a store without one, and both export the same tensor
+    names and shapes (the loss changes nothing an engine reads); a validation store without the teacher is refused."""
+    from safetensors import safe_open
+
+    options, path = METHOD_OPTIONS["dflash2-distill"], store_for("dflash2-distill")
+    runs = {}
+    for mode in ("auto", "off"):
+        cfg = config(path, tmp_path / mode, max_steps=3, export=True, teacher_loss=mode, **options)
+        trainer = Trainer(cfg, init_distributed("cpu"))
+        assert bool(trainer.teacher_names) == (mode == "auto")
+        runs[mode] = run_training(cfg)
+    losses = {mode: [r["loss"] for r in run["records"] if r["kind"] == "train"] for mode, run in runs.items()}
+    assert losses["auto"] != losses["off"]
+    tensors = {}
+    for mode in runs:
+        with safe_open(tmp_path / mode / "drafter" / "model.safetensors", "pt") as f:
+            tensors[mode] = {k: f.get_slice(k).get_shape() for k in f.keys()}
+    assert tensors["auto"] == tensors["off"] and any(k.startswith("candidate_selector.") for k in tensors["auto"])
+    with pytest.raises(DflashError, match="--teacher-loss off"):
+        val = dict(val_store=str(store_for("dflash2")), allow_val_overlap=True)  # the same documents, no teacher
+        Trainer(config(path, tmp_path / "val", **val, **options), init_distributed("cpu"))
+
+
 def _bits(values) -> torch.Tensor:
     """A store array as a tensor, bf16 bits (uint16) as int16."""
     values = np.asarray(values)
     return torch.from_numpy(values.view(np.int16) if values.dtype == np.uint16 else values)
+
+
+def test_exports_with_the_target_embeddings_carry_those_the_run_trained_with(store, target, tiny_target, tmp_path):
+    """`train --export-with-target-embeddings` and `export --with-target-embeddings` (for DeepSpec's evaluator)
+    write the embedding and LM head of the run's target; the default export has neither."""
+    from safetensors.torch import load_file
+
+    from dflash.target_files import load_embedding_and_head
+
+    run = tmp_path / "run"
+    run_training(config(store, run, max_steps=2, export=True, export_with_target_embeddings=True))
+    runner = CliRunner()
+    for out, flags in (("again", ["--with-target-embeddings"]), ("plain", [])):
+        result = runner.invoke(main, ["export", str(run), "--out", str(tmp_path / out), *flags])
+        assert result.exit_code == 0, result.output
+    embed, head = load_embedding_and_head(str(target))
+    for folder in (run / "drafter", tmp_path / "again"):
+        saved = load_file(folder / "model.safetensors")
+        assert torch.equal(saved["embed_tokens.weight"], embed.to(torch.bfloat16))
+        assert torch.equal(saved["lm_head.weight"], head.to(torch.bfloat16))
+    assert {"embed_tokens.weight", "lm_head.weight"}.isdisjoint(load_file(tmp_path / "plain" / "model.safetensors"))
+    args = ["export", str(run), "--out", str(tmp_path / "other"), "--with-target-embeddings"]
+    other = runner.invoke(main, [*args, "--target", str(tiny_target("qwen3_5"))])
+    assert other.exit_code == 2 and "holds other weights" in other.output, other.output
 
 
 def test_cli_trains_and_exports(store, tmp_path):
@@ -131,6 +180,18 @@ def test_cli_trains_and_exports(store, tmp_path):
     assert list((tmp_path / "run" / "tb").glob("events.out.tfevents.*"))
     kinds = [r["kind"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())]
     assert kinds == ["val", "train", "train", "val"]
+
+
+def test_only_the_first_rank_says_where_the_drafter_was_written(monkeypatch, tmp_path):
+    """Under torchrun every rank's result names the export (rank 0 wrote it): rank 0 alone prints it."""
+    import dflash.train.run
+
+    monkeypatch.setattr(dflash.train.run, "run_training", lambda cfg: {"export": "RUN/drafter"})
+    for rank, printed in (("0", True), ("1", False)):
+        args = ["train", "--shards", str(tmp_path), "--out", str(tmp_path / "run")]
+        result = CliRunner().invoke(main, args, env={"RANK": rank, "WORLD_SIZE": "2"})
+        assert result.exit_code == 0, result.output
+        assert ("drafter written to RUN/drafter" in result.output) is printed, result.output
 
 
 def _initial_validation(cfg: TrainConfig) -> tuple[dict, "Trainer"]:
@@ -144,7 +205,7 @@ def test_val_store_validates_on_the_other_store_and_trains_on_every_row(store, o
     on_other, trainer = _initial_validation(config(store, tmp_path / "a", val_store=str(other_store)))
     # Trained on other rows, validated on the same documents (a copy: a store cannot hold out itself).
     same = copy_store(other_store, tmp_path / "same")
-    reference, _ = _initial_validation(config(other_store, tmp_path / "b", val_store=str(same)))
+    reference, _ = _initial_validation(config(other_store, tmp_path / "b", val_store=str(same), allow_val_overlap=True))
     split, _ = _initial_validation(config(store, tmp_path / "c"))
     assert on_other == reference and on_other["blocks"] > 0
     assert split["blocks"] != on_other["blocks"] and split["loss"] != on_other["loss"]
@@ -201,8 +262,9 @@ def test_bad_input_is_a_clear_error(case, store, target, tiny_target, tmp_path):
     elif case == "corrupt_chunk":
         shards = copy_store(store, tmp_path / "store")
         expected = f"row {_corrupt_first_row(shards)} "
-    elif case == "head_shape":
-        extra, expected = ["--target", str(tiny_target("qwen3", hidden_size=32))], "hidden size 64"
+    elif case == "head_shape":  # (other weights too: allowed, to reach the shapes)
+        other = str(tiny_target("qwen3", hidden_size=32))
+        extra, expected = ["--target", other, "--allow-other-target-weights"], "hidden size 64"
     elif case == "block_too_big":
         extra, expected = ["--block-size", "128"], "cannot hold a block of 128"
     elif case == "too_many_anchors":

@@ -64,14 +64,63 @@ def test_resume_skips_a_checkpoint_mixing_two_saves_or_cut_short(store, tmp_path
         resumed = run_training(config(store, run, max_steps=6, ckpt_every=2, resume=True))["records"]
     assert "skipping checkpoint" in caplog.text and "step_6" in caplog.text and "step_4" in caplog.text
     assert curve(resumed) == full[2:]  # from step_2, the newest checkpoint that loads
-    # The rng file of another save (another run's) is caught by the save id alone.
+    # The rng file of another save (another run's) is caught by its digest.
     shutil.copy(tmp_path / "other" / "checkpoints" / "step_6" / "rng_rank0.pt", ckpts / "step_6" / "rng_rank0.pt")
-    assert "another save" in Checkpointer(run).problem(ckpts / "step_6")
+    assert "rng_rank0.pt does not match" in Checkpointer(run).problem(ckpts / "step_6")
     for name in ("model.pt", "optimizer.pt", "state.json", "rng_rank0.pt"):
         (ckpts / "step_2" / name).write_bytes(b"")
     (ckpts / "step_4" / "state.json").write_bytes(b"")
     with pytest.raises(DflashError, match="has no checkpoint that loads .*remove its checkpoints folder"):
         run_training(config(store, run, max_steps=6, ckpt_every=2, resume=True))
+
+
+def test_an_edited_checkpoint_file_is_refused_naming_it_and_the_resume_stays_exact(store, tmp_path, caplog):
+    """Every file of a checkpoint is in its digests (issue 53): an edited state.json (`"step": 4` made 5) is named
+    and skipped, the resume continues from the checkpoint before it to the same weights; none left is a refusal."""
+    full = curve(run_training(config(store, tmp_path / "full", max_steps=6, ckpt_every=2))["records"])
+    run = tmp_path / "run"
+    run_training(config(store, run, max_steps=6, ckpt_every=2))
+    ckpts = run / "checkpoints"
+    shutil.rmtree(ckpts / "step_6")
+    state = ckpts / "step_4" / "state.json"
+    state.write_text(json.dumps({**json.loads(state.read_text()), "step": 5}))
+    with caplog.at_level("WARNING", logger="dflash"):
+        resumed = run_training(config(store, run, max_steps=6, ckpt_every=2, resume=True))["records"]
+    assert "skipping checkpoint" in caplog.text and "step_4: state.json does not match" in caplog.text
+    assert curve(resumed) == full[2:]  # from step_2
+    final = [torch.load(out / "checkpoints" / "step_6" / "model.pt") for out in (tmp_path / "full", run)]
+    assert final[0].keys() == final[1].keys() and all(torch.equal(final[0][k], final[1][k]) for k in final[0])
+    # Any file, edited, removed or added, is named; a checkpoint with none that verifies is refused.
+    step = ckpts / "step_6"
+    (step / "optimizer.pt").write_bytes((step / "optimizer.pt").read_bytes() + b"\0")
+    assert "optimizer.pt does not match" in Checkpointer(run).problem(step)
+    (step / "optimizer.pt").unlink()
+    assert "optimizer.pt is missing" in Checkpointer(run).problem(ckpts / "step_6")
+    (ckpts / "step_4" / "projection.pt").write_bytes(b"")
+    assert "projection.pt is not in" in Checkpointer(run).problem(ckpts / "step_4")
+    (ckpts / "step_2" / "digests.json").write_text("{")
+    assert "digests.json is unreadable" in Checkpointer(run).problem(ckpts / "step_2")
+    with pytest.raises(DflashError, match="has no checkpoint that loads .*step_6: optimizer.pt is missing"):
+        run_training(config(store, run, max_steps=6, ckpt_every=2, resume=True))
+
+
+def test_a_checkpoint_without_digests_resumes_with_a_warning(store, tmp_path, caplog):
+    """A checkpoint of an earlier dflash has no digests.json, its state.json the sha256 of the weights: accepted
+    (the weights checked), the files that cannot be verified named in a warning."""
+    import hashlib
+
+    full = curve(run_training(config(store, tmp_path / "full", max_steps=4, ckpt_every=2))["records"])
+    run = tmp_path / "run"
+    run_training(config(store, run, max_steps=4, ckpt_every=2))
+    shutil.rmtree(run / "checkpoints" / "step_4")
+    step = run / "checkpoints" / "step_2"
+    (step / "digests.json").unlink()
+    files = {name: hashlib.sha256((step / name).read_bytes()).hexdigest() for name in ("model.pt", "optimizer.pt")}
+    (step / "state.json").write_text(json.dumps({**json.loads((step / "state.json").read_text()), "files": files}))
+    with caplog.at_level("WARNING", logger="dflash"):
+        resumed = run_training(config(store, run, max_steps=4, ckpt_every=2, resume=True))["records"]
+    assert "step_2 has no digests.json" in caplog.text and "not verified" in caplog.text
+    assert curve(resumed) == full[2:]
 
 
 def test_checkpoint_files_and_folder_are_flushed_before_the_rename(store, tmp_path, monkeypatch):
@@ -93,7 +142,8 @@ def test_checkpoint_files_and_folder_are_flushed_before_the_rename(store, tmp_pa
     rename = next(i for i, s in enumerate(synced) if isinstance(s, tuple))
     tmp = synced[rename][1]
     before = set(synced[:rename])
-    assert {f"{tmp}/{n}" for n in ("model.pt", "optimizer.pt", "state.json", "rng_rank0.pt")} | {tmp} <= before
+    written = ("model.pt", "optimizer.pt", "state.json", "rng_rank0.pt", "digests.json")
+    assert {f"{tmp}/{n}" for n in written} | {tmp} <= before
     assert str(tmp_path / "run" / "checkpoints") in synced[rename + 1 :]
 
 
@@ -157,6 +207,34 @@ def test_a_signal_saves_a_checkpoint_and_the_resume_continues_the_curve(signame,
     assert curve(metrics_records(tmp_path / "run")) == full
 
 
+def test_a_signal_in_the_last_step_stops_before_the_final_validation_which_the_resume_runs(
+    store, tmp_path, monkeypatch
+):
+    """A stop asked for during the last step is a stop: the checkpoint, then no final validation (which takes as
+    long as the held-out rows do); the resume runs it and writes its record."""
+    import signal
+
+    commits, real = [0], reader.DeviceFeed.commit
+
+    def commit(self):
+        commits[0] += 1
+        if commits[0] == 2:  # during step 2 of 2
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(self)
+
+    monkeypatch.setattr(reader.DeviceFeed, "commit", commit)
+    run = tmp_path / "run"
+    result = train_cli(store, run, "--max-steps", "2", "--val-fraction", "0.05", "--rows-per-step", "2")
+    assert result.exit_code == 2, result.output
+    assert "stopped by SIGINT after the last step (2 of 2)" in result.output, result.output
+    assert "before the final validation" in result.output and "--resume" in result.output
+    assert commits[0] == 2 and metrics_records(run, "val") == []  # not one held-out batch was read
+    assert Checkpointer(run).latest().name == "step_2"
+    monkeypatch.setattr(reader.DeviceFeed, "commit", real)
+    resumed = run_training(config(store, run, max_steps=2, val_fraction=0.05, rows_per_step=2, resume=True))
+    assert resumed["val"] is not None and [r["step"] for r in metrics_records(run, "val")] == [2]
+
+
 def test_resume_refuses_another_store_naming_both(store, other_store, tmp_path):
     run_training(config(store, tmp_path / "run", max_steps=2))
     with pytest.raises(DflashError, match=rf"store {store} \(identity \w+\), but --shards {other_store} is another"):
@@ -185,6 +263,26 @@ def test_resuming_a_finished_run_writes_no_second_final_validation(store, tmp_pa
     again = run_training(config(store, tmp_path / "run", max_steps=2, resume=True))
     assert [r["step"] for r in metrics_records(tmp_path / "run", "val")] == [2]
     assert again["val"] == first["val"]
+
+
+def test_a_resume_removes_the_metrics_rewrites_of_killed_runs_never_a_live_ones(store, tmp_path):
+    """`.metrics.jsonl.PID`, the rewrite of metrics.jsonl a resume makes, stays behind when that resume is killed:
+    the next resume removes it, unless its process is alive."""
+    import subprocess
+
+    run = tmp_path / "run"
+    run_training(config(store, run, max_steps=2))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    live = subprocess.Popen(["sleep", "60"])
+    try:
+        for pid in (dead.pid, live.pid):
+            (run / f".metrics.jsonl.{pid}").write_text('{"kind": "tr')
+        run_training(config(store, run, max_steps=2, resume=True))
+        assert sorted(p.name for p in run.glob(".metrics.jsonl.*")) == [f".metrics.jsonl.{live.pid}"]
+    finally:
+        live.kill()
+        live.wait()
 
 
 def test_a_torn_last_metrics_line_is_dropped_on_resume(store, tmp_path):
@@ -259,12 +357,34 @@ def test_a_damaged_held_out_row_does_not_cost_the_export(store, tmp_path):
     assert result["damaged_rows"] == [int(val_rows[0])] and result["val"]["damaged_rows"] == 1
 
 
-@pytest.mark.parametrize("case", ["file", "inside_store", "unwritable"])
+@pytest.mark.parametrize("longest, blocks_fit", [(1, "blocks fit 1 token,"), (3, "blocks fit 3 tokens,")])
+def test_a_store_too_short_for_a_block_names_the_longest_document(longest, blocks_fit):
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from dflash.train.setup import check_anchorable
+
+    counts = SimpleNamespace(loss_tokens=1, documents=1, tokens=longest)
+    store = SimpleNamespace(
+        manifest=SimpleNamespace(counts=counts), documents=lambda: np.array([[0, 0, 0, 0, longest]])
+    )
+    with pytest.raises(DflashError, match=f"the longest has {longest}\\), .*--block-size whose {blocks_fit} or"):
+        check_anchorable(store, 16, "s")
+
+
+@pytest.mark.parametrize("case", ["file", "inside_store", "unwritable", "not_a_run"])
 def test_a_bad_out_is_one_line_before_any_work(case, store, tmp_path):
     if case == "file":
         out = tmp_path / "run"
         out.write_text("not a folder")
         expected = f"--out {out} is a file"
+    elif case == "not_a_run":  # export's rule: a command never writes among other files
+        out = tmp_path / "home"
+        (out / "src").mkdir(parents=True)
+        (out / "notes.txt").write_text("mine")
+        expected = f"{out} is not empty and is not a dflash training run (it holds notes.txt, src/)"
+        before = sorted(p.name for p in out.iterdir())
     elif case == "inside_store":
         shards = copy_store(store, tmp_path / "store")
         out, expected = shards / "run", "is inside the store"
@@ -277,6 +397,8 @@ def test_a_bad_out_is_one_line_before_any_work(case, store, tmp_path):
     assert expected in result.output and len(result.output.strip().splitlines()) == 1, result.output
     if case == "inside_store":
         assert sorted(p.name for p in shards.iterdir()) == before
+    if case == "not_a_run":
+        assert sorted(p.name for p in out.iterdir()) == before
 
 
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(store, tmp_path):
@@ -551,4 +673,15 @@ def test_a_window_that_leaves_a_block_no_context_is_refused_before_any_work(stor
     result = train_cli(store, tmp_path / "run", "--drafter-option", f"sliding_window={window}")
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     assert f"sliding_window {window} leaves a block no context" in result.output
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("method", ["dflash", "dflash2", "dspark"])
+def test_a_window_below_the_block_size_is_refused_naming_both(method, store, tmp_path):
+    """z-lab's reference and the engines hide a block's own tokens farther apart than the window from each other,
+    which dflash's training and decoding never do: below the block size the two would draft differently."""
+    result = train_cli(store, tmp_path / "run", "--method", method, "--drafter-option", f"sliding_window={B - 1}")
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert f"sliding_window {B - 1} is below block_size {B}" in result.output
+    assert f"sliding_window={B}" in result.output  # the fix
     assert not (tmp_path / "run" / "checkpoints").exists()

@@ -51,7 +51,8 @@ def _check_tool_turns(messages: list[dict], full: str, where: str) -> None:
     for number, message in enumerate(messages):
         if message["role"] in TOOL_ROLES and message["content"].strip() not in full:
             raise DflashError(
-                f"{where}: the chat template does not render message {number} (role {message['role']!r}); {TOOL_FIX}"
+                f"{where}: the chat template does not render message {number + 1} (role {message['role']!r}); "
+                f"{TOOL_FIX}"
             )
 
 
@@ -63,8 +64,8 @@ def _check_tool_calls_rendered(tokenizer, messages: list[dict], full: str, where
     without = [{k: v for k, v in message.items() if k != "tool_calls"} for message in messages]
     if _try_render(tokenizer, without, False) == full:
         raise DflashError(
-            f"{where}: the chat template does not render the tool_calls of message {calls[0]} (its rendering is the "
-            f"same without them); {TOOL_FIX}"
+            f"{where}: the chat template does not render the tool_calls of message {calls[0] + 1} (its rendering is "
+            f"the same without them); {TOOL_FIX}"
         )
 
 
@@ -86,7 +87,7 @@ def _assistant_spans(tokenizer, messages: list[dict], full: str, where: str, tur
         span = _span_by_prefix(render, turn, full)
         if span is None and messages[turn].get("tool_calls"):
             raise DflashError(
-                f"{where}: cannot locate assistant message {turn}, which makes tool calls, in the chat template's "
+                f"{where}: cannot locate assistant message {turn + 1}, which makes tool calls, in the chat template's "
                 "rendering (the template renders it otherwise once later turns follow), so its loss mask would be "
                 f"wrong; {TOOL_FIX}"
             )
@@ -95,7 +96,7 @@ def _assistant_spans(tokenizer, messages: list[dict], full: str, where: str, tur
                 content_spans = _content_spans(messages, full)
                 if content_spans is None:
                     raise DflashError(
-                        f"{where}: cannot locate assistant message {turn} in the chat template's rendering (the "
+                        f"{where}: cannot locate assistant message {turn + 1} in the chat template's rendering (the "
                         "template rewrites message content), so its loss mask would be wrong; give this conversation "
                         'as a {"text": ...} line or use a tokenizer whose template renders messages verbatim'
                     )

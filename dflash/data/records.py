@@ -69,7 +69,8 @@ def _check_messages(messages, where: str) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise DflashError(f'{where}: "messages" must be a non-empty list of {{"role": ..., "content": ...}} objects')
     messages = list(messages)
-    for number, message in enumerate(messages):
+    for index, message in enumerate(messages):
+        number = index + 1  # named from 1, as the lines and rows around it are
         if not isinstance(message, dict):
             raise DflashError(
                 f'{where}: message {number} must be an object with "role" and "content", got {type(message).__name__}'
@@ -77,9 +78,9 @@ def _check_messages(messages, where: str) -> list[dict]:
         if "tool_calls" in message:
             _check_tool_calls(message, number, where)
             if message.get("content") is None:
-                messages[number] = message = {**message, "content": ""}
+                messages[index] = message = {**message, "content": ""}
         if isinstance(message.get("content"), list):
-            messages[number] = message = {**message, "content": _joined_text(message["content"], number, where)}
+            messages[index] = message = {**message, "content": _joined_text(message["content"], number, where)}
         for key in ("role", "content"):
             if not isinstance(message.get(key), str):
                 raise DflashError(f'{where}: message {number} needs a string "{key}", got {message.get(key)!r:.60}')

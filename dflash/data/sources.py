@@ -181,14 +181,20 @@ def _without_nulls(value):
 
 def decode_json_line(line: bytes, where: str):
     try:
-        return json.loads(line.decode("utf-8"))
+        # utf-8-sig: the byte order mark Windows editors start a UTF-8 file with is no part of the first object.
+        # Without its line break, json's column is the line's own (past it, json counts a second line).
+        text = line.decode("utf-8-sig").rstrip("\r\n")
+        return json.loads(text)
     except UnicodeDecodeError as exc:
         raise DflashError(
             f"{where}: not valid UTF-8 ({exc.reason} at byte {exc.start}); re-encode the file as UTF-8"
         ) from exc
     except json.JSONDecodeError as exc:
+        cut = exc.pos >= len(text.rstrip()) or exc.msg.startswith("Unterminated string")
+        at = f"{exc.msg.removesuffix(' at')} at column {exc.pos + 1}"
         raise DflashError(
-            f"{where}: malformed JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object, {LINE_EXAMPLE}"
+            f"{where}: malformed JSON ({at}{': the line ends before its object does (cut off?)' if cut else ''}); "
+            f"each line must be one JSON object, {LINE_EXAMPLE}"
         ) from exc
 
 
@@ -202,7 +208,7 @@ def normalise(record, where: str):
     if not isinstance(turns, list) or not turns:
         raise DflashError(f'{where}: "conversations" must be a non-empty list of {{"from": ..., "value": ...}} objects')
     rest = {k: v for k, v in record.items() if k != "conversations"}
-    return {**rest, "messages": [_sharegpt_turn(turn, number, where) for number, turn in enumerate(turns)]}
+    return {**rest, "messages": [_sharegpt_turn(turn, n, where) for n, turn in enumerate(turns, start=1)]}
 
 
 def _sharegpt_turn(turn, number: int, where: str) -> dict:

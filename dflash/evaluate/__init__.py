@@ -25,13 +25,20 @@ from dflash.config import EvalConfig
 from dflash.decoding import Generation, generate_prompt_lookup, plain_decode, speculative_generate
 from dflash.device import local_device
 from dflash.errors import DflashError, describe_differences
-from dflash.evaluate.drafters import check_drafter_fits, drafter_and_config, drafter_label, drafter_names
+from dflash.evaluate.drafters import (
+    check_drafter_fits,
+    check_trained_for,
+    drafter_and_config,
+    drafter_label,
+    drafter_names,
+)
 from dflash.evaluate.shares import merge_reports, share_of
 from dflash.export import read_drafter_config
+from dflash.manifest import TargetIdentity
 from dflash.parallel import open_group, shared_work
 from dflash.proposers import DecodingOptions, PromptLookupProposer, Proposer
 from dflash.regenerate import encode_prompt, eos_token_ids
-from dflash.regenerate.answers import load_prompts, prompt_records
+from dflash.regenerate.answers import answerable_prompts, check_positions
 from dflash.target import load_target
 from dflash.target_files import check_target_folder
 
@@ -53,6 +60,7 @@ class Run:
     accepted: list[int]  # accepted drafts per round ([] when not observable)
     mismatch_at: int | None = None  # temperature 0: first position differing from plain greedy decoding
     plain_margin_at_mismatch: float | None = None  # the plain target's top-2 logit gap there (tiny = a numerical tie)
+    overlaps: list[list[list[float]]] = field(default_factory=list)  # temperature > 0: Generation.overlaps
 
 
 @dataclass
@@ -70,6 +78,12 @@ class Method:
     speedup: float  # its tokens/s over the baseline's (plain decoding at the same temperature), in the same run
     mismatches: int | None  # temperature 0: prompts whose output differs from plain greedy decoding
     first_mismatch: dict | None
+    block_size: int | None = None  # a drafter's block (its config's); None for prompt lookup
+    # temperature > 0: per draft position, the mean over the rounds that reached it of sum min(p, q), the chance
+    # that verification accepts the draft there, and of the target's mass on q's support, its cap
+    # (dflash.decoding.draft_overlap)
+    acceptance_by_position: list[float] = field(default_factory=list)
+    support_by_position: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -81,7 +95,7 @@ class EvalReport:
     device: str
     dtype: str
     prompt_lookup_tokens: int
-    block_size: int  # of the untrained drafter
+    block_size: int | None  # --block-size, of the untrained drafter; None without one (each method has its own)
     seed: int
     plain_tokens_per_s: float
     methods: dict[str, Method]
@@ -170,6 +184,7 @@ class SpeculativeMethod:
     proposer: Proposer
     max_drafts: int
     temperature: float
+    block_size: int | None = None  # the drafter's; None for prompt lookup
     tau_definition = (
         "mean over verify rounds of (accepted drafts + 1 bonus token), cut at EOS; "
         "the prefill's first token belongs to no round"
@@ -185,6 +200,7 @@ class SpeculativeMethod:
         )
         accepted = generation.accepted
         run = Run(len(generation.tokens), generation.seconds, len(accepted), _tau(accepted), accepted)
+        run.overlaps = generation.overlaps
         return _compare(run, generation.tokens, plain) if self.checks_greedy else run
 
     @staticmethod
@@ -207,6 +223,7 @@ class GenerateLookupMethod:
         "its first forward verifies the prompt and the first candidates together"
     )
     checks_greedy = True
+    block_size = None
 
     def run(self, target, prompt, budget, plain: Generation, eos_ids, generator) -> Run:
         generation, forwards = generate_prompt_lookup(target, prompt, budget, self.num_tokens)
@@ -271,7 +288,16 @@ def _summarise(name: str, method, rows: list[dict], plain_tokens_per_s: float) -
         speedup=tokens_per_s / plain_tokens_per_s if plain_tokens_per_s else 0.0,
         mismatches=len(mismatched) if method.checks_greedy else None,
         first_mismatch=first,
+        block_size=method.block_size,
+        acceptance_by_position=_mean_by_position([[o[0] for o in round] for r in runs for round in r.overlaps]),
+        support_by_position=_mean_by_position([[o[1] for o in round] for r in runs for round in r.overlaps]),
     )
+
+
+def _mean_by_position(rows: list[list[float]]) -> list[float]:
+    """The mean of each position over the rows long enough to have it."""
+    width = max(map(len, rows), default=0)
+    return [float(np.mean([row[i] for row in rows if len(row) > i])) for i in range(width)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -311,18 +337,21 @@ def evaluate(
         drafters = ["untrained"] if cfg.untrained else cfg.drafter
     if not drafters and not cfg.prompt_lookup:
         raise DflashError("nothing to evaluate: give --drafter, --untrained or --prompt-lookup N")
-    named = drafters if isinstance(drafters, dict) else drafter_names(drafters)
-    drafters = list(named.values())
-    for drafter in drafters:
+    for drafter in drafters.values() if isinstance(drafters, dict) else drafters:  # before naming them by method
         if isinstance(drafter, (str, Path)) and drafter != "untrained" and not Path(drafter).is_dir():
             what = "is a file, not a folder" if Path(drafter).exists() else "does not exist"
             raise DflashError(f"drafter folder {drafter} {what}; pass --drafter an exported drafter folder")
+    named = drafters if isinstance(drafters, dict) else drafter_names(drafters)
+    drafters = list(named.values())
     target_config = check_target_folder(cfg.model)
     text_config = target_config.get("text_config") or target_config
-    for drafter in drafters:  # the shapes, from the config files alone: before the target is loaded
-        if isinstance(drafter, (str, Path)) and drafter != "untrained":
-            check_drafter_fits(read_drafter_config(drafter), text_config, None, str(drafter), str(cfg.model))
-    records = _answerable_prompts(cfg.data)[: cfg.num_prompts]
+    folders = [str(d) for d in drafters if isinstance(d, (str, Path)) and d != "untrained"]
+    target = TargetIdentity.of_checkpoint(cfg.model) if folders else None
+    for drafter in folders:  # the shapes and the target's weights, from the files alone: before the target is loaded
+        config = read_drafter_config(drafter)
+        check_drafter_fits(config, text_config, None, drafter, str(cfg.model))
+        check_trained_for(config, target, drafter, str(cfg.model), cfg.allow_other_target_weights)
+    records = answerable_prompts(cfg.data, "eval measures")[: cfg.num_prompts]
     group = open_group(
         cfg.model, cfg.tensor_parallel, local_device(cfg.device), shares_work=True, expert_parallel=cfg.expert_parallel
     )
@@ -335,23 +364,6 @@ def evaluate(
             share = (group.layout.group, group.layout.groups)
         report = _evaluate(cfg, named, records, resume, on_prompt, progress, share or (0, 1), shares)
     return report
-
-
-def _answerable_prompts(data) -> list[dict]:
-    """The prompts of `data` (a path or records), leaving out with a count the conversations that end with no user
-    turn to answer (e.g. with a tool result): one such line should not stop the measurement of the others."""
-    skipped: list[str] = []
-    records = load_prompts(data, skipped) if isinstance(data, (str, Path)) else prompt_records(data, skipped)
-    if skipped:
-        logger.warning(
-            "skipping %d prompt(s) that do not end with a user turn for the target to answer (%s%s); eval measures "
-            "the other %d",
-            len(skipped),
-            ", ".join(skipped[:3]),
-            ", ..." if len(skipped) > 3 else "",
-            len(records),
-        )
-    return records
 
 
 def _evaluate(
@@ -392,7 +404,7 @@ def _evaluate(
             device=str(target.device),
             dtype=str(target.dtype).removeprefix("torch."),
             prompt_lookup_tokens=cfg.prompt_lookup,
-            block_size=cfg.block_size,
+            block_size=cfg.block_size if "untrained" in drafters else None,
             seed=cfg.seed,
             plain_tokens_per_s=plain_tokens_per_s,
             methods=summaries,
@@ -449,21 +461,6 @@ def _evaluate(
     if collects:
         shares.wait(saved)
     return report(everyone(), compare=True)
-
-
-def check_positions(encoded: list[torch.Tensor], max_new_tokens: int, text_config) -> None:
-    """Refuse, before any decoding, prompts whose answers would run past the positions the target was made for
-    (transformers would only remind, and the measurement would be of a target out of its range)."""
-    limit = getattr(text_config, "max_position_embeddings", None)
-    longest = max(range(len(encoded)), key=lambda i: encoded[i].numel(), default=None)
-    if limit is None or longest is None or encoded[longest].numel() + max_new_tokens <= limit:
-        return
-    tokens = encoded[longest].numel()
-    fix = f"pass --max-new-tokens {limit - tokens} or less" if tokens < limit else "shorten or remove that prompt"
-    raise DflashError(
-        f"prompt {longest} has {tokens} tokens: with --max-new-tokens {max_new_tokens} it reaches position "
-        f"{tokens + max_new_tokens}, past the target's max_position_embeddings {limit}; {fix}"
-    )
 
 
 def compare_drafters(methods: dict[str, Method], rows: list[dict], names: list[str]) -> dict[str, dict]:
@@ -556,7 +553,7 @@ def _methods(cfg: EvalConfig, target, tokenizer, named: dict, eos_ids: set[int])
         model, config = drafter_and_config(drafter, target, tokenizer, cfg.block_size, cfg.seed)
         options = DecodingOptions(confidence_cut=cfg.confidence_cut)
         proposer = drafter_methods.of_config(config).proposer_cls(model, config, target, options)
-        methods[name] = SpeculativeMethod(proposer, config.drafts_per_block, cfg.temperature)
+        methods[name] = SpeculativeMethod(proposer, config.drafts_per_block, cfg.temperature, config.block_size)
     if cfg.prompt_lookup:
         proposer = PromptLookupProposer(cfg.prompt_lookup, eos_ids=eos_ids)
         methods["prompt-lookup"] = SpeculativeMethod(proposer, cfg.prompt_lookup, cfg.temperature)

@@ -8,6 +8,7 @@ import torch
 from dflash.drafter import DFlashDrafter, DrafterConfig
 from dflash.errors import DflashError
 from dflash.export import load_drafter, read_drafter_config
+from dflash.manifest import TargetIdentity, check_same_weights
 from dflash.target import default_layer_ids
 from dflash.target_files import MASK_TOKEN
 
@@ -17,7 +18,8 @@ def drafter_label(drafter) -> str:
 
 
 def drafter_names(drafters: list) -> dict:
-    """{method name: drafter}: "dflash" for a trained drafter, "dflash[FOLDER]" for each of several,
+    """{method name: drafter}: "dflash" for one trained drafter (the name readers of a report look up, whatever
+    its method), "METHOD[FOLDER]" for each of several (its method's name: dflash, dflash2, dspark),
     "untrained-dflash" for the baseline."""
     several = sum(d != "untrained" for d in drafters) > 1
     named = {}
@@ -25,7 +27,7 @@ def drafter_names(drafters: list) -> dict:
         name = (
             "untrained-dflash"
             if drafter == "untrained"
-            else f"dflash[{drafter_label(drafter)}]"
+            else f"{_method_of(drafter)}[{drafter_label(drafter)}]"
             if several
             else "dflash"
         )
@@ -33,6 +35,11 @@ def drafter_names(drafters: list) -> dict:
             raise DflashError(f"two drafters would both be reported as {name!r}; evaluate them in separate runs")
         named[name] = drafter
     return named
+
+
+def _method_of(drafter) -> str:
+    """The method of a drafter folder (from its config.json alone) or of a (model, config) pair."""
+    return (drafter[1] if isinstance(drafter, tuple) else read_drafter_config(drafter)).method
 
 
 def untrained_drafter(target, tokenizer, block_size: int = 16, seed: int = 0, mask_token_id: int | None = None):
@@ -109,3 +116,17 @@ def check_drafter_fits(config: DrafterConfig, text_config, tokenizer_mask: int |
             f"the drafter {drafter} was not made for the target {target} ({'; '.join(differences)}); "
             "pass --drafter a drafter trained on this target's features, or --model the target it was trained for"
         )
+
+
+def check_trained_for(config: DrafterConfig, target: TargetIdentity, drafter: str, model: str, allowed: bool) -> None:
+    """Refuse a drafter whose export names a target of other weights than --model's (`target`): a fine-tune of the
+    same shape passes `check_drafter_fits`, and the eval would measure the drafter on a model it was not trained
+    for. `allowed`: --allow-other-target-weights."""
+    check_same_weights(
+        target,
+        TargetIdentity.from_record(config.target_identity),
+        f"the weights of the target the drafter {drafter} was trained for and of --model {model}",
+        "its acceptance would be measured on a model it was not trained for; pass --model that target",
+        "--allow-other-target-weights",
+        allowed,
+    )

@@ -20,10 +20,13 @@ from dflash.data import Document
 from dflash.errors import DflashError
 from dflash.harvest.options import borrowed_projection
 from dflash.harvest.pipeline import forward_fits
+from dflash.leftovers import owner_tag
 from dflash.packing import PAD_MULTIPLE, round_up
 from dflash.target import TappedTarget
 
 logger = logging.getLogger("dflash")
+
+DAMAGED_PROJECTION = f"{store.TMP_PREFIX}{store.PROJECTION}.damaged"  # the projection --repair moves aside
 
 
 def calibrated(
@@ -87,7 +90,7 @@ def recalibrated(out: Path, cfg: HarvestConfig, header, documents: list[Document
     """`--repair` of a damaged (or missing) projection: calibrate again, deterministically, and keep the result
     only if it is the matrix the store's rows were encoded with (the calibration record of harvest.json, and the
     sha256 the damaged array's attributes record when they are readable); otherwise put the damaged one back."""
-    folder, aside = out / store.PROJECTION, out / f"{store.TMP_PREFIX}{store.PROJECTION}.damaged.{uuid.uuid4().hex}"
+    folder, aside = out / store.PROJECTION, out / f"{DAMAGED_PROJECTION}.{uuid.uuid4().hex}.{owner_tag()}"
     old_sha256 = None
     if folder.exists():
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):

@@ -3,6 +3,7 @@ pipeline, finish the store (and self-check it) once every part is done; resume a
 
 import contextlib
 import errno
+import glob
 import logging
 import shutil
 import signal
@@ -17,10 +18,11 @@ from dflash.config import HarvestConfig
 from dflash.data import load_documents
 from dflash.device import DTYPES
 from dflash.errors import DflashError
-from dflash.harvest.calibration import calibrated, projection_damaged, recalibrated
-from dflash.harvest.header import document_sources, harvest_header
+from dflash.harvest.calibration import DAMAGED_PROJECTION, calibrated, projection_damaged, recalibrated
+from dflash.harvest.header import document_sources, harvest_header, restore_harvest_file
 from dflash.harvest.options import check_free_space, data_config, harvest_fingerprint, resolve, teacher_encoding
 from dflash.harvest.pipeline import run_rows
+from dflash.leftovers import remove_dead
 from dflash.packing import PartPlan
 from dflash.store import verify
 from dflash.target import TappedTarget
@@ -89,8 +91,10 @@ def _load_target(cfg: HarvestConfig, group, layer_ids: list[int], teacher: str |
 
 def _harvest(cfg: HarvestConfig, load_target) -> Path:
     out = Path(cfg.out)
+    restore_harvest_file(out)
     fingerprint = store.as_recorded(out, harvest_fingerprint(cfg))
     state = store.check_folder(out, fingerprint)
+    _remove_killed_writes(out)
     if state == "complete" and not cfg.repair:
         if cfg.self_check > 0 and store.read_manifest(out / store.MANIFEST_FILE).self_check is None:
             logger.info("%s is complete, but no check against the target was recorded (stopped during it?)", out)
@@ -114,6 +118,15 @@ def _harvest(cfg: HarvestConfig, load_target) -> Path:
         return _harvest_part(cfg, out, fingerprint, state, lock, load_target)
 
 
+def _remove_killed_writes(out: Path) -> None:
+    """The temporaries of the store's harvest.json and manifest.json and the projection a --repair moved aside, as
+    killed writers left them (zarr would list that folder as an array of the store); a live writer's are kept."""
+    names = (f"{store.TMP_PREFIX}{store.HARVEST_FILE}", f"{store.TMP_PREFIX}{store.MANIFEST_FILE}", DAMAGED_PROJECTION)
+    removed = remove_dead(p for name in names for p in out.glob(f"{glob.escape(name)}.*"))
+    if removed:
+        logger.info("removed what killed writers left in %s: %s", out, ", ".join(p.name for p in removed))
+
+
 def _harvest_part(cfg: HarvestConfig, out: Path, fingerprint: dict, state: str, lock, load_target) -> Path:
     progress = store.part_progress(out, cfg.world_size)[cfg.rank] if state != "new" else None
     done = progress is not None and progress["rows_committed"] == progress["rows"]
@@ -128,7 +141,11 @@ def _harvest_part(cfg: HarvestConfig, out: Path, fingerprint: dict, state: str, 
         damage = verify.part_damage(out, cfg.rank, recorded.features, recorded.teacher)
         whole = store.damaged_whole_arrays(out, recorded)  # the projection, the document sources
         if not damage.rows and not damage.documents and not whole:
-            logger.info("part %s of %s: every chunk present and its checksum correct; nothing to repair", cfg.rank, out)
+            logger.info(
+                "part %s of %s: every chunk present, its checksum correct and in its place; nothing to repair",
+                cfg.rank,
+                out,
+            )
             if state != "complete":
                 _finish(out, cfg, load_target)
             return out
@@ -202,7 +219,7 @@ def _repair(cfg, out: Path, plan: PartPlan, target, part, header, projection, da
     """Rewrite the damaged rows of a finished part. The rows are re-harvested in the row groups an uninterrupted
     harvest formed (multiples of the group size from row 0), so the forward batches, and the bytes, are the same."""
     if damage.documents:
-        part.arrays["documents"][:] = plan.documents_table()
+        part.write_documents(plan.documents_table())
     per_group = max(1, cfg.forward_tokens // cfg.token_budget)
     firsts = sorted({row // per_group * per_group for row in damage.rows})
     groups = [(first, min(first + per_group, len(plan.rows))) for first in firsts]

@@ -11,6 +11,7 @@ from dflash import __version__, manifest, store
 from dflash.config import HarvestConfig
 from dflash.data import Document, load_tokenizer
 from dflash.drafter import rope_theta_of
+from dflash.errors import DflashError
 from dflash.harvest.options import feature_encoding
 from dflash.target import TappedTarget
 from dflash.target_files import MASK_TOKEN, load_config
@@ -79,3 +80,29 @@ def harvest_header(cfg: HarvestConfig, fingerprint: dict, target: TappedTarget, 
         teacher=teacher,
     )
     return replace(header, sources=tuple(stats.sources))
+
+
+def restore_harvest_file(out: Path) -> None:
+    """Rebuild the harvest.json of a store that lost it: a complete store's manifest.json holds its contents (plus
+    the identity, counts and parts the finishing step added), and each part records the digest of the header its
+    rows were written under, which the rebuilt one must match. A store with no manifest.json is refused naming
+    the fix, not called "not a dflash store"."""
+    if (out / store.HARVEST_FILE).exists() or not (out / "parts").is_dir():
+        return
+    lost = f"{out / store.HARVEST_FILE} is missing"
+    fix = "restore harvest.json from a copy of the store, or harvest into a new --out folder"
+    recorded = store.read_manifest(out / store.MANIFEST_FILE)
+    if recorded is None:
+        if any((out / "parts").glob(f"*/{store.PROGRESS_FILE}")):
+            raise DflashError(
+                f"{lost} and the store is not complete (no {store.MANIFEST_FILE} to rebuild it from); {fix}"
+            )
+        return  # parts holding only locks: a harvest stopped before its first write, which starts again
+    header = replace(recorded.header(), identity="")  # the finishing step sets the identity: harvest.json has none
+    written_under = {p.get("header_sha256") for p in store.part_progress(out, recorded.world_size) if p is not None}
+    if written_under - {None, store.header_sha256(header)}:
+        raise DflashError(
+            f"{lost} and {store.MANIFEST_FILE} is not the header the store's parts were written under; {fix}"
+        )
+    if store.write_json_exclusive(out / store.HARVEST_FILE, header.to_json()):  # (of ranks racing, one writes it)
+        logger.warning("%s: rebuilt it from %s", lost, store.MANIFEST_FILE)

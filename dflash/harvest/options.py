@@ -14,7 +14,7 @@ from dflash import features, manifest, parallel, store
 from dflash.config import HarvestConfig, check_expert_parallel
 from dflash.data import DataConfig, sources
 from dflash.device import DTYPES, local_device
-from dflash.errors import DflashError
+from dflash.errors import DflashError, format_size
 from dflash.store import verify
 from dflash.target import check_layer_ids, default_layer_ids
 from dflash.target_files import config_hash, load_config, weights_sha256
@@ -77,6 +77,8 @@ def check_options(cfg: HarvestConfig) -> HarvestConfig:
         raise DflashError("--scale-groups takes a positive number, and only with --precision fp8")
     if cfg.calibration_tokens < 1:
         raise DflashError(f"--calibration-tokens must be positive, got {cfg.calibration_tokens}")
+    if cfg.self_check < 0:
+        raise DflashError(f"--self-check {cfg.self_check} must be at least 0 (0 skips the check); give e.g. 4")
     if cfg.projection_from is not None and subspace_width(cfg.subspace, None) is None:
         raise DflashError("--projection-from takes the projection of a subspace store: give --subspace too")
     return cfg
@@ -244,7 +246,7 @@ def check_free_space(out: Path, cfg: HarvestConfig, fingerprint: dict, rows_left
     need = rows_left * cfg.world_size * row_bytes(cfg.token_budget, stored, teacher_encoding(cfg))
     existing = store.nearest_existing(out)
     free = shutil.disk_usage(existing).free
-    sizes = f"the rows left need {need / 1e9:.1f} GB before compression, {existing} has {free / 1e9:.1f} GB free"
+    sizes = f"the rows left need {format_size(need)} before compression, {existing} has {format_size(free)} free"
     if need / BEST_CODEC_RATIO > free:
         raise DflashError(
             f"this harvest cannot fit: {sizes} (the codec saves at most ~30 %); free space, harvest to a larger disk, or "

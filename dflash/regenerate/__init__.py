@@ -2,7 +2,8 @@
 
 Prompts are read as harvest reads data (JSONL, .gz, .zst, Parquet, folders: docs/data.md): chat records
 (`{"messages": [...]}` or ShareGPT `{"conversations": [...]}`) ending with a user turn (a trailing assistant turn, the
-original answer, is dropped), rendered with the tokenizer's chat template; or text records, `{"text": ...}` or
+original answer, is dropped; one that ends otherwise, with a tool result say, is skipped with a count, as eval
+skips it), rendered with the tokenizer's chat template; or text records, `{"text": ...}` or
 `{"prompt": ...}` (a `"completion"` beside it, an original answer, is dropped), which the target continues as
 raw text. Output lines, in prompt order, are what `dflash harvest` reads:
 `{"messages": [...prompt turns, {"role": "assistant", "content": response, "target": true}]}` for chat prompts
@@ -24,11 +25,12 @@ from dflash.errors import DflashError
 from dflash.regenerate.answers import (
     RegenerateStats,
     answer_records,
+    answerable_prompts,
     append_lines,
     check_output,
+    check_positions,
     completed_count,
     generation_settings,
-    load_prompts,
     output_counts,
     output_path,
     plain_messages,
@@ -49,13 +51,27 @@ def encode_prompt(tokenizer, record: dict) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+class StepCounter:
+    """A logits processor that changes nothing and calls `on_step(n)` at generate's n-th new token: generate hands
+    back a batch's answers only at its end, minutes away for long ones."""
+
+    def __init__(self, on_step):
+        self.on_step, self.steps = on_step, 0
+
+    def __call__(self, input_ids, scores):
+        self.steps += 1
+        self.on_step(self.steps)
+        return scores
+
+
 def generate_batch(
-    model, tokenizer, prompts: list[list[int]], cfg: RegenerateConfig, eos_ids: set[int]
+    model, tokenizer, prompts: list[list[int]], cfg: RegenerateConfig, eos_ids: set[int], on_step=None
 ) -> list[tuple[str, bool]]:
     """Generate for a batch of token-id prompts, left-padded, with `cfg`'s sampling settings; returns each response
     up to its first EOS, and whether it is unfinished (no EOS within max_new_tokens). A top_k of 0 turns off a
-    top_k in the target's generation_config."""
+    top_k in the target's generation_config. `on_step(n)` is called at each new token."""
     import torch
+    from transformers import LogitsProcessorList
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
     width = max(len(ids) for ids in prompts)
@@ -70,6 +86,7 @@ def generate_batch(
             max_new_tokens=cfg.max_new_tokens,
             do_sample=sample,
             pad_token_id=pad_id,
+            logits_processor=LogitsProcessorList([StepCounter(on_step)] if on_step else []),
             **options,
         )
     except torch.OutOfMemoryError as exc:  # the KV cache grows with every new token: long answers meet it late
@@ -118,8 +135,9 @@ def _regenerate_local(cfg: RegenerateConfig, progress: bool) -> RegenerateStats:
     from dflash.device import local_device
     from dflash.parallel import open_group, shared_work
 
-    records = load_prompts(cfg.data)
+    records = answerable_prompts(cfg.data, "regenerate answers")
     out = output_path(cfg)
+    check_lengths(cfg, records)
     group = open_group(
         cfg.model, cfg.tensor_parallel, local_device(cfg.device), shares_work=True, expert_parallel=cfg.expert_parallel
     )
@@ -127,6 +145,33 @@ def _regenerate_local(cfg: RegenerateConfig, progress: bool) -> RegenerateStats:
         done = _resume_point(cfg, records, out, group, shares)
         stats = _answer(cfg, records, out, done, group, shares, progress)
     return stats
+
+
+def check_lengths(cfg: RegenerateConfig, records: list[dict]) -> None:
+    """Refuse, before the target loads, answers that would run past the positions it was made for (eval's check)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from dflash.target_files import check_target_folder, load_config
+
+    check_target_folder(cfg.model)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    encoded = [torch.tensor(encode_prompt(tokenizer, record)) for record in records]
+    check_positions(encoded, cfg.max_new_tokens, load_config(cfg.model).get_text_config(), first=1)
+
+
+def batch_progress(bar, max_new_tokens: int, interval: float = 1.0):
+    """`on_step` of generate_batch: the bar shows how far the batch's answers are, at most every `interval` s."""
+    import time
+
+    shown = [float("-inf")]
+
+    def on_step(step: int) -> None:
+        if time.monotonic() - shown[0] >= interval:
+            shown[0] = time.monotonic()
+            bar.set_postfix_str(f"{step}/{max_new_tokens} new tokens of the batch")
+
+    return on_step
 
 
 def _resume_point(cfg: RegenerateConfig, records: list[dict], out, group, shares) -> int:
@@ -201,7 +246,8 @@ def _answer(
         torch.manual_seed(cfg.seed + start)
 
         def generate(prompts: list[dict]) -> list[tuple[str, bool]]:
-            return generate_batch(model, tokenizer, [encode_prompt(tokenizer, p) for p in prompts], cfg, eos_ids)
+            ids = [encode_prompt(tokenizer, p) for p in prompts]
+            return generate_batch(model, tokenizer, ids, cfg, eos_ids, batch_progress(bar, cfg.max_new_tokens))
 
         answered = answer_records(batch, cfg.turns, generate)
         if shares is not None:

@@ -19,6 +19,7 @@ sampling, seed: `OUT.settings.json`) are checked to be this run's.
 """
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,40 @@ def load_prompts(path: str | Path, skipped: list[str] | None = None) -> list[dic
             + (f" ending with a user turn ({len(skipped)} do not)" if skipped else "")
         )
     return records
+
+
+def answerable_prompts(data, does: str) -> list[dict]:
+    """The prompts of `data` (a path, or the records themselves), leaving out with a count the conversations that
+    end with no user turn to answer (e.g. with a tool result): one such line should not stop the others, which the
+    command `does` (e.g. "eval measures") something with."""
+    skipped: list[str] = []
+    records = load_prompts(data, skipped) if isinstance(data, (str, Path)) else prompt_records(data, skipped)
+    if skipped:
+        logging.getLogger("dflash").warning(
+            "skipping %d prompt(s) that do not end with a user turn for the target to answer (%s%s); %s the other %d",
+            len(skipped),
+            ", ".join(skipped[:3]),
+            ", ..." if len(skipped) > 3 else "",
+            does,
+            len(records),
+        )
+    return records
+
+
+def check_positions(encoded: list, max_new_tokens: int, text_config, first: int = 0) -> None:
+    """Refuse, before any decoding, prompts whose answers would run past the positions the target was made for
+    (transformers would only remind, and the measurement would be of a target out of its range). `first`: the
+    number the first prompt goes by (eval's report counts from 0, regenerate's messages from 1)."""
+    limit = getattr(text_config, "max_position_embeddings", None)
+    longest = max(range(len(encoded)), key=lambda i: encoded[i].numel(), default=None)
+    if limit is None or longest is None or encoded[longest].numel() + max_new_tokens <= limit:
+        return
+    tokens = encoded[longest].numel()
+    fix = f"pass --max-new-tokens {limit - tokens} or less" if tokens < limit else "shorten or remove that prompt"
+    raise DflashError(
+        f"prompt {longest + first} has {tokens} tokens: with --max-new-tokens {max_new_tokens} it reaches position "
+        f"{tokens + max_new_tokens}, past the target's max_position_embeddings {limit}; {fix}"
+    )
 
 
 def prompt_records(records: list[dict], skipped: list[str] | None = None) -> list[dict]:
@@ -272,8 +307,6 @@ def check_output(out: Path, settings: dict) -> None:
             )
         return
     if has_answers and recorded is None:
-        import logging
-
         logging.getLogger("dflash").warning(
             "%s has no record of the settings it was written with (an older dflash); resuming with this run's, "
             "recorded in %s",

@@ -29,11 +29,11 @@ from dflash.errors import DflashError
 from dflash.regenerate.answers import (
     RegenerateStats,
     answer_records,
+    answerable_prompts,
     append_lines,
     check_output,
     completed_count,
     generation_settings,
-    load_prompts,
     output_counts,
     output_path,
     plain_messages,
@@ -217,7 +217,7 @@ def regenerate_remote(cfg: RegenerateConfig, progress: bool = True) -> Regenerat
     """Answer every prompt of `cfg.data` through the server at `cfg.server`, appending to `cfg.out` (resumable)."""
     from tqdm import tqdm
 
-    records = load_prompts(cfg.data)
+    records = answerable_prompts(cfg.data, "regenerate answers")
     out = output_path(cfg)
     client = Client(cfg.server, cfg.request_timeout, cfg.retries)
     model, names = served_model(client, cfg.server_model)

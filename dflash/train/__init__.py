@@ -55,9 +55,11 @@ from dflash.train.setup import (
     check_self_check,
     check_shapes,
     check_step_memory,
+    check_target_weights,
     check_teacher,
     check_val_store,
     describe_embedding,
+    describe_objective,
     drafter_config,
     load_frozen,
     tally_for,
@@ -94,7 +96,8 @@ class Trainer:
         check_self_check(cfg, self.store)
         manifest = self.store.manifest
         self.target_path = target_path_for(cfg, self.store)
-        self.dcfg = drafter_config(cfg, self.store, self.target_path)
+        target = check_target_weights(cfg, self.store, self.target_path)
+        self.dcfg = drafter_config(cfg, self.store, self.target_path, target)
         self.encoding = manifest.features
         # P [k, n*H] of a subspace store, kept with every checkpoint. The step lifts the stored P h back to P^T P h,
         # so that fc is trained at full width in the target's own basis, as on a full store (same parameters, same
@@ -109,11 +112,12 @@ class Trainer:
         self.block_size, self.span = self.dcfg.block_size, self.dcfg.span
         self.gamma = blocks.default_gamma(self.span) if cfg.gamma is None else cfg.gamma
         self.method = methods.get(cfg.method)
-        teacher_fields = check_teacher(self.method, self.store, cfg.store)
+        teacher_fields = check_teacher(self.method, self.store, cfg.store, cfg.teacher_loss)
         self.teacher_names = list(teacher_fields)
         fields = reader.row_fields({**self.store.row_layout, **teacher_fields})
         lifted = self.encoding.width if self.projection is not None else 0
         self.teacher_kind = self.store.teacher.kind if teacher_fields else None
+        logger.info(describe_objective(self.method, self.store, cfg.teacher_loss, bool(teacher_fields)))
         step_tokens = cfg.grad_accum * cfg.rows_per_step * T
         self.host_embedding = memory.embedding_on_host(cfg.embedding, self.cuda, step_tokens, self.dcfg.vocab_size)
         self.memory_estimate = check_step_memory(
@@ -184,9 +188,9 @@ class Trainer:
         self.val_store = self.store
         if cfg.val_store:
             self.val_store = Store.open(cfg.val_store)
-            check_val_store(self.store, self.val_store, cfg.store, cfg.val_store)
+            check_val_store(cfg, self.store, self.val_store)
             check_anchorable(self.val_store, self.span, cfg.val_store)
-            check_teacher(self.method, self.val_store, cfg.val_store)
+            check_teacher(self.method, self.val_store, cfg.val_store, cfg.teacher_loss, bool(self.teacher_names))
             self.val_tally = tally_for(self.val_store, self.span, self.device)  # its own sources
             train_rows, val_rows = np.arange(self.store.num_rows), np.arange(self.val_store.num_rows)
         else:  # held-out rows of the training store: its sources, and their map on the device
@@ -514,10 +518,7 @@ class Trainer:
                         code = 2 if self.damaged.fatal is not None else int(stop.received is not None)
                         code = max_over_ranks(code, self.env.world_size, self.device)
                         if code:
-                            where = checkpoint(done)
-                            if code == 1 and done == self.total_steps:
-                                break
-                            self._stop_error(code, stop.received, done, where)
+                            self._stop_error(code, stop.received, done, checkpoint(done))
         finally:
             self.feed.drain()
             rows.close()
@@ -532,9 +533,15 @@ class Trainer:
                 f"{what}; stopped after step {done} with {where} (the steps since the row was read trained without "
                 "it); rerun with --resume (with --max-damaged-rows N to skip such rows, or after repairing the store)"
             )
+        cause = signame or "a signal to another rank"
+        if done == self.total_steps:  # a stop was asked for: not the final validation's wait, which can be long
+            raise DflashError(
+                f"stopped by {cause} after the last step ({done} of {done}), {where} saved, before the final "
+                "validation and the export; the same command with --resume runs them"
+            )
         raise DflashError(
-            f"stopped by {signame or 'a signal to another rank'} after step {done} of {self.total_steps}, {where} "
-            "saved; continue with the same command and --resume"
+            f"stopped by {cause} after step {done} of {self.total_steps}, {where} saved; continue with the same "
+            "command and --resume"
         )
 
     def validate(self, step: int) -> dict | None:

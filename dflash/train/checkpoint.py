@@ -3,9 +3,10 @@ export.
 
 A checkpoint is the folder RUN/checkpoints/step_N: written into .tmp-step_N-<save id> by every rank (every file
 flushed to disk), and renamed by rank 0 once all files are in it, so a folder named step_N is complete by
-construction. Every checkpoint is self-consistent: its state.json holds a random save id and the sha256 of every
-file rank 0 wrote, and each rank's rng file the same save id; a resume takes the newest checkpoint that passes
-these checks (naming the ones it skips). Loading copies into the trainer's live tensors in place, so that the
+construction. Every checkpoint is self-consistent: its digests.json, written last, holds the sha256 of every other
+file (state.json and each rank's rng file included), so that an edited, damaged or foreign file is caught; a resume
+takes the newest checkpoint that passes these checks (naming the ones it skips, and any of an earlier dflash, which
+has no digests.json). Loading copies into the trainer's live tensors in place, so that the
 captured step keeps reading the same storage. One run at a time owns a run folder (`run_lock`). Contents and resume
 semantics are in docs/training.md.
 """
@@ -22,16 +23,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dflash import methods
+from dflash import methods, store
 from dflash.config import TrainConfig
 from dflash.errors import DISK_ERRORS, DflashError, describe_differences, disk_error  # noqa: F401  (train's)
-from dflash.export import check_export_target, export_drafter
+from dflash.export import check_export_target, export_drafter, read_target_embeddings
 from dflash.locks import LOCK_FILE, FileLock
 
 logger = logging.getLogger("dflash")
 
 PREFIX = "step_"
 METRICS_FILE = "metrics.jsonl"  # (dflash.metrics writes it; named here to tell an earlier run's folder)
+DIGESTS = "digests.json"  # {"sha256": {name: digest}} of every other file of a checkpoint
 
 # Options that may differ between a run and its resumption: they change how the run executes or reports, not
 # the sequence of weights it computes (max_damaged_rows: a run stopped by a damaged row resumes with it raised).
@@ -45,6 +47,7 @@ RESUMABLE_CHANGES = {
     "resume",
     "export",
     "export_dtype",
+    "export_with_target_embeddings",
     "device",
     "compile",
     "cuda_graph",
@@ -58,6 +61,8 @@ RESUMABLE_CHANGES = {
     "reader_workers",
     "max_damaged_rows",
     "allow_failed_self_check",
+    "allow_other_target_weights",
+    "allow_val_overlap",
     "ignore_memory_estimate",
 }
 
@@ -117,6 +122,15 @@ def fsync_folder(path: Path):
         os.close(fd)
 
 
+def gather(value, world_size: int) -> list:
+    """Every rank's `value`, in rank order (on one rank, the value itself in a list)."""
+    if world_size == 1:
+        return [value]
+    values = [None] * world_size
+    dist.all_gather_object(values, value)
+    return values
+
+
 def run_lock(run) -> FileLock:
     """The run folder's lock, held by rank 0 for the lifetime of a run: a second run into it is refused."""
     run = Path(run)
@@ -127,6 +141,18 @@ def run_lock(run) -> FileLock:
             "choose another --out"
         ),
     )
+
+
+def warn_if_undigested(path: Path, taker: str):
+    """A checkpoint without digests (an earlier dflash's) is taken, saying what of it goes unchecked."""
+    if not (path / DIGESTS).exists():
+        logger.warning(
+            "%s: %s has no %s (an earlier dflash wrote it, or it was removed): its state.json and rng files are not "
+            "verified; taking it anyway",
+            taker,
+            path,
+            DIGESTS,
+        )
 
 
 class _Hashing:
@@ -202,13 +228,35 @@ class Checkpointer:
         return paths[0] if paths else None
 
     def problem(self, path: Path) -> str | None:
-        """Why the checkpoint at `path` cannot be loaded (cut short, empty, files of different saves), or None."""
+        """Why the checkpoint at `path` cannot be loaded (a file edited, cut short, missing or not its own), or None."""
+        if not (path / DIGESTS).exists():
+            return self._undigested_problem(path)
+        try:
+            digests = dict(json.loads((path / DIGESTS).read_text())["sha256"])
+            extra = sorted({p.name for p in path.iterdir()} - {DIGESTS, *digests})
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return f"{DIGESTS} is unreadable ({exc.__class__.__name__})"
+        if extra:  # the export would read a projection.pt, say, that the run never wrote
+            return f"{extra[0]} is not in {DIGESTS}: no file of this checkpoint's"
+        for name, digest in digests.items():
+            if not (path / name).is_file():
+                return f"{name} is missing (restore it to take this checkpoint)"
+            if _sha256(path / name) != digest:
+                return (
+                    f"{name} does not match its sha256 in {DIGESTS} (edited, damaged or cut short; restore it to "
+                    "take this checkpoint)"
+                )
+        return None
+
+    def _undigested_problem(self, path: Path) -> str | None:
+        """`problem` for a checkpoint of an earlier dflash: its weights against the sha256 its state.json may record,
+        every rng file against the save id."""
         try:
             state = read_state(path)
         except (OSError, ValueError) as exc:
             return f"its state.json is missing or unreadable ({exc.__class__.__name__})"
         files, save_id = state.get("files"), state.get("save_id")
-        if files is None:  # a checkpoint of an earlier version: no digests, check that its files are not empty
+        if files is None:  # older still: no sha256 in state.json either, check that its files are not empty
             files = {name: None for name in ("model.pt", "optimizer.pt")}
         for name, digest in files.items():
             file = path / name
@@ -261,22 +309,29 @@ class Checkpointer:
                     self.run,
                 )
             return None
-        skipped = []
-        for path in paths:
-            reason = self.problem(path)
-            if reason is None:
-                break
-            logger.warning("--resume: skipping checkpoint %s: %s", path, reason)
-            skipped.append(f"{path.name}: {reason}")
-        else:
+        path, skipped = self.newest_whole("--resume")
+        if path is None:
             raise DflashError(
                 f"--resume: {self.run} has no checkpoint that loads ({'; '.join(skipped)}); remove its checkpoints "
                 "folder to start again from step 0, or train into a new --out"
             )
-        if skipped:
-            logger.warning("--resume: continuing from %s instead", path.name)
         self.check_resumable(cfg, path, store_identity)
         return path
+
+    def newest_whole(self, taker: str) -> tuple[Path | None, list[str]]:
+        """The newest checkpoint that passes `problem` (None: none does) and a `step_N: reason` for each newer one;
+        `taker` (--resume, export) logs each one skipped, and a taken checkpoint whose files cannot be verified."""
+        skipped = []
+        for path in self.complete():
+            reason = self.problem(path)
+            if reason is None:
+                if skipped:
+                    logger.warning("%s: taking %s instead", taker, path.name)
+                warn_if_undigested(path, taker)
+                return path, skipped
+            logger.warning("%s: skipping checkpoint %s: %s", taker, path, reason)
+            skipped.append(f"{path.name}: {reason}")
+        return None, skipped
 
     def check_resumable(self, cfg: TrainConfig, path: Path, store_identity: str = ""):
         """A resume must continue the same run: every option that shapes the trajectory must be unchanged, and the
@@ -314,7 +369,7 @@ class Checkpointer:
         final = self.path(step)
         save_id = on_rank0(self.rank, self.world_size, lambda: secrets.token_hex(8))
         tmp = final.with_name(f".tmp-{final.name}-{save_id}")
-        failure = None
+        failure, rng_digest = None, None
         try:
             if main:
                 for stale in self.folder.glob(".tmp-*"):  # the run folder is locked: these are a dead run's
@@ -324,30 +379,15 @@ class Checkpointer:
             rng = {"torch": torch.get_rng_state(), "save_id": save_id, "sums": trainer.train_tally.sums.detach().cpu()}
             if trainer.cuda:
                 rng["cuda"] = torch.cuda.get_rng_state(trainer.device)
-            _write(tmp / f"rng_rank{self.rank}.pt", rng)
-            if main:
-                epoch, index = trainer.plan.position(step)
-                files = {"model.pt": _write(tmp / "model.pt", trainer.model.state_dict())}
-                if trainer.projection is not None:  # the export folds it into fc
-                    files["projection.pt"] = _write(tmp / "projection.pt", trainer.projection)
-                files["optimizer.pt"] = _write(tmp / "optimizer.pt", trainer.optimizer.state_dict())
-                state = {
-                    "step": step,
-                    "epoch": epoch,
-                    "index": index,
-                    "total_steps": trainer.total_steps,
-                    "fingerprint": fingerprint(trainer.cfg, self.world_size),
-                    "config": dataclasses.asdict(trainer.cfg),
-                    "method": trainer.dcfg.method,
-                    "drafter": dataclasses.asdict(trainer.dcfg),
-                    "world_size": self.world_size,
-                    "store_identity": trainer.store.manifest.identity,
-                    "save_id": save_id,
-                    "files": files,
-                }
-                _write(tmp / "state.json", (json.dumps(state, indent=2) + "\n").encode())
+            rng_digest = _write(tmp / f"rng_rank{self.rank}.pt", rng)
         except OSError as exc:  # every rank must learn of it, or the others wait in the next collective
             failure = exc
+        rng_digests = gather(rng_digest, self.world_size)  # a rank whose write failed too: none waits alone
+        if main and None not in rng_digests:
+            try:
+                self._write_shared(trainer, tmp, step, save_id, rng_digests)
+            except OSError as exc:
+                failure = exc
         failed = any_rank(failure is not None, self.world_size, trainer.device)
         if failed:
             if main:
@@ -367,6 +407,30 @@ class Checkpointer:
             fsync_folder(self.folder)
         self._barrier()
         return final
+
+    def _write_shared(self, trainer, tmp: Path, step: int, save_id: str, rng_digests: list[str]):
+        """Rank 0's files: weights, optimizer, state.json, and last the digests of every file of the checkpoint."""
+        epoch, index = trainer.plan.position(step)
+        files = {"model.pt": _write(tmp / "model.pt", trainer.model.state_dict())}
+        if trainer.projection is not None:  # the export folds it into fc
+            files["projection.pt"] = _write(tmp / "projection.pt", trainer.projection)
+        files["optimizer.pt"] = _write(tmp / "optimizer.pt", trainer.optimizer.state_dict())
+        state = {
+            "step": step,
+            "epoch": epoch,
+            "index": index,
+            "total_steps": trainer.total_steps,
+            "fingerprint": fingerprint(trainer.cfg, self.world_size),
+            "config": dataclasses.asdict(trainer.cfg),
+            "method": trainer.dcfg.method,
+            "drafter": dataclasses.asdict(trainer.dcfg),
+            "world_size": self.world_size,
+            "store_identity": trainer.store.manifest.identity,
+            "save_id": save_id,
+        }
+        files["state.json"] = _write(tmp / "state.json", (json.dumps(state, indent=2) + "\n").encode())
+        files |= {f"rng_rank{r}.pt": digest for r, digest in enumerate(rng_digests)}
+        _write(tmp / DIGESTS, (json.dumps({"sha256": files}, indent=2) + "\n").encode())
 
     def load(self, trainer, path: Path):
         """Copy the checkpoint into the live tensors in place: the captured graph keeps reading the same storage.
@@ -406,13 +470,22 @@ class Checkpointer:
 
     # ---- export
 
-    def export(self, out, step: int | None = None, dtype: str = "bfloat16", force: bool = False) -> Path:
-        """Write the drafter of a checkpoint (the latest complete one by default) in the public layout.
+    def export(
+        self,
+        out,
+        step: int | None = None,
+        dtype: str = "bfloat16",
+        force: bool = False,
+        with_target_embeddings: bool = False,
+        target: str | None = None,
+    ) -> Path:
+        """Write the drafter of a checkpoint (the latest complete one by default) in the public layout; with
+        `with_target_embeddings`, the embedding and LM head of `target` (None: the run's target) too.
 
         `out` must be new, empty, or (with `force`) an earlier export; nothing else in it is ever overwritten."""
         check_export_target(out, replace_export=force)  # before reading the checkpoint: refuse early
         if step is None:  # the newest checkpoint that is whole, as a resume would take
-            path = next((p for p in self.complete() if self.problem(p) is None), None)
+            path, _ = self.newest_whole("export")
         else:
             path = self.path(step)
             problem = self.problem(path) if (path / "state.json").exists() else None
@@ -420,13 +493,15 @@ class Checkpointer:
                 raise DflashError(
                     f"checkpoint {path} is damaged or incomplete ({problem}); export another one with --step"
                 )
+            warn_if_undigested(path, "export")
         if path is None or not (path / "state.json").exists():
             which = "complete checkpoint" if step is None else f"checkpoint step {step}"
             raise DflashError(
                 f"{self.run} has no {which} (looked in {self.folder}); train first or pick another --step"
             )
         try:
-            dcfg = drafter_config_of(read_state(path))
+            state = read_state(path)
+            dcfg = drafter_config_of(state)
             with torch.device("meta"):
                 model = methods.model_for(dcfg)
             model.load_state_dict(torch.load(path / "model.pt", map_location="cpu"), assign=True)
@@ -438,6 +513,28 @@ class Checkpointer:
                 f"cannot read checkpoint {path} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                 "it is damaged or incomplete: export another one with --step"
             ) from None
+        embeddings = read_target_embeddings(target or run_target(state), dcfg) if with_target_embeddings else None
         return export_drafter(
-            model, dcfg, out, dtype=getattr(torch, dtype), projection=projection, replace_export=force
+            model,
+            dcfg,
+            out,
+            dtype=getattr(torch, dtype),
+            projection=projection,
+            replace_export=force,
+            target_embeddings=embeddings,
         )
+
+
+def run_target(state: dict) -> str:
+    """The target checkpoint a run trained with (a checkpoint's state.json): its --target, else its store's."""
+    cfg = state["config"]
+    if cfg.get("target"):
+        return cfg["target"]
+    path = Path(cfg["store"])
+    manifest = store.read_manifest(path / store.MANIFEST_FILE) if path.is_dir() else None
+    if manifest is None:
+        raise DflashError(
+            f"the run's store {path} is not here to name the target it was harvested from; pass --target the "
+            "target checkpoint the drafter was trained with"
+        )
+    return store.target_path(path, manifest)

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from dflash.config import TrainConfig
-from dflash.export import export_drafter
+from dflash.export import export_drafter, read_target_embeddings
 from dflash.metrics import MetricsLog, drop_records_after
 from dflash.store import Store
 from dflash.train import Trainer
@@ -21,9 +21,17 @@ logger = logging.getLogger("dflash")
 def export_final(trainer: "Trainer", out: Path) -> Path:
     """The drafter of the finished run into RUN/drafter (the final checkpoint is saved: a failure here loses
     nothing, a resume or `dflash export` exports it)."""
-    dtype = getattr(torch, trainer.cfg.export_dtype)
+    cfg, dcfg = trainer.cfg, trainer.dcfg
+    embeddings = read_target_embeddings(trainer.target_path, dcfg) if cfg.export_with_target_embeddings else None
     try:
-        return export_drafter(trainer.model, trainer.dcfg, out / "drafter", dtype=dtype, projection=trainer.projection)
+        return export_drafter(
+            trainer.model,
+            dcfg,
+            out / "drafter",
+            dtype=getattr(torch, cfg.export_dtype),
+            projection=trainer.projection,
+            target_embeddings=embeddings,
+        )
     except OSError as exc:
         if exc.errno not in DISK_ERRORS:
             raise

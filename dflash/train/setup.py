@@ -22,13 +22,14 @@ from dflash import loss, memory, methods
 from dflash.config import TrainConfig
 from dflash.device import local_device
 from dflash.drafter import DrafterConfig, flash_kv_repeat
-from dflash.errors import DflashError
+from dflash.errors import DflashError, check_not_foreign
 from dflash.export import check_export_target
-from dflash.manifest import Manifest
+from dflash.locks import LOCK_FILE
+from dflash.manifest import Manifest, TargetIdentity, check_same_weights
 from dflash.metrics import SumsLayout, Tally, read_records
 from dflash.store import Store, target_path
 from dflash.target_files import MASK_TOKEN, load_config, load_embedding_and_head
-from dflash.train.checkpoint import Checkpointer, on_rank0, read_state
+from dflash.train.checkpoint import METRICS_FILE, Checkpointer, on_rank0, read_state
 
 logger = logging.getLogger("dflash")
 
@@ -38,11 +39,12 @@ ANCHORS_PER_3072 = 512  # the paper: 512 anchors per 3072-token sequence; scaled
 # ---------------------------------------------------------------------------------------------- the store's manifest
 
 
-def check_val_store(train: Store, val: Store, train_path: str, path: str) -> None:
+def check_val_store(cfg: TrainConfig, train: Store, val: Store) -> None:
     """A held-out store is read into the training rows' buffers and scored against the same target: it must share
-    the target (its config and the dtype it ran in), the tapped layers, the tokenizer, the row layout and the
-    feature encoding (a subspace store: the very same projection) of the training store. Weights are not
-    compared: a fine-tune with the same config passes."""
+    the target (its config, its weights and the dtype it ran in), the tapped layers, the tokenizer, the row layout
+    and the feature encoding (a subspace store: the very same projection) of the training store, and hold other
+    documents."""
+    train_path, path = cfg.store, cfg.val_store
     if Path(path).resolve() == Path(train_path).resolve():
         raise DflashError(f"--val-shards {path} is the training store itself; give a store of held-out documents")
     a, b = train.manifest, val.manifest
@@ -67,6 +69,35 @@ def check_val_store(train: Store, val: Store, train_path: str, path: str) -> Non
             f"the held-out store {path} differs from the training store in {', '.join(differ)}; harvest the "
             "held-out documents with the same --model, --layers, --token-budget and feature encoding"
         )
+    check_same_weights(
+        a.target_identity,
+        b.target_identity,
+        f"the target weights of --val-shards {path} and of the training store",
+        "its validation would score another model's features; harvest the held-out documents with the training "
+        "store's --model",
+        "--allow-other-target-weights",
+        cfg.allow_other_target_weights,
+    )
+    check_held_out(cfg, a, b)
+
+
+def check_held_out(cfg: TrainConfig, train: Manifest, val: Manifest) -> None:
+    """Refuse a held-out store harvested from the training store's data (the same data digest): every one of its
+    documents is a training document, so its validation measures recall, not the drafter on unseen text. A refusal,
+    not a warning, because the validation records look the same either way and are compared across runs; the
+    stores record no digest per document, so a partial overlap (a --limit, a shared source) is not seen."""
+    digest = train.fingerprint.get("data_sha256")
+    if digest is None or digest != val.fingerprint.get("data_sha256"):
+        return
+    overlap = (
+        f"all {val.counts.documents} documents of --val-shards {cfg.val_store} are training documents: it was "
+        f"harvested from the training store's data (data_sha256 {digest[:12]}), so its validation is not held out"
+    )
+    if not cfg.allow_val_overlap:
+        raise DflashError(
+            f"{overlap}; harvest other documents for it, or pass --allow-val-overlap to validate on these anyway"
+        )
+    logger.warning("%s; validating on them as --allow-val-overlap asks", overlap)
 
 
 def check_self_check(cfg: TrainConfig, store: Store) -> None:
@@ -89,14 +120,15 @@ def target_path_for(cfg: TrainConfig, store: Store) -> str:
     return path
 
 
-# Drafter fields that follow from the store (or from --block-size): an override would train one drafter and
-# export the config of another.
+# Drafter fields that follow from the store (or from --block-size, and the target's identity from --target): an
+# override would train one drafter and export the config of another.
 STORE_FIXED_FIELDS = {
     "target_layer_ids",
     "num_target_layers",
     "hidden_size",
     "vocab_size",
     "block_size",
+    "target_identity",
 }
 
 
@@ -114,7 +146,8 @@ def check_anchorable(store: Store, span: int, path: str) -> None:
     if longest < span:
         raise DflashError(
             f"no document of {path} holds a block of {span} tokens (the longest has {longest}), so no position can "
-            f"anchor one: train with a --block-size whose blocks fit {longest} tokens, or harvest longer documents"
+            f"anchor one: train with a --block-size whose blocks fit {longest} token{'s' * (longest != 1)}, or harvest "
+            "longer documents"
         )
 
 
@@ -129,15 +162,35 @@ def tally_for(store: Store, block_size: int, device) -> Tally:
     return Tally(layout, layout.zeros(device), names, doc_source)
 
 
-def drafter_config(cfg: TrainConfig, store: Store, target_path: str) -> DrafterConfig:
-    """The drafter shaped like the target recorded in the store; --draft-layers and overrides on top. A
-    version-1 store records no text config: it is read from the target's config.json."""
+def check_target_weights(cfg: TrainConfig, store: Store, path: str) -> TargetIdentity:
+    """The checkpoint whose embedding and LM head the drafter trains with, refused when its weights are not those
+    the store's features came from (unless --allow-other-target-weights): the drafter would learn to map one
+    model's features into another's embedding space and logits, and nothing in training would show it."""
+    target = TargetIdentity.of_checkpoint(path)
+    # Without --target: the folder the store records, whose weights may have been rewritten in place since.
+    given = f"--target {path}" if cfg.target else f"the store's target {path} now"
+    check_same_weights(
+        store.manifest.target_identity,
+        target,
+        f"the weights of {given} and of the target the store {store.path} was harvested from",
+        "the drafter would learn another model's embedding and LM head on the store's features; pass --target that "
+        "checkpoint",
+        "--allow-other-target-weights",
+        cfg.allow_other_target_weights,
+    )
+    return target
+
+
+def drafter_config(cfg: TrainConfig, store: Store, target_path: str, target: TargetIdentity) -> DrafterConfig:
+    """The drafter shaped like the target recorded in the store; --draft-layers and overrides on top; named after
+    `target`, the checkpoint it trains with. A version-1 store records no text config: it is read from the target's
+    config.json."""
     manifest = store.manifest
     fixed = sorted(set(cfg.drafter_overrides) & STORE_FIXED_FIELDS)
     if fixed:
         raise DflashError(
-            f"--drafter-option cannot set {', '.join(fixed)}: the store fixes them (its target's width, vocabulary, "
-            "and tapped layers); --block-size sets the block size"
+            f"--drafter-option cannot set {', '.join(fixed)}: the store fixes them (its target's identity, width, "
+            "vocabulary and tapped layers); --block-size sets the block size"
         )
     config_cls = methods.get(cfg.method).config_cls
     overrides = dict(cfg.drafter_overrides)
@@ -152,6 +205,7 @@ def drafter_config(cfg: TrainConfig, store: Store, target_path: str) -> DrafterC
             "pass --drafter-option mask_token_id=ID (a token id of the target's vocabulary)"
         )
     text = manifest.target.text_config() if manifest.target.has_text_config else load_config(target_path, "--target")
+    overrides["target_identity"] = target.to_record()
     return config_cls.from_target_config(text, list(manifest.layer_ids), mask, num_layers=cfg.draft_layers, **overrides)
 
 
@@ -177,17 +231,33 @@ def load_frozen(path: str, manifest: Manifest) -> tuple[torch.Tensor, torch.Tens
     return embed, head
 
 
-def check_teacher(method: methods.Method, store: Store, path: str) -> dict:
-    """The teacher arrays a method trains from ({} for one that needs none), or a refusal for a store without."""
-    if not method.needs_teacher:
+def check_teacher(method: methods.Method, store: Store, path: str, teacher_loss: str, required=False) -> dict:
+    """The teacher arrays a method trains from ({} when it trains on hard labels), or a refusal for a store without
+    them where the method (or `required`: the training store's teacher, for its validation store) needs them."""
+    optional = method.teacher == "optional" and teacher_loss == "auto" and store.teacher is not None
+    if not (optional or required or method.teacher == "required"):
         return {}
     if store.teacher is None:
         raise DflashError(
             f"--method {method.name} trains against the target's next-token distribution, which {path} does not "
             "hold: harvest it with --teacher hidden (exact, H bf16 values per token) or --teacher topk:K (K + 1 "
             "probabilities and K ids per token)"
+            + (" as the training store was; or train on hard labels: --teacher-loss off" if required else "")
         )
     return store.teacher_layout
+
+
+def describe_objective(method: methods.Method, store: Store, teacher_loss: str, with_teacher: bool) -> str:
+    """The log line of what the drafter is trained against."""
+    if with_teacher:
+        return f"--method {method.name} trains against the target's distribution (the store's {store.teacher.name} teacher)"
+    if method.teacher != "optional":
+        return f"--method {method.name} trains on the store's tokens"
+    why = "--teacher-loss off" if teacher_loss == "off" else "the store holds no teacher"
+    return (
+        f"--method {method.name} trains on hard labels ({why}): it drafts the target's argmax well but samples narrower "
+        "than the target; for serving at temperature > 0 harvest with --teacher topk:32 (docs/training.md)"
+    )
 
 
 def check_step_memory(
@@ -271,11 +341,14 @@ def check_shapes(token_budget: int, anchors: int, feature_dim: int, dcfg: Drafte
     """A row of `token_budget` tokens holds `anchors` blocks of the drafter, whose fc takes `feature_dim` features
     (train's checks, and plan's of the run it prices)."""
     B = dcfg.span  # the tokens a block covers, from its anchor to its last draft
-    if dcfg.drafts_per_block < 1 or token_budget < B:
+    if dcfg.drafts_per_block < 1:
+        least = dcfg.block_size - dcfg.drafts_per_block + 1
+        raise DflashError(f"--block-size {dcfg.block_size} drafts no token; give --block-size {least} or more")
+    if token_budget < B:
         raise DflashError(
             f"a row of the store holds {token_budget} tokens, which cannot hold a block of {dcfg.block_size} "
-            f"({dcfg.drafts_per_block} drafts); use a --block-size that drafts at least one token and fits the "
-            "store's token budget"
+            f"({dcfg.drafts_per_block} drafts, {B} tokens from its anchor); use a smaller --block-size, or a store "
+            "of a larger --token-budget"
         )
     if not 1 <= anchors <= token_budget - B + 1:
         raise DflashError(
@@ -341,6 +414,11 @@ def init_distributed(device: str | None) -> Env:
     dev = local_device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    else:
+        # The codebook gathers' backward (DFlash 2's selector, DSpark's W1) accumulates rows with atomic adds in
+        # inductor's threaded CPU code, so two runs differed in the last bits at 2 threads; the deterministic
+        # kernels keep a CPU run, and its resume, bit-exact (on a GPU the step stays on the fast ones).
+        torch.use_deterministic_algorithms(True, warn_only=True)
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
         device_id = dev if dev.type == "cuda" else None
@@ -378,10 +456,28 @@ def finished_run(cfg: TrainConfig, env: Env, out: Path, checkpoint: Path | None)
     if cfg.export:
 
         def export() -> str:
-            return str(Checkpointer(out).export(out / "drafter", dtype=cfg.export_dtype, force=True))
+            drafter = Checkpointer(out).export(
+                out / "drafter",
+                dtype=cfg.export_dtype,
+                force=True,
+                with_target_embeddings=cfg.export_with_target_embeddings,
+                target=cfg.target,
+            )
+            return str(drafter)
 
         result["export"] = on_rank0(env.rank, env.world_size, export)
     return result
+
+
+# What a run writes into its folder (docs/training.md), and the hidden files of its writes in progress: the probe of
+# check_out, the metrics' rewrite, the lock and the export's lock and temporary folders.
+RUN_ENTRIES = {"checkpoints", METRICS_FILE, "tb", "drafter", LOCK_FILE}
+RUN_TEMPORARIES = (".write-test-", f".{METRICS_FILE}.", ".drafter.")
+
+
+def is_run_folder(folder: Path) -> bool:
+    """Whether `folder` holds only what a training run writes."""
+    return all(p.name in RUN_ENTRIES or p.name.startswith(RUN_TEMPORARIES) for p in folder.iterdir())
 
 
 def check_out(cfg: TrainConfig) -> Path:
@@ -392,6 +488,9 @@ def check_out(cfg: TrainConfig) -> Path:
     for flag, store in (("--shards", cfg.store), ("--val-shards", cfg.val_store)):
         if store and (out.resolve() == Path(store).resolve() or Path(store).resolve() in out.resolve().parents):
             raise DflashError(f"--out {out} is inside the store {store} ({flag}); give --out a folder outside it")
+    if out.is_dir():  # export's rule: a run never writes among files it did not make
+        fix = "give --out a new or empty folder for the run (or the folder of a run to --resume)"
+        check_not_foreign(out, is_run_folder, "a dflash training run", fix)
     if cfg.max_damaged_rows < 0:
         raise DflashError(f"--max-damaged-rows {cfg.max_damaged_rows} (must be at least 0)")
     if cfg.export:  # refused now, not after the last step
