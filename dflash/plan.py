@@ -415,8 +415,10 @@ def _teacher_line(teacher: TeacherSpec | None, hidden_size: int, tokens: float) 
         )
     topk, hidden = (teacher_spec(kind, 32, hidden_size).bytes_per_token for kind in ("topk", "hidden"))
     return (
-        f"teacher    none (DSpark-style training needs one): --teacher topk:K adds 6K + 2 bytes per token raw ({topk} "
-        f"for topk:32), --teacher hidden adds 2H = {hidden:,} ({_size(hidden * tokens)} for the data)"
+        f"teacher    none: the drafter learns the target's argmax, what serving at temperature 0 verifies. For sampled "
+        f"serving (temperature > 0) harvest with --teacher topk:32 ({topk} bytes per token raw; topk:K adds 6K + 2, "
+        f"--teacher hidden 2H = {hidden:,}, {_size(hidden * tokens)} for the data) and train --method dspark, which "
+        "learns the target's distribution (README, 'Which to use')"
     )
 
 

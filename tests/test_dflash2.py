@@ -316,7 +316,11 @@ def objective_reference(model, hidden, head, labels, weights, B, kind, outside, 
 
 @pytest.mark.parametrize("kind", ["decay", "dpace"])
 @pytest.mark.parametrize("outside", ["replace", "drop"])
-def test_objective_and_its_gradients_equal_the_float64_reference(kind, outside):
+@pytest.mark.parametrize("source", [None, "topk", "hidden"])
+def test_objective_and_its_gradients_equal_the_float64_reference(kind, outside, source):
+    """On hard labels, and against the target's distribution from each kind of teacher store (the unary and the
+    selector's K-way terms): value and gradients of hidden and every selector parameter against brute-force float64
+    loops, with the label outside the top K at some positions."""
     B = 4
     cfg = dflash2_config(block_size=B, output_multiplier=0.8, selector_top_k=3, vocab_size=12, mask_token_id=11)
     model = dflash2_drafter(cfg, seed=3)
@@ -328,15 +332,17 @@ def test_objective_and_its_gradients_equal_the_float64_reference(kind, outside):
     weights = torch.rand(N, generator=g, dtype=torch.float64) + 0.1
     weights.view(-1, B)[:, 0] = 0  # the anchor slot
     weights[5] = 0  # an untrained position
-    options = ObjectiveOptions(position_weights=kind, loss_chunk=5, selector_weight=0.7, selector_outside=outside)
-    got = objective(model, hidden, head, labels, weights, B, options)
+    teacher, full = teacher_of(source, N, cfg, g, head) if source else (None, None)
+    options = ObjectiveOptions(position_weights=kind, loss_chunk=8, selector_weight=0.7, selector_outside=outside)
+    got = objective(model, hidden, head, labels, weights, B, options, teacher)
     got.loss_sum.backward()
     grads = {"hidden": hidden.grad.clone()} | {
         n: p.grad.clone() for n, p in model.candidate_selector.named_parameters()
     }
     hidden.grad = None
     model.zero_grad()
-    want, correct = objective_reference(model, hidden, head, labels, weights, B, kind, outside, 0.7)
+    # The store's teacher sits at every position, the anchor slot's included; the objective drops that slot.
+    want, correct = objective_reference(model, hidden, head, labels, weights, B, kind, outside, 0.7, teacher, full)
     want.backward()
     torch.testing.assert_close(got.loss_sum, want)
     torch.testing.assert_close(got.position_loss.sum(), want.detach())
@@ -346,42 +352,6 @@ def test_objective_and_its_gradients_equal_the_float64_reference(kind, outside):
         torch.testing.assert_close(grads[name], p.grad, msg=name)
     # Some label sits outside the top K, so the two ways of handling it were both exercised.
     assert not selector_targets(torch.topk((hidden.detach() * 0.8) @ head.T, 3).indices, labels, outside)[2].all()
-
-
-@pytest.mark.parametrize("kind", ["decay", "dpace"])
-@pytest.mark.parametrize("source", ["topk", "hidden"])
-def test_objective_with_a_teacher_and_its_gradients_equal_the_float64_reference(kind, source):
-    """DFlash 2 against the target's distribution: the unary and the selector's K-way terms (value and gradients
-    of hidden and every selector parameter) against brute-force float64 loops, with the label outside the top K at
-    some positions."""
-    B = 4
-    cfg = dflash2_config(block_size=B, output_multiplier=0.8, selector_top_k=3, vocab_size=12, mask_token_id=11)
-    model = dflash2_drafter(cfg, seed=3)
-    g = torch.Generator().manual_seed(6)
-    N = 6 * B
-    hidden = torch.randn(N, cfg.hidden_size, generator=g, dtype=torch.float64, requires_grad=True)
-    head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g, dtype=torch.float64)
-    labels = torch.randint(0, cfg.vocab_size, (N,), generator=g)
-    weights = torch.rand(N, generator=g, dtype=torch.float64) + 0.1
-    weights.view(-1, B)[:, 0] = 0
-    teacher, full = teacher_of(source, N, cfg, g, head)
-    options = ObjectiveOptions(position_weights=kind, loss_chunk=8, selector_weight=0.7)
-    got = objective(model, hidden, head, labels, weights, B, options, teacher)
-    got.loss_sum.backward()
-    grads = {"hidden": hidden.grad.clone()} | {
-        n: p.grad.clone() for n, p in model.candidate_selector.named_parameters()
-    }
-    hidden.grad = None
-    model.zero_grad()
-    # The store's teacher sits at every position, the anchor slot's included; the objective drops that slot.
-    want, correct = objective_reference(model, hidden, head, labels, weights, B, kind, "replace", 0.7, teacher, full)
-    want.backward()
-    torch.testing.assert_close(got.loss_sum, want)
-    torch.testing.assert_close(got.position_loss.sum(), want.detach())
-    assert torch.equal(got.correct, correct)
-    torch.testing.assert_close(grads["hidden"], hidden.grad)
-    for name, p in model.candidate_selector.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, msg=name)
 
 
 def test_the_selector_distance_is_twice_the_rejection_chance_of_its_k_way_draft():

@@ -255,8 +255,9 @@ def describe_objective(method: methods.Method, store: Store, teacher_loss: str, 
         return f"--method {method.name} trains on the store's tokens"
     why = "--teacher-loss off" if teacher_loss == "off" else "the store holds no teacher"
     return (
-        f"--method {method.name} trains on hard labels ({why}): it drafts the target's argmax well but samples narrower "
-        "than the target; for serving at temperature > 0 harvest with --teacher topk:32 (docs/training.md)"
+        f"--method {method.name} trains on hard labels ({why}): it learns the target's argmax, what serving at "
+        "temperature 0 verifies; for sampled serving train --method dspark from a --teacher topk:32 store "
+        "(README, 'Which to use')"
     )
 
 
