@@ -3,7 +3,9 @@
 The text is this machine's Python standard library, split by a hash of each file's path into the target's
 training files (70 %), the drafter's prompt files (20 %) and the eval's held-out files (10 %). Stages, through the
 library entry points the CLI uses (details, sizes and measured runs: docs/benchmarks.md, "Quality run"):
-  data        split the files, train a byte-level BPE tokenizer on the train files, tokenise;
+  data        split the files, train a byte-level BPE tokenizer on the train files, tokenise (`--set fixture=prose`:
+              only the files' prose, docstrings and pydoc's topics, a flatter next-token distribution than code's;
+              bench/quality_fixtures.sh runs both fixtures at once);
   target      a small Qwen3.5 hybrid trained from scratch for a fixed time: a fixture whose answers are the data;
   regenerate  the target answers prompts from the drafter files, and 256 from the eval files (the held-out store);
   harvest     both, with the loss on the responses only;
