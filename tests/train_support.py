@@ -55,7 +55,11 @@ METHOD_OPTIONS = {
     "dspark-topk": {"method": "dspark", "block_size": 3, "drafter_overrides": {"markov_rank": 8}},
     "dspark-hidden": {"method": "dspark", "block_size": 3, "drafter_overrides": {"markov_rank": 8}},
 }
-METHOD_TEACHER = {"dspark-topk": "topk:8", "dspark-hidden": "hidden", "dflash2-distill": "topk:8"}  # the store's --teacher each one trains from
+METHOD_TEACHER = {
+    "dspark-topk": "topk:8",
+    "dspark-hidden": "hidden",
+    "dflash2-distill": "topk:8",
+}  # the store's --teacher each one trains from
 
 
 def metrics_records(out, kind: str = "train") -> list[dict]:
