@@ -188,11 +188,14 @@ class CandidateSelector(nn.Module):
 
     def lattice(self, hidden: Tensor, unary: Tensor, anchor: Tensor, candidates: Tensor) -> Tensor:
         """S [k, K, K] of a block's k slots at once: S[l, p, c] scores candidate c of slot l after candidate p of
-        slot l - 1 (slot 0: after the anchor, every row the same). hidden [k, H], unary / candidates [k, K]."""
-        k, K = candidates.shape
+        slot l - 1 (slot 0: after the anchor, every row the same). hidden [k, H], unary / candidates [k, K]. The
+        pair terms are one batched [K, r] x [r, K] product a slot (edge_scores' per-row form would gather the
+        successor rows K times over: [k, K, K, r])."""
+        K = candidates.shape[1]
         previous = torch.cat([anchor.reshape(1, 1).expand(1, K), candidates[:-1]])  # [k, K]
-        rows = lambda t: t.repeat_interleave(K, dim=0)  # noqa: E731 -- one row per (slot, predecessor)
-        return self.edge_scores(rows(hidden), rows(unary), previous.flatten(), rows(candidates)).view(k, K, K)
+        gate = self.predecessor_codebook[previous] * self.hidden_projection(hidden)[:, None, :]  # [k, K, r]
+        pair = torch.einsum("lpr,lcr->lpc", gate, self.successor_codebook[candidates])
+        return unary[:, None, :] + pair.to(unary.dtype)
 
     def edge_scores(self, hidden: Tensor, unary: Tensor, previous: Tensor, candidates: Tensor) -> Tensor:
         """S [N, K] = unary [N, K] + <A[previous] * (P hidden), B[candidates]> for hidden [N, H], previous [N]."""
