@@ -62,6 +62,7 @@ from dflash.train.setup import (
     describe_objective,
     drafter_config,
     load_frozen,
+    stop_error,
     tally_for,
     target_path_for,
 )
@@ -518,31 +519,13 @@ class Trainer:
                         code = 2 if self.damaged.fatal is not None else int(stop.received is not None)
                         code = max_over_ranks(code, self.env.world_size, self.device)
                         if code:
-                            self._stop_error(code, stop.received, done, checkpoint(done))
+                            raise stop_error(
+                                code, self.damaged.fatal, stop.received, done, self.total_steps, checkpoint(done)
+                            )
         finally:
             self.feed.drain()
             rows.close()
         return meter.summary()
-
-    def _stop_error(self, code: int, signame: str | None, done: int, where: str):
-        """The error that ends a run stopped between steps (all ranks agreeing), saying how to go on."""
-        fatal = self.damaged.fatal
-        if code == 2:
-            what = f"{fatal}" if fatal is not None else "another rank met a damaged row (its log names it)"
-            raise DflashError(
-                f"{what}; stopped after step {done} with {where} (the steps since the row was read trained without "
-                "it); rerun with --resume (with --max-damaged-rows N to skip such rows, or after repairing the store)"
-            )
-        cause = signame or "a signal to another rank"
-        if done == self.total_steps:  # a stop was asked for: not the final validation's wait, which can be long
-            raise DflashError(
-                f"stopped by {cause} after the last step ({done} of {done}), {where} saved, before the final "
-                "validation and the export; the same command with --resume runs them"
-            )
-        raise DflashError(
-            f"stopped by {cause} after step {done} of {self.total_steps}, {where} saved; continue with the same "
-            "command and --resume"
-        )
 
     def validate(self, step: int) -> dict | None:
         """Forward-only pass over this rank's held-out rows, every eligible anchor scored; sums over all ranks.

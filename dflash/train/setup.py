@@ -427,6 +427,26 @@ def init_distributed(device: str | None) -> Env:
     return Env(rank, world_size, dev)
 
 
+def stop_error(code: int, fatal, signame: str | None, done: int, total: int, where: str) -> DflashError:
+    """The error that ends a run stopped between steps (all ranks agreeing), saying how to go on: code 2 for a
+    damaged row (`fatal`: this rank's, None for another rank's), else a signal; `where`: the checkpoint saved."""
+    if code == 2:
+        what = f"{fatal}" if fatal is not None else "another rank met a damaged row (its log names it)"
+        return DflashError(
+            f"{what}; stopped after step {done} with {where} (the steps since the row was read trained without "
+            "it); rerun with --resume (with --max-damaged-rows N to skip such rows, or after repairing the store)"
+        )
+    cause = signame or "a signal to another rank"
+    if done == total:  # a stop was asked for: not the final validation's wait, which can be long
+        return DflashError(
+            f"stopped by {cause} after the last step ({done} of {done}), {where} saved, before the final "
+            "validation and the export; the same command with --resume runs them"
+        )
+    return DflashError(
+        f"stopped by {cause} after step {done} of {total}, {where} saved; continue with the same command and --resume"
+    )
+
+
 # ---------------------------------------------------------------------------------------------- the run folder
 
 
