@@ -38,52 +38,54 @@ from dflash.proposers import Draft, Proposer, draw
 
 
 def accept_greedy(draft: Draft, target_logits: torch.Tensor) -> tuple[int, int]:
-    """Longest prefix where the draft equals the target's argmax, and the target's token after it."""
+    """Longest prefix where the draft equals the target's argmax, and the target's token after it (one host sync)."""
     choices = target_logits.argmax(-1)
     k = draft.tokens.numel()
-    accepted = int((draft.tokens == choices[:k]).int().cumprod(0).sum())
-    return accepted, int(choices[accepted])
+    accepted = (draft.tokens == choices[:k]).to(choices.dtype).cumprod(0).sum()
+    accepted, bonus = torch.stack([accepted, choices[accepted]]).tolist()
+    return accepted, bonus
 
 
-def accept_sampled(draft: Draft, target_logits: torch.Tensor, temperature: float, generator=None) -> tuple[int, int]:
-    """Speculative sampling: keep token i with probability min(1, p_i/q_i); on the first rejection draw from
-    the residual max(0, p - q) renormalised, else draw the bonus from p after the last draft. The committed
-    tokens are then distributed exactly as sampling the target alone."""
-    p = torch.softmax(target_logits.float() / temperature, dim=-1)
+def target_probs(target_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The target's sampling distribution p [rows, V] at `temperature` > 0, computed once per round: verification
+    and the acceptance diagnostics both read it."""
+    return torch.softmax(target_logits.float() / temperature, dim=-1)
+
+
+def accept_sampled(draft: Draft, p: torch.Tensor, generator=None) -> tuple[int, int]:
+    """Speculative sampling against the target's p [k + 1, V] (target_probs): keep token i with probability
+    min(1, p_i/q_i); on the first rejection draw from the residual max(0, p - q) renormalised, else draw the bonus
+    from p after the last draft. The committed tokens are then distributed exactly as sampling the target alone.
+    Every step stays on the device; the one host sync reads (accepted, bonus) together."""
     k = draft.tokens.numel()
     q = draft.probs if draft.probs is not None else F.one_hot(draft.tokens, p.shape[-1]).float()
     rows = torch.arange(k, device=p.device)
     p_token, q_token = p[rows, draft.tokens], q[rows, draft.tokens]
     uniform = torch.rand(k, device=p.device, generator=generator)
-    accepted = int((uniform * q_token < p_token).int().cumprod(0).sum())
-    if accepted == k:
-        residual = p[k]
-    else:
-        residual = (p[accepted] - q[accepted]).clamp_min(0)
-        # Zero only when p == q at that position, where a rejection has probability 0 anyway.
-        residual = residual if residual.sum() > 0 else p[accepted]
-    return accepted, int(torch.multinomial(residual, 1, generator=generator))
+    accepted = (uniform * q_token < p_token).int().cumprod(0).sum()
+    # Row i < k: the residual after rejecting draft i; row k: p itself, the bonus after k accepted drafts.
+    residuals = torch.cat([(p[:k] - q).clamp_min(0), p[k:]])
+    residual = residuals[accepted]
+    # The residual is zero only when p == q at that position, where a rejection has probability 0 anyway.
+    residual = torch.where(residual.sum() > 0, residual, p[accepted])
+    bonus = torch.multinomial(residual, 1, generator=generator)[0]
+    accepted, bonus = torch.stack([accepted.to(bonus.dtype), bonus]).tolist()
+    return accepted, bonus
 
 
-def draft_overlap(draft: Draft, target_logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[k, 2] per drafted position i at temperature > 0: sum_v min(p_i(v), q_i(v)), the chance that speculative
-    sampling accepts draft i given the drafts before it (the target's p_i is conditioned on them), and p_i's mass
-    on q_i's support, which caps it: a K-way q (DFlash 2's) can never be accepted more often than the target puts
-    mass on its K candidates; the gap between the two is q's mismatch with p on that support."""
+def draft_overlap(draft: Draft, p: torch.Tensor) -> torch.Tensor:
+    """[k, 2] per drafted position i, from the target's p (target_probs, rows 0 .. k-1 read): sum_v min(p_i(v),
+    q_i(v)), the chance that speculative sampling accepts draft i given the drafts before it (the target's p_i is
+    conditioned on them), and p_i's mass on q_i's support, which caps it: a K-way q (DFlash 2's) can never be
+    accepted more often than the target puts mass on its K candidates; the gap between the two is q's mismatch
+    with p on that support."""
     k = draft.tokens.numel()
-    p = torch.softmax(target_logits[:k].float() / temperature, dim=-1)
+    p = p[:k]
     if draft.probs is None:  # a point mass on each draft
         mass = p.gather(1, draft.tokens[:, None])
         return torch.cat([mass, mass], dim=1)
     q = draft.probs.float()
     return torch.stack([torch.minimum(p, q).sum(-1), (p * (q > 0)).sum(-1)], dim=1)
-
-
-def accept(draft: Draft, target_logits: torch.Tensor, temperature: float, generator=None) -> tuple[int, int]:
-    """(accepted drafts, the target's token after them): greedy at temperature 0, speculative sampling above."""
-    if temperature == 0:
-        return accept_greedy(draft, target_logits)
-    return accept_sampled(draft, target_logits, temperature, generator)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -209,9 +211,13 @@ class SpeculativeState:
         pending = self.committed[self.cached :]
         snapshot = LinearStates(self.cache) if self.stateful and k > 0 else None
         out = self._forward(torch.cat([pending, draft.tokens]), logits_to_keep=k + 1)
-        accepted, bonus = accept(draft, out.logits[0].float(), temperature, generator)
-        if temperature > 0 and k > 0:  # on the device until the generation ends: no sync here
-            self.overlaps.append(draft_overlap(draft, out.logits[0], temperature)[: accepted + 1])
+        if temperature == 0:
+            accepted, bonus = accept_greedy(draft, out.logits[0])
+        else:
+            p = target_probs(out.logits[0], temperature)
+            accepted, bonus = accept_sampled(draft, p, generator)
+            if k > 0:  # on the device until the generation ends: no sync here
+                self.overlaps.append(draft_overlap(draft, p)[: accepted + 1])
         if self.features is not None:
             # Rows of the last pending token and the accepted drafts: committed positions n-1 .. n-1+accepted.
             first = pending.numel() - 1

@@ -18,7 +18,7 @@ from torch.nn.attention.flex_attention import create_mask
 
 from dflash import loss
 from dflash.blocks import block_attention_mask, dense_block_mask
-from dflash.decoding import accept_sampled, draft_overlap
+from dflash.decoding import accept_sampled, draft_overlap, target_probs
 from dflash.errors import DflashError
 from dflash.methods import ObjectiveOptions
 from dflash.methods.dflash2 import (
@@ -228,7 +228,7 @@ def test_speculative_sampling_with_the_selector_emits_the_target_distribution():
     with torch.no_grad():
         for _ in range(trials):
             draft = proposer.choose(hidden[:3], torch.tensor(3), 1.0, generator)
-            accepted, bonus = accept_sampled(draft, p_logits[:4], 1.0, generator)
+            accepted, bonus = accept_sampled(draft, target_probs(p_logits[:4], 1.0), generator)
             counts[int(draft.tokens[0]) if accepted else bonus] += 1
     expected = p * trials
     often = expected >= 5  # pool the rare tokens into one cell, as the test requires
@@ -256,13 +256,13 @@ def test_draft_overlap_is_the_acceptance_chance_of_each_k_way_draft():
     p = torch.softmax(p_logits / 0.7, dim=-1)
     want = [sum(min(float(p[i, v]), float(draft.probs[i, v])) for v in range(cfg.vocab_size)) for i in range(3)]
     support = [float(p[i, draft.probs[i] > 0].sum()) for i in range(3)]
-    torch.testing.assert_close(draft_overlap(draft, p_logits, 0.7), torch.tensor([want, support]).T)
+    torch.testing.assert_close(draft_overlap(draft, target_probs(p_logits, 0.7)), torch.tensor([want, support]).T)
     assert all(o <= m + 1e-6 < 1 for o, m in zip(want, support))  # capped by the K candidates' mass under 1
     trials, accepted = 4000, 0
     with torch.no_grad():
         for _ in range(trials):
             draft = proposer.choose(hidden[:1], torch.tensor(3), 0.7, generator)
-            accepted += accept_sampled(draft, p_logits[:2], 0.7, generator)[0]
+            accepted += accept_sampled(draft, target_probs(p_logits[:2], 0.7), generator)[0]
     assert abs(accepted / trials - want[0]) < 4 * (want[0] * (1 - want[0]) / trials) ** 0.5
 
 

@@ -11,7 +11,7 @@ from test_drafter import small_config
 from torch.utils.flop_counter import FlopCounterMode
 
 from dflash import blocks, loss
-from dflash.decoding import accept_sampled
+from dflash.decoding import accept_sampled, target_probs
 from dflash.errors import DflashError
 from dflash.methods import ObjectiveOptions
 from dflash.methods.distill import _chunk_size, teacher_head_loss
@@ -375,7 +375,7 @@ def test_speculative_sampling_with_the_markov_head_emits_the_target_distribution
     with torch.no_grad():
         for _ in range(trials):
             draft = proposer.choose(hidden[:3], torch.tensor(3), 1.0, generator)
-            accepted, bonus = accept_sampled(draft, p_logits, 1.0, generator)
+            accepted, bonus = accept_sampled(draft, target_probs(p_logits, 1.0), generator)
             counts[int(draft.tokens[0]) if accepted else bonus] += 1
     expected = p * trials
     often = expected >= 5

@@ -16,6 +16,7 @@ from dflash.decoding import (
     generate_prompt_lookup,
     plain_greedy,
     speculative_generate,
+    target_probs,
 )
 from dflash.drafter import DFlashDrafter, DrafterConfig
 from dflash.errors import DflashError
@@ -240,7 +241,7 @@ def test_speculative_sampling_emits_the_target_distribution(point_mass):
             draft = Draft(torch.tensor([2]))
         else:
             draft = Draft(torch.multinomial(q, 1, generator=generator)[:, 0], q)
-        accepted, bonus = accept_sampled(draft, p.log(), 1.0, generator)
+        accepted, bonus = accept_sampled(draft, target_probs(p.log(), 1.0), generator)
         counts[int(draft.tokens[0]) if accepted else bonus] += 1
     assert torch.allclose(counts / trials, p[0], atol=0.02)
 
