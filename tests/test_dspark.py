@@ -224,7 +224,7 @@ def test_markov_head_loss_terms_equal_the_reference_and_l1_is_twice_tv():
     labels = torch.randint(0, cfg.vocab_size, (N,), generator=g)
     weights = torch.rand(N, generator=g, dtype=torch.float64)
     teacher, full = teacher_of("hidden", N, cfg, g, head)
-    total, ce, distance, correct, w, _ = teacher_head_loss(
+    total, ce, distance, correct, w, *_ = teacher_head_loss(
         hidden, previous, head, w2, labels, weights, teacher, chunk_size=4
     )
     z = hidden @ head.T + previous @ w2.T

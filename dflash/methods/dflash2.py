@@ -27,7 +27,7 @@ from dflash import loss
 from dflash.drafter import INIT_STD, DFlashDrafter, DrafterConfig, Layer, acc_dtype
 from dflash.errors import DflashError
 from dflash.methods.base import Method, Objective, drafted_slots, with_slot0
-from dflash.methods.distill import teacher_head_loss, teacher_logit_copies, teacher_probs_at
+from dflash.methods.distill import teacher_head_loss, teacher_logit_copies
 from dflash.proposers import DFlashProposer, Draft
 from dflash.topk import vocab_top_k
 
@@ -262,7 +262,7 @@ def objective(model, hidden, head, labels, weights, block_size, options, teacher
     if teacher:
         teacher = {name: drafted_slots(values, block_size) for name, values in teacher.items()}
     unary_hidden = hidden * cfg.output_multiplier if cfg.output_multiplier != 1.0 else hidden
-    unary_total, unary_terms, w, top = _unary_loss(
+    unary_total, unary_terms, w, top, top_teacher = _unary_loss(
         unary_hidden, head, labels, weights, block_size - 1, options, teacher, cfg.selector_top_k
     )
     candidates, target, in_top = selector_targets(top, labels, options.selector_outside)
@@ -270,7 +270,9 @@ def objective(model, hidden, head, labels, weights, block_size, options, teacher
     scores = model.candidate_selector.edge_scores(hidden, unary, previous, candidates)
     selector = scores.logsumexp(dim=-1) - scores.gather(1, target[:, None])[:, 0]
     if teacher:
-        distance = selector_distance(scores, teacher_probs_at(teacher, candidates, head))
+        # p at each candidate: at the label where it is one (a label `replace` put in the K-th place included)
+        teacher_at = torch.where(candidates == labels[:, None], top_teacher[:, -1:], top_teacher[:, :-1])
+        distance = selector_distance(scores, teacher_at)
         selector = DISTILL_WEIGHTS[0] * selector + DISTILL_WEIGHTS[1] * distance
     kept = in_top if options.selector_outside == "drop" else torch.ones_like(in_top)
     selector_terms = options.selector_weight * w * kept * selector
@@ -281,11 +283,12 @@ def objective(model, hidden, head, labels, weights, block_size, options, teacher
 
 def _unary_loss(hidden, head, labels, weights, span, options, teacher, top_k):
     """The unary logits' loss: (its differentiable sum, its terms [N], the position weights w [N], the top_k
-    candidates [N, K]); the block CE, or with a teacher 0.1 CE + 0.9 L1 to the target's distribution."""
+    candidates [N, K], with a teacher the target's p [N, K + 1] at them and at the label); the block CE, or with a
+    teacher 0.1 CE + 0.9 L1 to the target's distribution."""
     if not teacher:
         ce, _, top = loss.head_cross_entropy(hidden, head, labels, options.loss_chunk, top_k)
         w = loss.position_weights(options.position_weights, ce, weights, span)
-        return (w * ce).sum(), w * ce, w, top
+        return (w * ce).sum(), w * ce, w, top, None
     no_markov = hidden[:, :0], head[:, :0]  # e and W2 of width 0: the plain LM head's logits
     got = teacher_head_loss(
         hidden,
@@ -302,7 +305,7 @@ def _unary_loss(hidden, head, labels, weights, span, options, teacher, top_k):
         top_k=top_k,
     )
     terms = got.weight * (DISTILL_WEIGHTS[0] * got.ce + DISTILL_WEIGHTS[1] * got.distance)
-    return got.total, terms, got.weight, got.top
+    return got.total, terms, got.weight, got.top, got.top_teacher
 
 
 def selector_distance(scores: Tensor, teacher_probs: Tensor) -> Tensor:

@@ -25,6 +25,18 @@ def _teacher_chunk(teacher: tuple, rows: slice, head: Tensor) -> Tensor | tuple:
     return tuple(values[rows] for values in teacher)
 
 
+def _teacher_probs_at(target: Tensor | tuple, ids: Tensor) -> Tensor:
+    """The target's probability [c, n] (fp32) of the tokens ids [c, n] from a chunk's teacher: exact from its logits
+    (hidden), from a top-k teacher its probability where the token is one of its K and 0 elsewhere (a lower bound:
+    such a token's share of the tail is unknown)."""
+    if isinstance(target, Tensor):
+        logits = target.float()
+        return (logits.gather(1, ids) - logits.logsumexp(-1, keepdim=True)).exp()
+    teacher_ids, teacher_probs, _ = target
+    match = ids[:, :, None] == teacher_ids.long()[:, None, :]
+    return (match * teacher_probs.float()[:, None, :]).sum(-1)
+
+
 def _distance_and_gradient(z, lse, ce, label, target, ce_part, distance_part, need_grad):
     """L1 [c] between p = softmax(z) and the teacher, and (if need_grad) the gradient [c, V] of the chunk's loss
     ce_part * CE + distance_part * L1 with respect to z, in z's dtype:
@@ -117,7 +129,7 @@ class _TeacherHeadLoss(torch.autograd.Function):
         if w2.shape[1] == 0:  # no Markov term (DFlash 2): the head itself, not a copy of it
             joint_input, joint_weight = h, head
         math_dtype = torch.promote_types(mm_dtype, torch.float32)
-        ces, distances, corrects, ws, tops = [], [], [], [], []
+        ces, distances, corrects, ws, tops, tops_teacher = [], [], [], [], [], []
         if need_grad:  # not in validation steps
             grad_hidden, grad_previous = torch.empty_like(hidden), torch.empty_like(previous)
             grad_w2 = torch.zeros_like(w2)
@@ -137,8 +149,10 @@ class _TeacherHeadLoss(torch.autograd.Function):
             distances.append(distance)
             corrects.append(z.argmax(dim=-1) == labels[rows])
             ws.append(w)
-            if top_k:  # DFlash 2's candidates: the unary logits' top K, from the chunk's logits while they exist
+            if top_k:  # DFlash 2's candidates: the unary logits' top K, from the chunk's logits while they exist,
+                # with the target's p at them and at the label (a hidden teacher's logits are made once, here)
                 tops.append(vocab_top_k(z, top_k)[1])
+                tops_teacher.append(_teacher_probs_at(target, torch.cat([tops[-1], label], dim=1)))
             if need_grad:
                 grad_hidden[rows] = (grad_z @ head).to(hidden.dtype)
                 if w2.shape[1]:
@@ -148,8 +162,9 @@ class _TeacherHeadLoss(torch.autograd.Function):
         if need_grad:
             ctx.save_for_backward(grad_hidden, grad_previous, grad_w2)
         top = torch.cat(tops) if top_k else labels.new_empty(labels.shape[0], 0)
-        ctx.mark_non_differentiable(ce, distance, correct, w, top)
-        return (w * (ce_weight * ce + distance_weight * distance)).sum(), ce, distance, correct, w, top
+        top_teacher = torch.cat(tops_teacher) if top_k else ce.new_empty(labels.shape[0], 0)
+        ctx.mark_non_differentiable(ce, distance, correct, w, top, top_teacher)
+        return (w * (ce_weight * ce + distance_weight * distance)).sum(), ce, distance, correct, w, top, top_teacher
 
     @staticmethod
     def backward(ctx, grad_total, *_):
@@ -174,6 +189,7 @@ class TeacherLoss(NamedTuple):
     correct: Tensor  # [N] bool: argmax z is the label
     weight: Tensor  # [N] w
     top: Tensor  # [N, top_k] int64 ids of z's top_k largest logits ([N, 0] for top_k 0)
+    top_teacher: Tensor  # [N, top_k + 1] fp32 the target's p at `top` and, last, at the label ([N, 0] for top_k 0)
 
 
 def teacher_head_loss(
@@ -202,19 +218,3 @@ def teacher_head_loss(
     arrays = (teacher[name] for name in TEACHER_ORDER[source])
     settings = (kind, span, chunk_size, loss._matmul_dtype(hidden), need_grad, (ce_weight, distance_weight, top_k))
     return TeacherLoss(*_TeacherHeadLoss.apply(hidden, previous, head, w2, labels.long(), weights, *settings, *arrays))
-
-
-@torch.no_grad()
-def teacher_probs_at(teacher: dict, ids: Tensor, head: Tensor) -> Tensor:
-    """The target's probability [N, K] (fp32, no gradient) of the tokens ids [N, K]: exact from a hidden teacher
-    (its logits made a chunk of rows at a time), from a top-k one its probability where the token is one of its K
-    and 0 elsewhere (a lower bound: such a token's share of the tail is unknown)."""
-    if "teacher_hidden" not in teacher:
-        match = ids[:, :, None] == teacher["teacher_ids"].long()[:, None, :]
-        return (match * teacher["teacher_probs"].float()[:, None, :]).sum(-1)
-    hidden, chunk = teacher["teacher_hidden"], loss.default_chunk_size(head.shape[0])
-    probs = []
-    for start in range(0, hidden.shape[0], chunk):
-        logits = (hidden[start : start + chunk].to(head.dtype) @ head.T).float()
-        probs.append((logits.gather(1, ids[start : start + chunk]) - logits.logsumexp(-1, keepdim=True)).exp())
-    return torch.cat(probs)

@@ -140,7 +140,7 @@ def objective(model, hidden, head, labels, weights, span, options, teacher=None)
     previous = model.markov_head.markov_w1(previous)
     teacher = {name: drafted_slots(values, span) for name, values in teacher.items()}
     w2, kind = model.markov_head.markov_w2.weight, options.position_weights
-    total, ce, distance, correct, w, _ = teacher_head_loss(
+    total, ce, distance, correct, w, *_ = teacher_head_loss(
         hidden,
         previous,
         head,
