@@ -21,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {  # rows per step, token budget, anchors per row (block size 16)
-    "quality": (2, 4096, 683),  # bench/quality.py: 86 query x 118 key tiles of 128 (172 x 235 of 64, the default)
+    "quality": (2, 4096, 683),  # bench/quality: 86 query x 118 key tiles of 128 (172 x 235 of 64, the default)
     "train-a": (1, 12288, 2048),  # bench/train.py: 256 query x 352 key tiles of 128 (512 x 704 of 64)
 }
 

@@ -1,4 +1,4 @@
-"""bench/quality.py across calls and processes: a later call keeps the finished stages of the same run and refuses
+"""bench/quality across calls and processes: a later call keeps the finished stages of the same run and refuses
 to delete another run's, workers get a GPU each, and the workers' eval reports merge into the report that one
 process evaluating every prompt writes."""
 
@@ -10,14 +10,13 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: bench.quality
 
-import quality  # noqa: E402
-
-from bench.quality_run.evaluation import evaluate_share, merge_shares  # noqa: E402
-from bench.quality_run.run import Run, WorkFolderInUse  # noqa: E402
-from bench.quality_run.scale import TINY  # noqa: E402
-from bench.quality_run.workers import in_workers  # noqa: E402
+from bench.quality.__main__ import main as quality_main  # noqa: E402
+from bench.quality.evaluation import evaluate_share, merge_shares  # noqa: E402
+from bench.quality.run import Run, WorkFolderInUse  # noqa: E402
+from bench.quality.scale import TINY  # noqa: E402
+from bench.quality.workers import in_workers  # noqa: E402
 from dflash.config import EvalConfig  # noqa: E402
 from dflash.evaluate import (
     evaluate,  # noqa: E402
@@ -78,7 +77,7 @@ def test_cli_names_the_other_run_and_exits_2(tmp_path, capsys):
     Run(tmp_path / "q.json", TINY, tmp_path / "work", seed=0)
     finish_stage(tmp_path / "work", "target", "target")
     with pytest.raises(SystemExit) as exit_info:
-        quality.main(
+        quality_main(
             ["--tiny", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "q2.json"), "--set", "layers=4"]
         )
     assert exit_info.value.code == 2

@@ -1,4 +1,4 @@
-"""bench/quality.py --modes (issue 16): the mode names, the bootstrap intervals of a tau and of the paired difference
+"""bench/quality --modes (issue 16): the mode names, the bootstrap intervals of a tau and of the paired difference
 of two taus (worked by hand on two prompts), the table's numbers and verdicts, the resumption of finished modes,
 and several trained drafters evaluated in one run against one plain greedy decoding per prompt."""
 
@@ -10,14 +10,14 @@ from types import SimpleNamespace
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: bench.quality_run
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: bench.quality
 
-from bench.quality_run.evaluation import evaluate_share, merge_shares  # noqa: E402
-from bench.quality_run.modes import data_wait_share  # noqa: E402
-from bench.quality_run.report import bar, mode_rows, mode_verdict, modes_markdown  # noqa: E402
-from bench.quality_run.run import Run  # noqa: E402
-from bench.quality_run.scale import TINY  # noqa: E402
-from bench.quality_run.store_modes import BF16, MODES, StoreMode, mode_done, mode_harvested, parse_modes  # noqa: E402
+from bench.quality.evaluation import evaluate_share, merge_shares  # noqa: E402
+from bench.quality.modes import data_wait_share  # noqa: E402
+from bench.quality.report import bar, mode_rows, mode_verdict, modes_markdown  # noqa: E402
+from bench.quality.run import Run  # noqa: E402
+from bench.quality.scale import TINY  # noqa: E402
+from bench.quality.store_modes import BF16, MODES, StoreMode, mode_done, mode_harvested, parse_modes  # noqa: E402
 from bench.variants import split_variant  # noqa: E402
 from dflash.evaluate import compare_drafters, tau_difference_interval, tau_interval, tau_ratio_interval  # noqa: E402
 

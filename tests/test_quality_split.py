@@ -1,14 +1,15 @@
-"""bench/quality.py's file split: the eval measures the drafter on code that neither the target nor the drafter
+"""bench/quality's file split: the eval measures the drafter on code that neither the target nor the drafter
 trained on, and giving the drafter its own files leaves the eval's files as they were."""
 
 import dataclasses
+import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: bench.quality_run
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: bench.quality
 
-from bench.quality_run.corpus import make_prompts, stdlib_files  # noqa: E402
-from bench.quality_run.scale import TINY  # noqa: E402
+from bench.quality.corpus import make_prompts, stdlib_files  # noqa: E402
+from bench.quality.scale import TINY  # noqa: E402
 
 
 def test_the_three_sets_are_disjoint_and_the_eval_set_does_not_move():
@@ -35,3 +36,13 @@ def test_the_drafters_prompts_are_distinct_and_stop_when_the_files_run_out():
     assert len(texts) == 60 == len(set(texts))
     every = make_prompts(files, 300, 20, seed=0, one_per_file=False)  # 3 x 40 lines: < 120
     assert len({p["text"] for p in every}) == len(every) < 120
+
+
+def test_the_quality_run_starts_as_a_module_from_the_repository():
+    """`python3 -m bench.quality` (the command every plan and doc gives) finds its stages and names itself."""
+    repository = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.quality", "--help"], cwd=repository, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: python3 -m bench.quality") and "--modes" in result.stdout

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.quality_run.corpus import write_jsonl
-from bench.quality_run.scale import Scale
-from bench.quality_run.workers import gpu_count, in_workers
+from bench.quality.corpus import write_jsonl
+from bench.quality.scale import Scale
+from bench.quality.workers import gpu_count, in_workers
 from dflash.data import jsonl_lines
 
 logger = logging.getLogger("quality")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.quality_run.scale import Scale
+from bench.quality.scale import Scale
 
 logger = logging.getLogger("quality")
 

@@ -3,8 +3,8 @@ DFlash's."""
 
 import logging
 
-from bench.quality_run.modes import data_wait_share
-from bench.quality_run.store_modes import BF16, StoreMode
+from bench.quality.modes import data_wait_share
+from bench.quality.store_modes import BF16, StoreMode
 from dflash.evaluate import tau_interval, tau_ratio_interval
 
 logger = logging.getLogger("quality")

@@ -7,8 +7,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.quality_run.scale import Scale
-from bench.quality_run.store_modes import MODES, mode_harvested
+from bench.quality.scale import Scale
+from bench.quality.store_modes import MODES, mode_harvested
 from dflash.errors import describe_differences
 
 logger = logging.getLogger("quality")

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from bench.quality_run.scale import Scale
-from bench.quality_run.store_modes import BF16
-from bench.quality_run.workers import gpu_count, in_workers
+from bench.quality.scale import Scale
+from bench.quality.store_modes import BF16
+from bench.quality.workers import gpu_count, in_workers
 
 logger = logging.getLogger("quality")
 

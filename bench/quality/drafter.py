@@ -5,8 +5,8 @@ import json
 import logging
 from pathlib import Path
 
-from bench.quality_run.scale import Scale
-from bench.quality_run.store_modes import BF16, StoreMode
+from bench.quality.scale import Scale
+from bench.quality.store_modes import BF16, StoreMode
 
 logger = logging.getLogger("quality")
 

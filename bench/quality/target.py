@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from bench.quality_run.scale import Scale
+from bench.quality.scale import Scale
 
 logger = logging.getLogger("quality")
 

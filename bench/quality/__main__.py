@@ -1,33 +1,7 @@
-"""The quality run of issue 4: does dflash train a drafter that works, on real text nobody here wrote?
+"""The quality run: does dflash train a drafter that works, on real text nobody here wrote? (bench/quality/README.md)
 
-The text is this machine's Python standard library, split by a hash of each file's path into the target's
-training files (70 %), the drafter's prompt files (20 %) and the eval's held-out files (10 %). Stages, through the
-library entry points the CLI uses (details, sizes and measured runs: docs/benchmarks.md, "Quality run"):
-  data        split the files, train a byte-level BPE tokenizer on the train files, tokenise (`--set fixture=prose`:
-              only the files' prose, docstrings and pydoc's topics, a flatter next-token distribution than code's;
-              bench/quality_fixtures.sh runs both fixtures at once);
-  target      a small Qwen3.5 hybrid trained from scratch for a fixed time: a fixture whose answers are the data;
-  regenerate  the target answers prompts from the drafter files, and 256 from the eval files (the held-out store);
-  harvest     both, with the loss on the responses only;
-  drafter     `dflash.train.run.run_training` (5 layers, B = 16), validated on the held-out store;
-  modes       only with --modes (issue 16): per store mode, both harvests in that encoding and the same drafter
-              trained on them, `mode_workers` modes at a time in worker processes sharing the GPUs;
-  eval        one prompt per held-out file, temperature 0: plain greedy, the trained drafter(s), prompt lookup and
-              (on the first 6) the untrained drafter, every output compared token for token with greedy.
-Bar: tau(trained) >= 1.5 x tau(prompt lookup) and >= 2 x tau(untrained), 0 mismatches. With --modes, a second
-table gives per mode the bytes per token on disk and the drafter's tau with its paired difference to the bf16
-drafter's over the same prompts (95 % bootstrap intervals), against issue 16's bar: within 2 %, 0 mismatches.
-
-    .venv/bin/python bench/quality.py --tiny --out /tmp/quality-tiny/quality.json   # toy sizes, CPU, ~3 minutes
-    source bench/device_setup.sh && python3 bench/quality.py --work /tmp/q --stop-after harvest --out $OUT/q1.json
-    source bench/device_setup.sh && python3 bench/quality.py --work /tmp/q --out $OUT/quality.json
-    ... the same, plus --modes fp8,sub1/2,sub1/4,sub1/8,sub1/4+fp8   # the store modes' table (issue 16)
-
-Finished stages are kept in --work and skipped by a later call with the same sizes and seed, and the eval saves
-its reports there after every prompt, so a run spans several calls: repeat the last command until the bar is no
-longer PARTIAL. --stop-after STAGE ends a call early; --set FIELD=VALUE overrides a `Scale` field; budgets and
-worker counts (Run.CALL_FIELDS) may change between calls, other differences are refused unless --restart. --out
-gets the JSON (rewritten after every stage) and a .log beside it; a markdown table is printed last.
+.venv/bin/python -m bench.quality --tiny --out /tmp/quality-tiny/quality.json   # toy sizes, CPU, minutes
+source bench/device_setup.sh && python3 -m bench.quality --work /tmp/q --out $OUT/quality.json
 """
 
 import argparse
@@ -47,25 +21,23 @@ os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
-
-from bench.quality_run.corpus import capped, make_prompts, stdlib_files, token_stream, write_jsonl  # noqa: E402
-from bench.quality_run.drafter import drafter_steps, harvest_store, train_drafter  # noqa: E402
-from bench.quality_run.evaluation import evaluate_all  # noqa: E402
-from bench.quality_run.modes import run_modes  # noqa: E402
-from bench.quality_run.regenerate import regenerate_on_all, response_stats  # noqa: E402
-from bench.quality_run.report import bar, markdown, methods_markdown, mode_rows, modes_markdown  # noqa: E402
-from bench.quality_run.run import Run, WorkFolderInUse  # noqa: E402
-from bench.quality_run.scale import GPU, TINY, scale_with_overrides  # noqa: E402
-from bench.quality_run.store_modes import mode_done, mode_harvested, parse_modes  # noqa: E402
-from bench.quality_run.target import train_target  # noqa: E402
+from bench.quality.corpus import capped, make_prompts, stdlib_files, token_stream, write_jsonl  # noqa: E402
+from bench.quality.drafter import drafter_steps, harvest_store, train_drafter  # noqa: E402
+from bench.quality.evaluation import evaluate_all  # noqa: E402
+from bench.quality.modes import run_modes  # noqa: E402
+from bench.quality.regenerate import regenerate_on_all, response_stats  # noqa: E402
+from bench.quality.report import bar, markdown, methods_markdown, mode_rows, modes_markdown  # noqa: E402
+from bench.quality.run import Run, WorkFolderInUse  # noqa: E402
+from bench.quality.scale import GPU, TINY, scale_with_overrides  # noqa: E402
+from bench.quality.store_modes import mode_done, mode_harvested, parse_modes  # noqa: E402
+from bench.quality.target import train_target  # noqa: E402
 from dflash.tiny import build_tokenizer  # noqa: E402
 
 logger = logging.getLogger("quality")
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 -m bench.quality", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON results (rewritten after every stage); a .log beside it")
     parser.add_argument(
         "--tiny", action="store_true", help="toy sizes for a CPU check (minutes); numbers are meaningless"

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-from bench.quality_run.drafter import drafter_steps, harvest_store, train_drafter
-from bench.quality_run.scale import Scale
-from bench.quality_run.store_modes import BF16, MODES, StoreMode, mode_done, mode_harvested
-from bench.quality_run.workers import gpu_count, in_workers
+from bench.quality.drafter import drafter_steps, harvest_store, train_drafter
+from bench.quality.scale import Scale
+from bench.quality.store_modes import BF16, MODES, StoreMode, mode_done, mode_harvested
+from bench.quality.workers import gpu_count, in_workers
 
 logger = logging.getLogger("quality")
 
