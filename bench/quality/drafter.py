@@ -63,8 +63,9 @@ def drafter_steps(scale: Scale, rows: int) -> int:
 def train_drafter(
     scale: Scale, store: str, val_store: str, out: Path, steps: int, device, seed: int, overrides: dict | None = None
 ) -> dict:
-    """`run_training` of the quality run's drafter (5 layers, B = 16, DFlash unless `overrides` say otherwise) on
-    `store`, validated on `val_store` 8 times over the run; its final numbers, held-out curve and metric records."""
+    """`run_training` of the quality run's drafter (5 layers, DFlash unless `overrides` say otherwise, at the method's
+    own block size unless they give one: 16, DSpark's 7) on `store`, validated on `val_store` 8 times over the run;
+    its final numbers, held-out curve and metric records."""
     overrides = {"method": "dflash", **(overrides or {})}
     from dflash.config import TrainConfig
     from dflash.train.run import run_training
@@ -72,11 +73,10 @@ def train_drafter(
     cuda = str(device).startswith("cuda")
     result = run_training(
         TrainConfig(
-            **{k: v for k, v in overrides.items() if k != "block_size"},
+            **overrides,
             store=str(store),
             out=str(out),
             draft_layers=5,
-            block_size=overrides.get("block_size", 16),
             rows_per_step=scale.rows_per_step,
             max_steps=max(steps, 1),
             val_store=str(val_store),
