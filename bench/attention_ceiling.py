@@ -3,8 +3,8 @@ over the same number of visible (query, key) pairs, forward and backward, at a b
 shape. It says how much of the long-row step's time is the mask and how much the attention kernel at this head dim.
 
 Cases, each timed alone (random bf16 q, k, v; compiled where flex_attention is used):
-    step mask, flex      the trainer's call: BlockMask of dflash.blocks over 1 row, its default tiles and kernel
-                         options (dflash.attention_kernels), GQA as the drafter has it
+    step mask, flex      the trainer's call: BlockMask of dflash.drafter.blocks over 1 row, its default tiles and kernel
+                         options (dflash.drafter.attention), GQA as the drafter has it
     causal, flex         the same kernel and options over a plain causal mask of length L, L(L+1)/2 ~= the pairs
     causal, sdpa-X       torch's SDPA backends (flash, cudnn, efficient) over that causal problem; K and V repeated
                          to the query heads first (not every backend takes GQA), their copy not timed
@@ -51,8 +51,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from bench.mask_tiles import row_anchors  # noqa: E402
 from bench.topk import ms_per_call  # noqa: E402
 from bench.train import DRAFTERS, TINY, flex_train_options, parse_flex_options, parse_row_shapes  # noqa: E402
-from dflash import attention_kernels, blocks, metrics  # noqa: E402
-from dflash.drafter import heads_at_head_dim  # noqa: E402
+from dflash.drafter import (  # noqa: E402
+    attention,
+    blocks,
+    heads_at_head_dim,  # noqa: E402
+)
+from dflash.drafter.flops import visible_pairs  # noqa: E402
 from dflash.errors import DflashError  # noqa: E402
 
 SDPA_BACKENDS = {
@@ -65,13 +69,13 @@ PEAK_TFLOPS = 792.0  # bf16 matmul on the H200 (shared/DEVICE.md)
 
 def step_problem(s: dict, shape: dict, block: int, device: torch.device, seed: int):
     """The step's anchors over one row of `shape`: (BlockMask or dense bias, query tokens, key tokens, pairs, the
-    anchors as dflash.blocks takes them: (anchors, valid, doc ids))."""
+    anchors as dflash.drafter.blocks takes them: (anchors, valid, doc ids))."""
     T = shape["docs_per_row"] * shape["doc_len"]
     A = shape["docs_per_row"] * shape["anchors_per_doc"]
     anchors, valid, doc_ids = row_anchors(shape["docs_per_row"], shape["doc_len"], A, block, seed, device)
-    pairs = int(metrics.visible_pairs(anchors, valid, doc_ids, block))
+    pairs = int(visible_pairs(anchors, valid, doc_ids, block))
     if device.type == "cuda":
-        tile = attention_kernels.default_mask_tile(s["head_dim"])
+        tile = attention.default_mask_tile(s["head_dim"])
         mask = blocks.block_attention_mask(anchors, valid, doc_ids, block, tile_size=tile)
     else:
         mask = blocks.dense_attention_bias(anchors, valid, doc_ids, block)
@@ -214,7 +218,7 @@ def cases(s: dict, shape: dict, block: int, device: torch.device, seed: int, que
         yield "step mask, sdpa (CPU)", step_attend, inputs(H, G, q_len, kv_len, d, device, dtype), pairs
         flex_sets = ()  # no flex_attention kernels on the CPU
     else:
-        options = attention_kernels.attention_kernel_options({}, True, d)
+        options = attention.attention_kernel_options({}, True, d)
         flex = torch.compile(flex_attention, fullgraph=True, dynamic=False)  # each row shape compiled static
 
         def step_attend(q, k, v):
@@ -252,7 +256,7 @@ def flex_option_cases(s: dict, step_anchors, block: int, flex_sets):
     H, G, d = s["heads"], s["kv_heads"], s["head_dim"]
     for name, given in flex_sets:
         train = flex_train_options(given)
-        tile = train.get("mask_tile_size") or attention_kernels.default_mask_tile(d)
+        tile = train.get("mask_tile_size") or attention.default_mask_tile(d)
         mask = blocks.block_attention_mask(*step_anchors, block, tile_size=tile)
         kernel = train["attention_kernel_options"]
         own = torch.compile(flex_attention, fullgraph=True, dynamic=False)  # its own cache: no recompile limit
@@ -269,7 +273,7 @@ def causal_cases(s: dict, pairs: int, flex, options: dict, device: torch.device,
     length = int(round((2 * pairs) ** 0.5))
     length -= length % 256
     causal_pairs = length * (length + 1) // 2
-    causal = causal_mask(length, attention_kernels.default_mask_tile(d), device)
+    causal = causal_mask(length, attention.default_mask_tile(d), device)
     yield (
         "causal, flex",
         lambda q, k, v: flex(q, k, v, block_mask=causal, enable_gqa=G != H, kernel_options=options),

@@ -1,6 +1,6 @@
 """flex_attention's forward over the step's mask, Triton against BACKEND=FLASH (flash-attn-4's CuTe kernels), for
 several numbers of K / V heads under the same query heads: why the trainer repeats K / V heads to a group of a
-power of two under FLASH (dflash.drafter.flash_kv_repeat). Drafter a's attention (24 query heads of 256) and b's
+power of two under FLASH (dflash.drafter.model.flash_kv_repeat). Drafter a's attention (24 query heads of 256) and b's
 (16 / 4) at 1 x 32768 tokens, 2048 anchors, BlockMask tiles of 64, random bf16 inputs, no grad.
 
 On the GPU machine, with flash-attn-4 installed (docs/training.md, "Attention kernels"):
@@ -18,16 +18,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from bench.attention_ceiling import inputs  # noqa: E402
 from bench.mask_tiles import row_anchors  # noqa: E402
 from bench.topk import ms_per_call  # noqa: E402
-from dflash import attention_kernels, blocks, graph  # noqa: E402
+from dflash.drafter import attention, blocks, graph  # noqa: E402
 
 HEADS = ((24, 4), (24, 24), (16, 4), (24, 8), (24, 12))  # (query heads, K / V heads)
-KERNELS = {"triton": attention_kernels.CUDA_KERNEL_OPTIONS, "flash": {"BACKEND": "FLASH"}}
+KERNELS = {"triton": attention.CUDA_KERNEL_OPTIONS, "flash": {"BACKEND": "FLASH"}}
 
 
 def main():
     device = torch.device("cuda")
     anchors, valid, doc_ids = row_anchors(1, 32768, 2048, 16, 1, device)
-    mask = blocks.block_attention_mask(anchors, valid, doc_ids, 16, tile_size=attention_kernels.default_mask_tile(256))
+    mask = blocks.block_attention_mask(anchors, valid, doc_ids, 16, tile_size=attention.default_mask_tile(256))
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}\n")
     print("| query heads | K / V heads | per group | " + " | ".join(f"{k} fwd ms" for k in KERNELS) + " |")
     print("|---|---|---|" + "---|" * len(KERNELS))

@@ -29,7 +29,7 @@ SHAPES = {  # rows per step, token budget, anchors per row (block size 16)
 def run_case(shape: str, tuned: bool, device: str) -> dict:
     import torch
 
-    from dflash import blocks, graph
+    from dflash.drafter import blocks, graph
 
     rows, T, A = SHAPES[shape]
     doc_ids = (torch.arange(T, device=device) // 700).int().expand(rows, T).contiguous()  # documents of 700

@@ -1,6 +1,6 @@
 """How much of the attention kernel's work a step's BlockMask wastes: the (query tile, key tile) pairs that
-flex_attention computes (partial tiles evaluate the mask, full ones skip it) against the (query, key) pairs the
-mask lets through, for each block size, anchor count and tile size. Exact counts from dflash.blocks on the CPU (no
+flex_attention computes (partial tiles evaluate the mask, full ones skip it) against the (query, key) pairs the mask
+lets through, for each block size, anchor count and tile size. Exact counts from dflash.drafter.blocks on the CPU (no
 timing), at bench/train.py's row of 4 documents x 3072 tokens by default.
 
     python bench/mask_tiles.py                                   # DFlash (16), DSpark (7), DFlash 2 block 8
@@ -11,7 +11,8 @@ import argparse
 
 import torch
 
-from dflash import blocks, metrics
+from dflash.drafter import blocks
+from dflash.drafter.flops import visible_pairs
 
 
 def row_anchors(docs: int, doc_len: int, anchors: int, block: int, seed: int, device="cpu"):
@@ -28,7 +29,7 @@ def count(block: int, anchors: int, tile: int, docs: int, doc_len: int, seed: in
     starts, valid, doc_ids = row_anchors(docs, doc_len, anchors, block, seed)
     mask = blocks.block_attention_mask(starts, valid, doc_ids, block, tile_size=tile)
     partial, full = int(mask.kv_num_blocks.sum()), int(mask.full_kv_num_blocks.sum())
-    visible = int(metrics.visible_pairs(starts, valid, doc_ids, block))  # the pairs MFU counts
+    visible = int(visible_pairs(starts, valid, doc_ids, block))  # the pairs MFU counts
     return {"partial": partial, "full": full, "waste": (partial + full) * tile * tile / visible}
 
 

@@ -133,9 +133,9 @@ def measure(path: Path, target: Path) -> dict:
     """Run in a fresh process: milliseconds of each startup stage."""
     import torch
 
-    from dflash.metrics import MetricsLog
     from dflash.store import Store
     from dflash.train import Trainer, reader
+    from dflash.train.metrics import MetricsLog
     from dflash.train.setup import init_distributed
 
     torch.set_num_threads(1)

@@ -126,7 +126,7 @@ def profile_step(step_fn, steps: int, vocab: int, device: torch.device) -> dict:
 
 def profile_table(label: str, p: dict, step_tflop: dict | None = None) -> str:
     """The markdown table of one profile: parts by time (with `step_tflop`, the counted TFLOP of a step by kind,
-    dflash.metrics.step_flops_by_kind: the FLOPs of the parts that run them and their rate against the matmul
+    dflash.drafter.flops.step_flops_by_kind: the FLOPs of the parts that run them and their rate against the matmul
     ceiling), the matmul split, the largest kernels."""
     total = max(p["total_ms"], 1e-9)
     lines = [

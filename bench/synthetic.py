@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 
 from dflash import features, store
+from dflash.drafter.step_time import bench_target_config
 from dflash.errors import DflashError
 from dflash.harvest import RowEncoder, store_bits
 from dflash.manifest import FeatureSpec, Manifest, SubspaceSpec, TargetSpec, TokenizerSpec, teacher_spec
-from dflash.step_time import bench_target_config
 from dflash.target import default_layer_ids
 from dflash.train.setup import Env
 

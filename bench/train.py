@@ -23,8 +23,8 @@ Attention kernels (issue 24): --flex-options times each drafter once per set of 
 (TrainConfig.attention_kernel_options; the key "mask_tile_size" sets TrainConfig.mask_tile_size instead), one table
 row each. `sweep` is FLEX_SWEEP below, candidates for head_dim 256 on the H200 from torch 2.13's sm90 tables; a set
 replaces the trainer's default whole, so each candidate past `torch` is the default with one thing changed:
-    default             the trainer's on CUDA (dflash.attention_kernels.CUDA_KERNEL_OPTIONS): torch's tiles, the backward on 8 warps,
-                        TMA loads; BlockMask tiles by head dim (attention_kernels.default_mask_tile: 64 at the drafters' 256)
+    default             the trainer's on CUDA (dflash.drafter.attention.CUDA_KERNEL_OPTIONS): torch's tiles, the backward on 8 warps,
+                        TMA loads; BlockMask tiles by head dim (attention.default_mask_tile: 64 at the drafters' 256)
     torch               torch's choice: forward 64 x 32, 3 stages, 4 warps; backward 64 x 64 x 64 x 64, 2 stages, 4 warps
     bwd-1stage-8warps   the backward in 1 stage (what torch takes on sm100 past head_dim 192)
     bwd-32x64-3stages   backward BLOCK_M1 32, N1 64, M2 64, N2 32, 3 stages (torch's max-autotune pattern (M, N, N, M))
@@ -46,7 +46,7 @@ holds --rows rows (default 16), so the steps cycle through it in epochs (rows co
 
 Per drafter, the table reports the steady window of the issue (steps 10-50, clipped to --steps):
 - context / drafted tok/s, MFU and step time: time-weighted over the window, from the trainer's own metrics
-  (`dflash.metrics.Meter`, one record per step); MFU counts trainable matmuls 3x, the frozen LM head 2x, a hidden
+  (`dflash.train.metrics.Meter`, one record per step); MFU counts trainable matmuls 3x, the frozen LM head 2x, a hidden
   teacher's head 1x and attention 3.5 x 4 x visible pairs x heads x head_dim, against 792 TFLOP/s (docs/training.md);
 - peak memory: torch.cuda max_memory_allocated / max_memory_reserved from construction to the last step
   (warmup and capture included), in GB (1e9 bytes);
@@ -93,19 +93,19 @@ from bench.step_profile import profile_step
 from bench.synthetic import ENCODINGS, shared_data
 from bench.train_report import report, table_row, versions
 from bench.variants import VARIANT_CHOICES, parse_variants, split_variant
-from dflash import graph, loss
-from dflash.attention_kernels import CUDA_KERNEL_OPTIONS, check_kernel_options
 from dflash.config import TrainConfig
+from dflash.drafter import graph, loss
+from dflash.drafter.attention import CUDA_KERNEL_OPTIONS, check_kernel_options
+from dflash.drafter.step_time import BENCH_DRAFTERS, nearest_bench_drafter, rates_at
 from dflash.errors import DflashError
-from dflash.metrics import MetricsLog
-from dflash.step_time import BENCH_DRAFTERS, nearest_bench_drafter, rates_at
 from dflash.train import Trainer
+from dflash.train.metrics import MetricsLog
 from dflash.train.setup import Env, init_distributed
 
 WINDOW = (10, 50)  # steps whose records the summary uses (the issue's "steps 10-50")
 
-# Drafter shapes: the target's width, heads, FFN (the drafter copies them) and vocabulary (dflash.step_time prices
-# plan's train estimate at their measured steps), and the document layout.
+# Drafter shapes: the target's width, heads, FFN (the drafter copies them) and vocabulary (dflash.drafter.step_time
+# prices plan's train estimate at their measured steps), and the document layout.
 ROW = dict(doc_len=3072, docs_per_row=4, anchors_per_doc=512)
 DRAFTERS = {name: {**shape, **ROW} for name, shape in BENCH_DRAFTERS.items()}
 TINY_ROW = dict(doc_len=64, docs_per_row=4, anchors_per_doc=8, vocab=512)
@@ -262,7 +262,8 @@ def summarise(name: str, s: dict, trainer: Trainer, records: list[dict], steps: 
         "recompiles": records[-1]["recompiles"],
         "loss_first_last": [records[0]["loss"], records[-1]["loss"]],
     }
-    # What dflash.step_time (dflash plan's estimate) says this step takes, from its counted FLOPs: each run checks it.
+    # What dflash.drafter.step_time (dflash plan's estimate) says this step takes, from its counted FLOPs: each run
+    # checks it.
     bench = nearest_bench_drafter(s["hidden"])
     flops = {kind: tflop * 1e12 for kind, tflop in result["step_tflop"].items()}
     rates = rates_at(bench, trainer.dcfg.head_dim)

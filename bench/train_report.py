@@ -110,7 +110,7 @@ def report(info: dict, results: list[dict], args, world: int):
                 f"window steps {r['window'][0]}-{r['window'][1]}, data built in {r['data_build_s']:.1f} s, "
                 f"warmup + capture {r['warmup_capture_s']:.1f} s, "
                 f"loss {r['loss_first_last'][0]:.3f} -> {r['loss_first_last'][1]:.3f}; "
-                f"step-time model (dflash.step_time, drafter {r['model_step_ms']['rates_of']}'s rates at head_dim "
+                f"step-time model (dflash.drafter.step_time, drafter {r['model_step_ms']['rates_of']}'s rates at head_dim "
                 f"{r['model_step_ms']['head_dim']}): "
                 f"{r['model_step_ms']['ms']:.1f} ms, {r['model_step_ms']['ms'] / r['step_ms']:.1%} of the measured step"
             )

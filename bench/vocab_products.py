@@ -6,8 +6,8 @@ bench/step_profile.py's per-shape table: docs/benchmarks.md, "Drafter methods").
     source bench/device_setup.sh && python3 bench/vocab_products.py        # on the H200
     python bench/vocab_products.py --tiny                                  # toy shapes on the CPU: checks the script
 
-Rows c: 1022 is the trainer's default chunk for DSpark at V = 248320 (half of dflash.loss.default_chunk_size, cut
-to whole blocks of 7), 1024 the same without the cut, 896 and 1792 multiples of both 7 and 128, 2044 the 2048-row
+Rows c: 1022 is the trainer's default chunk for DSpark at V = 248320 (half of dflash.drafter.loss.default_chunk_size,
+cut to whole blocks of 7), 1024 the same without the cut, 896 and 1792 multiples of both 7 and 128, 2044 the 2048-row
 chunk cut to blocks. Each row: ms per call (mean of --reps after one warm-up call) and TFLOP/s (2 x the product's
 multiply-adds); the joint rows also say how far their result is from the separate products' (it must be rounding).
 """

@@ -157,17 +157,18 @@ TARGET_EMBEDDINGS_HELP = (
     "lm_head.weight): DeepSpec's evaluator needs them for a DSpark drafter; vLLM, SGLang and z-lab share the "
     "target's, so the default leaves them out (docs/export.md)."
 )
-# The names of dflash.methods.METHODS and dflash.loss.POSITION_WEIGHTS (this module stays torch-free; a test keeps
-# the lists equal).
+# The names of dflash.methods.METHODS and dflash.drafter.loss.POSITION_WEIGHTS (this module stays torch-free; a test
+# keeps the lists equal).
 DRAFTER_METHODS = ("dflash", "dflash2", "dspark")
 POSITION_WEIGHTS = ("decay", "dpace")
 # What the train step's backward recomputes instead of keeping: nothing; each drafter layer's element-wise work (its
-# layer then keeps the outputs of its matmuls and attention only, dflash.drafter.KEPT_BY_POINTWISE); or each layer's
-# MLP, which then keeps only its input, where the compiled step otherwise keeps gate, up and their SwiGLU product.
+# layer then keeps the outputs of its matmuls and attention only, dflash.drafter.model.KEPT_BY_POINTWISE); or each
+# layer's MLP, which then keeps only its input, where the compiled step otherwise keeps gate, up and their SwiGLU
+# product.
 RECOMPUTE = ("none", "pointwise", "mlp")
 # Where the block tokens' embeddings come from: the frozen table on the device, or the reader threads, which look each
 # row's tokens up in a host copy of the table and ship them with the row (the table then stays off the GPU); auto
-# picks host on a GPU when those per-row embeddings take less device memory than the table (dflash.memory).
+# picks host on a GPU when those per-row embeddings take less device memory than the table (dflash.drafter.memory).
 EMBEDDING = ("auto", "device", "host")
 
 

@@ -3,7 +3,7 @@
 dflash writes this file as `modeling_dflash.py` beside `config.json` (whose `auto_map` names `DFlashDraftModel`,
 `DFlash2DraftModel` for a DFlash 2 drafter or `Qwen3DSparkModel` for a DSpark one) and never imports it itself. It must stay self-contained, depending on torch and transformers only: transformers
 loads it from the exported folder on machines where dflash is not installed, so it cannot import `dflash`. It
-repeats the forward of `dflash.drafter.DFlashDrafter`, `dflash.methods.dflash2.DFlash2Drafter` and
+repeats the forward of `dflash.drafter.model.DFlashDrafter`, `dflash.methods.dflash2.DFlash2Drafter` and
 `dflash.methods.dspark.DSparkDrafter` (inference form:
 no mask, or a dense boolean one) with the same parameter names; tests compare them so that they cannot drift apart.
 

@@ -15,10 +15,19 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash import loss, memory, methods
+from dflash import methods
 from dflash.config import HarvestConfig, TrainConfig
 from dflash.data import load_documents
-from dflash.drafter import DrafterConfig, flash_kv_repeat
+from dflash.drafter import DrafterConfig, flash_kv_repeat, loss, memory
+from dflash.drafter.step_time import (
+    ATTENTION_SPEEDUP,
+    FLASH_SPEEDUP,
+    Rates,
+    nearest_bench_drafter,
+    pairs_per_anchor,
+    rates_at,
+    row_flops,
+)
 from dflash.errors import DflashError
 from dflash.errors import format_size as _size  # the plan's every size
 from dflash.harvest import (
@@ -33,15 +42,6 @@ from dflash.harvest import (
 from dflash.manifest import FeatureSpec, TeacherSpec, teacher_spec
 from dflash.packing import PartPlan
 from dflash.parallel import check_split, checkpoint_bytes
-from dflash.step_time import (
-    ATTENTION_SPEEDUP,
-    FLASH_SPEEDUP,
-    Rates,
-    nearest_bench_drafter,
-    pairs_per_anchor,
-    rates_at,
-    row_flops,
-)
 from dflash.store import check_writable, nearest_existing
 from dflash.target_files import checkpoint_file, load_config, tensor_files
 from dflash.train.setup import anchors_per_row, check_shapes
@@ -288,7 +288,7 @@ def _train_options(method: str, anchors: int, asked: int, token_budget: int, tra
 def _train_lines(
     dcfg: DrafterConfig, options: str, data: DataEstimate, token_budget: int, anchors: int, epochs: int
 ) -> list[str]:
-    """The method's train time on one H200 (dflash.step_time), and the same with the other choice of context:
+    """The method's train time on one H200 (dflash.drafter.step_time), and the same with the other choice of context:
     full where the method slides a window, DFlash 2's 2048-token window where it sees it all."""
     if not data.contexts.any():
         return [
@@ -337,7 +337,7 @@ def _train_lines(
         )
     measured = "" if dcfg.head_dim in ATTENTION_SPEEDUP else f"; head_dim {dcfg.head_dim} priced at 256's"
     lines.append(
-        f"           (dflash.step_time: a row's matmul and attention FLOPs at the two rates that reproduce two "
+        f"           (dflash.drafter.step_time: a row's matmul and attention FLOPs at the two rates that reproduce two "
         f"measured steps of bench/train.py's drafter {bench} on one H200, {rates.matmul / 1e12:.0f} and "
         f"{rates.attention / 1e12:.0f} TFLOP/s at head_dim {dcfg.head_dim}{measured}; docs/benchmarks.md, "
         "'Step time model')"
@@ -347,7 +347,7 @@ def _train_lines(
 
 @dataclass(frozen=True)
 class StepMemory:
-    need: float  # bytes of a train step on one GPU (dflash.memory)
+    need: float  # bytes of a train step on one GPU (dflash.drafter.memory)
     pointwise: float  # the same with --recompute pointwise
     fitting: int  # the most anchors up to the asked ones that fit an H200 (0: not even one)
     kv_repeat: int = 1  # each K / V head's copies under BACKEND=FLASH where plan prices it (1: none, or not priced)
@@ -394,7 +394,7 @@ def _memory_lines(options: str, step: StepMemory, anchors: int) -> list[str]:
     )
     lines = [
         f"memory     a train step of a {options}, on one row: ~{_size(step.need)} on a GPU, "
-        f"~{_size(step.pointwise)} with --recompute pointwise (dflash.memory, docs/training.md 'Memory'); an H200's "
+        f"~{_size(step.pointwise)} with --recompute pointwise (dflash.drafter.memory, docs/training.md 'Memory'); an H200's "
         f"139 GiB: {verdict}"
     ]
     if step.kv_repeat > 1:

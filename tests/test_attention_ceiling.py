@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from bench.attention_ceiling import additive_mask, grouped_attention, query_groups
 from bench.mask_tiles import row_anchors
-from dflash.blocks import dense_block_mask
+from dflash.drafter.blocks import dense_block_mask
 
 
 @pytest.mark.parametrize("split", [False, True])

@@ -1,4 +1,4 @@
-"""dflash/attention_kernels.py: the defaults by head dim against torch's own kernel tables, the flags winning, the
+"""dflash/drafter/attention.py: the defaults by head dim against torch's own kernel tables, the flags winning, the
 refused-tile error, the mask function's tiles."""
 
 import importlib.util
@@ -6,8 +6,8 @@ import importlib.util
 import pytest
 import torch
 
-from dflash import blocks
-from dflash.attention_kernels import (
+from dflash.drafter import blocks
+from dflash.drafter.attention import (
     CUDA_KERNEL_OPTIONS,
     attention_kernel_errors,
     attention_kernel_options,
@@ -117,7 +117,7 @@ def test_kernel_options_on_the_cpu_are_said_to_be_ignored(caplog):
 
 def test_the_flash_kernels_refusals_name_the_flags():
     # flash-attn-4's words (4.0.0b40) for a KV tile its SM90 forward at head_dim 256 does not take, and torch 2.11's
-    # for a mask op its CuTe lowering lacks (the clamp dflash.blocks no longer uses)
+    # for a mask op its CuTe lowering lacks (the clamp dflash.drafter.blocks no longer uses)
     refusal = (
         "LoweringException: ValueError: Block sparsity requires sparse_block_size[1] to be a multiple of tile_n=80."
     )

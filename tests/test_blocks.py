@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from dflash import graph
-from dflash.blocks import (
+from dflash.drafter import graph
+from dflash.drafter.blocks import (
     MASK_COMPILE_OPTIONS,
     block_attention_mask,
     block_embeddings,

@@ -16,10 +16,10 @@ from test_drafter import (
 from test_dspark import distance_reference, teacher_of
 from torch.nn.attention.flex_attention import create_mask
 
-from dflash import loss
-from dflash.blocks import block_attention_mask, dense_block_mask
-from dflash.decoding import accept_sampled, draft_overlap, target_probs
+from dflash.drafter import loss
+from dflash.drafter.blocks import block_attention_mask, dense_block_mask
 from dflash.errors import DflashError
+from dflash.evaluate.decoding import accept_sampled, draft_overlap, target_probs
 from dflash.methods import ObjectiveOptions
 from dflash.methods.dflash2 import (
     DFlash2Config,

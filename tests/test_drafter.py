@@ -5,12 +5,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash import drafter as drafter_module
-from dflash.blocks import block_attention_mask, dense_block_mask, sample_anchors
-from dflash.drafter import DFlashDrafter, DrafterConfig, rope_tables
+from dflash.drafter import model as drafter_module
+from dflash.drafter.blocks import block_attention_mask, dense_block_mask, sample_anchors
+from dflash.drafter.model import DFlashDrafter, DrafterConfig, rope_tables
+from dflash.drafter.proposers import window_mask
 from dflash.errors import DflashError
 from dflash.export import export_drafter, load_drafter
-from dflash.proposers import window_mask
 from dflash.tiny import tiny_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

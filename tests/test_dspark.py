@@ -10,9 +10,11 @@ import torch.nn.functional as F
 from test_drafter import small_config
 from torch.utils.flop_counter import FlopCounterMode
 
-from dflash import blocks, loss
-from dflash.decoding import accept_sampled, target_probs
+from dflash.drafter import blocks, loss
+from dflash.drafter.flops import step_flops
+from dflash.drafter.proposers import DecodingOptions
 from dflash.errors import DflashError
+from dflash.evaluate.decoding import accept_sampled, target_probs
 from dflash.methods import ObjectiveOptions
 from dflash.methods.distill import _chunk_size, teacher_head_loss
 from dflash.methods.dspark import (
@@ -21,8 +23,6 @@ from dflash.methods.dspark import (
     DSparkProposer,
     objective,
 )
-from dflash.metrics import step_flops
-from dflash.proposers import DecodingOptions
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -192,7 +192,7 @@ def test_objective_and_its_gradients_equal_the_float64_reference(kind, position_
 
 @pytest.mark.parametrize("kind", ["hidden", "topk"])
 def test_the_mfu_formula_counts_the_objective_s_matmuls(kind):
-    """dflash.metrics.step_flops' terms for what the objective multiplies (the frozen LM head 2x, the Markov head
+    """dflash.drafter.flops.step_flops' terms for what the objective multiplies (the frozen LM head 2x, the Markov head
     3x through method_flops_per_token, the hidden teacher's head 1x) against the matmul FLOPs torch's
     FlopCounterMode counts in the objective's forward and backward. Without the confidence head: its per-row dot
     product runs elementwise (in float32 under autocast), which FlopCounterMode does not count."""

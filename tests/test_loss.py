@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash.loss import (
+from dflash.drafter.loss import (
     block_hits,
     block_stats,
     default_chunk_size,

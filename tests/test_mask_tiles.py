@@ -1,5 +1,5 @@
 """bench/mask_tiles.py's computed pairs per visible pair (the visible ones counted as MFU counts them,
-dflash.metrics.visible_pairs) against the brute-force dense mask's visible pairs."""
+dflash.drafter.flops.visible_pairs) against the brute-force dense mask's visible pairs."""
 
 import sys
 from pathlib import Path
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.blocks import dense_block_mask, sample_anchors
+from dflash.drafter.blocks import dense_block_mask, sample_anchors
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 

@@ -1,5 +1,5 @@
-"""The step's memory estimate (dflash.memory) against the peaks measured on one H200, what --recompute takes off it
-(counted from the compiled graph), and its refusal."""
+"""The step's memory estimate (dflash.drafter.memory) against the peaks measured on one H200, what --recompute takes off
+it (counted from the compiled graph), and its refusal."""
 
 import dataclasses
 import math
@@ -12,9 +12,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from dflash import methods
-from dflash.drafter import MLP, RMSNorm, rope_tables
-from dflash.errors import DflashError
-from dflash.memory import (
+from dflash.drafter.memory import (
     StepShape,
     check_memory,
     embedding_on_host,
@@ -22,6 +20,8 @@ from dflash.memory import (
     parameter_count,
     step_memory,
 )
+from dflash.drafter.model import MLP, RMSNorm, rope_tables
+from dflash.errors import DflashError
 
 
 def drafter(hidden: int, heads: int, ffn: int, method: str = "dflash"):
@@ -323,8 +323,8 @@ def test_the_readers_host_memory_is_what_they_pin_and_a_host_too_small_is_refuse
     """train_setup.check_host_memory counts the page-locked batches the readers allocate (checked against
     reader.allocate_batch's own tensors), and refuses a GPU run whose rank's share of the host's memory is smaller,
     naming the options that lower it; --ignore-memory-estimate lets it run."""
-    from dflash import memory as memory_module
     from dflash.config import TrainConfig
+    from dflash.drafter import memory as memory_module
     from dflash.train.reader import BatchShape, allocate_batch, row_fields
     from dflash.train.setup import check_host_memory
 

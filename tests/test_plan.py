@@ -11,8 +11,8 @@ from click.testing import CliRunner
 
 from cli.main import main
 from dflash import plan, store
-from dflash.blocks import eligible_anchors
 from dflash.config import HarvestConfig, TrainConfig
+from dflash.drafter.blocks import eligible_anchors
 from dflash.harvest import run_harvest
 from dflash.plan import estimate_data, mode_bytes, plan_report
 from dflash.tiny import CORPUS

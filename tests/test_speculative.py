@@ -10,7 +10,11 @@ import torch
 from click.testing import CliRunner
 
 from dflash.config import EvalConfig
-from dflash.decoding import (
+from dflash.drafter import DFlashDrafter, DrafterConfig
+from dflash.drafter.proposers import DFlashProposer, Draft, PromptLookupProposer
+from dflash.errors import DflashError
+from dflash.evaluate import SpeculativeMethod, evaluate
+from dflash.evaluate.decoding import (
     accept_greedy,
     accept_sampled,
     generate_prompt_lookup,
@@ -18,10 +22,6 @@ from dflash.decoding import (
     speculative_generate,
     target_probs,
 )
-from dflash.drafter import DFlashDrafter, DrafterConfig
-from dflash.errors import DflashError
-from dflash.evaluate import SpeculativeMethod, evaluate
-from dflash.proposers import DFlashProposer, Draft, PromptLookupProposer
 from dflash.regenerate import encode_prompt, eos_token_ids
 from dflash.target import load_target
 
@@ -489,7 +489,7 @@ def test_evaluate_resumes_a_partial_report(tiny_target):
 
 
 def test_cache_argument_follows_the_forward_signature():
-    from dflash.decoding import cache_argument
+    from dflash.evaluate.decoding import cache_argument
 
     class Renamed:
         def forward(self, input_ids, cache=None, use_cache=None): ...
@@ -530,7 +530,7 @@ def test_a_sampled_eval_samples_its_baseline_and_leaves_greedy_prompt_lookup_out
     """At --temperature 0.7 the plain baseline every speedup is measured against samples at 0.7 and says so, and
     transformers' greedy prompt lookup is not in the table; at 0 both are as before."""
     import dflash.evaluate
-    from dflash.decoding import plain_decode
+    from dflash.evaluate.decoding import plain_decode
 
     temperatures = []
 
@@ -553,7 +553,7 @@ def test_a_sampled_eval_samples_its_baseline_and_leaves_greedy_prompt_lookup_out
 
 
 def test_plain_decoding_samples_at_a_temperature(loaded):
-    from dflash.decoding import plain_decode
+    from dflash.evaluate.decoding import plain_decode
 
     target, eos_ids, prompts, _ = loaded("qwen3")
     greedy = plain_decode(target, prompts[0], 20, eos_ids).tokens

@@ -1,12 +1,12 @@
-"""dflash.step_time: the pairs a drafter's blocks see, against the brute-force mask; the two rates, against the
+"""dflash.drafter.step_time: the pairs a drafter's blocks see, against the brute-force mask; the two rates, against the
 measured steps they were fitted to and the measured steps they were not."""
 
 import numpy as np
 import pytest
 import torch
 
-from dflash.blocks import dense_block_mask, eligible_anchors
-from dflash.step_time import (
+from dflash.drafter.blocks import dense_block_mask, eligible_anchors
+from dflash.drafter.step_time import (
     ATTENTION_SPEEDUP,
     BENCH_DRAFTERS,
     MEASURED,

@@ -113,3 +113,16 @@ def test_every_import_of_the_library_resolves_in_bench_and_cli():
                     if alias.name.split(".")[0] == "dflash" and importlib.util.find_spec(alias.name) is None:
                         missing.append(f"{path.relative_to(ROOT)}: {alias.name}")
     assert not missing, missing
+
+
+def test_the_drafter_package_imports_none_of_its_users():
+    """dflash/drafter/ (a drafter's model, its attention kernels, its step's cost) sits below what uses it: none of
+    its modules imports the stages (train, evaluate, harvest, plan) or the methods that extend it."""
+    users = ("dflash.train", "dflash.evaluate", "dflash.harvest", "dflash.plan", "dflash.methods")
+    upward = sorted(
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in (ROOT / "dflash" / "drafter").glob("*.py")
+        for name in dflash_imports(path)
+        if any(name == user or name.startswith(f"{user}.") for user in users)
+    )
+    assert not upward, upward

@@ -263,7 +263,7 @@ def test_generation_on_the_cpu_keeps_gpu_kernels_for_cuda_tensors(tiny_target, m
 
     from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
 
-    from dflash.decoding import plain_greedy
+    from dflash.evaluate.decoding import plain_greedy
     from dflash.kernels import DECODE_FUNCTIONS, SEQUENCE_FUNCTIONS
     from dflash.regenerate import encode_prompt, eos_token_ids
     from dflash.target import load_target

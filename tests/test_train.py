@@ -19,13 +19,12 @@ import zarr
 from torch.nn.attention.flex_attention import create_block_mask
 from train_support import METHOD_OPTIONS, B, assert_same_validation, config
 
-from dflash import blocks, graph
-from dflash.attention_kernels import default_mask_tile
 from dflash.config import TrainConfig
-from dflash.drafter import DFlashDrafter
+from dflash.drafter import DFlashDrafter, blocks, graph
+from dflash.drafter.attention import default_mask_tile
+from dflash.drafter.flops import visible_pairs
 from dflash.errors import DflashError
 from dflash.export import load_drafter
-from dflash.metrics import visible_pairs
 from dflash.store import Store, record_digests
 from dflash.target_files import load_embedding_and_head
 from dflash.train import Trainer, reader

@@ -14,8 +14,8 @@ from click.testing import CliRunner
 from train_support import METHOD_OPTIONS, B, assert_same_validation, config, copy_store, manifest_edit, train_cli
 
 from cli.main import main
-from dflash import graph
 from dflash.config import TrainConfig
+from dflash.drafter import graph
 from dflash.errors import DflashError
 from dflash.export import load_drafter
 from dflash.store import Store

@@ -601,7 +601,8 @@ def test_a_damaged_held_out_row_mid_run_keeps_every_record_exact_across_the_resu
 def test_a_cpu_run_past_the_available_memory_is_refused_before_any_model_is_built(store, tmp_path, monkeypatch):
     """With a tiny MemAvailable the defaults are refused before the embedding is read or the drafter made, naming the
     --anchors that fit; those anchors then train under the same memory."""
-    from dflash import memory, train
+    from dflash import train
+    from dflash.drafter import memory
 
     env = init_distributed("cpu")
     estimates = {a: Trainer(config(store, tmp_path / f"e{a}", anchors=a, rows_per_step=1), env) for a in (4, 11)}

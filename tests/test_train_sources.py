@@ -18,7 +18,7 @@ from dflash.train.run import run_training
 
 
 def test_source_sums_equal_a_loop_over_the_blocks():
-    from dflash.metrics import source_sums
+    from dflash.train.metrics import source_sums
 
     accepted = torch.tensor([1, 4, 0, 3, 1, 6])
     losses = torch.tensor([0.5, 1.5, 0.0, 2.0, 0.25, 1.0], dtype=torch.float64)

@@ -22,9 +22,10 @@ import torch
 
 from dflash import methods as drafter_methods
 from dflash.config import EvalConfig
-from dflash.decoding import Generation, generate_prompt_lookup, plain_decode, speculative_generate
 from dflash.device import local_device
+from dflash.drafter.proposers import DecodingOptions, PromptLookupProposer, Proposer
 from dflash.errors import DflashError, describe_differences
+from dflash.evaluate.decoding import Generation, generate_prompt_lookup, plain_decode, speculative_generate
 from dflash.evaluate.drafters import (
     check_drafter_fits,
     check_trained_for,
@@ -36,7 +37,6 @@ from dflash.evaluate.shares import merge_reports, share_of
 from dflash.export import read_drafter_config
 from dflash.manifest import TargetIdentity
 from dflash.parallel import open_group, shared_work
-from dflash.proposers import DecodingOptions, PromptLookupProposer, Proposer
 from dflash.regenerate import encode_prompt, eos_token_ids
 from dflash.regenerate.answers import answerable_prompts, check_positions
 from dflash.target import load_target
@@ -81,7 +81,7 @@ class Method:
     block_size: int | None = None  # a drafter's block (its config's); None for prompt lookup
     # temperature > 0: per draft position, the mean over the rounds that reached it of sum min(p, q), the chance
     # that verification accepts the draft there, and of the target's mass on q's support, its cap
-    # (dflash.decoding.draft_overlap)
+    # (dflash.evaluate.decoding.draft_overlap)
     acceptance_by_position: list[float] = field(default_factory=list)
     support_by_position: list[float] = field(default_factory=list)
 

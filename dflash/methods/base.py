@@ -45,9 +45,9 @@ def with_slot0(values: Tensor, span: int) -> Tensor:
 @dataclass(frozen=True)
 class Method:
     name: str  # --method
-    config_cls: type  # a dflash.drafter.DrafterConfig
-    model_cls: type  # a dflash.drafter.DFlashDrafter
-    proposer_cls: type  # a dflash.proposers.DFlashProposer: (model, config, target)
+    config_cls: type  # a dflash.drafter.model.DrafterConfig
+    model_cls: type  # a dflash.drafter.model.DFlashDrafter
+    proposer_cls: type  # a dflash.drafter.proposers.DFlashProposer: (model, config, target)
     # (model, hidden [N, H], head [V, H], labels [N], weights [N], span, ObjectiveOptions, teacher) -> Objective;
     # N = A * span positions in block-major order (DrafterConfig.span), teacher: the store's teacher arrays at the
     # position before each label ({name: [N, ...]}), or None for a method that does not read them

@@ -1,10 +1,9 @@
-"""DFlash as the paper of February 2026 describes it: the backbone of dflash.drafter, the block CE through the
+"""DFlash as the paper of February 2026 describes it: the backbone of dflash.drafter.model, the block CE through the
 target's LM head, drafts by argmax (or sampling) of those logits."""
 
-from dflash import loss
-from dflash.drafter import DFlashDrafter, DrafterConfig
+from dflash.drafter import DFlashDrafter, DrafterConfig, loss
+from dflash.drafter.proposers import DFlashProposer
 from dflash.methods.base import Method, Objective, drafted_slots, with_slot0
-from dflash.proposers import DFlashProposer
 
 
 def objective(model, hidden, head, labels, weights, block_size, options, teacher=None) -> Objective:

@@ -23,12 +23,12 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from dflash import loss
-from dflash.drafter import INIT_STD, DFlashDrafter, DrafterConfig, Layer, acc_dtype
+from dflash.drafter import loss
+from dflash.drafter.model import INIT_STD, DFlashDrafter, DrafterConfig, Layer, acc_dtype
+from dflash.drafter.proposers import DFlashProposer, Draft
 from dflash.errors import DflashError
 from dflash.methods.base import Method, Objective, drafted_slots, with_slot0
 from dflash.methods.distill import teacher_head_loss, teacher_logit_copies
-from dflash.proposers import DFlashProposer, Draft
 from dflash.topk import vocab_top_k
 
 

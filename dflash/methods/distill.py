@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from dflash import graph, loss
+from dflash.drafter import graph, loss
 from dflash.topk import vocab_top_k
 
 TEACHER_ORDER = {"hidden": ("teacher_hidden",), "topk": ("teacher_ids", "teacher_probs", "teacher_tail")}

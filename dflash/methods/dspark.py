@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash.drafter import INIT_STD, DFlashDrafter, DrafterConfig, acc_dtype
+from dflash.drafter.model import INIT_STD, DFlashDrafter, DrafterConfig, acc_dtype
+from dflash.drafter.proposers import DFlashProposer, Draft, draw
 from dflash.errors import DflashError
 from dflash.methods.base import Method, Objective, drafted_slots, with_slot0
 from dflash.methods.distill import teacher_head_loss, teacher_logit_copies
-from dflash.proposers import DFlashProposer, Draft, draw
 
 CE_WEIGHT, DISTANCE_WEIGHT, CONFIDENCE_WEIGHT = 0.1, 0.9, 1.0  # DeepSpec's DSpark loss
 

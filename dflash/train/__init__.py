@@ -9,9 +9,10 @@ Everything a step does happens on the device inside `_train_step` (captured once
 host only copies the next rows into the static buffers and, on log steps, reads the metric sums: the hot loop
 has no host synchronisation and allocates nothing. Around the trainer: `dflash.config.TrainConfig` (the
 options), `dflash.train.setup` (the checks and decisions before any work: store, drafter config, memory, run
-folder, ranks), `dflash.attention_kernels` (the flex_attention options and BlockMask tiles of a CUDA step), `dflash.train.reader` (the data plan and the row streaming), `dflash.metrics` (the sums, records and FLOP
-count), `dflash.train.checkpoint` (save, load, resume checks, export). Formulas (MFU, metrics) and resume semantics are
-documented in docs/training.md.
+folder, ranks), `dflash.drafter.attention` (the flex_attention options and BlockMask tiles of a CUDA step),
+`dflash.train.reader` (the data plan and the row streaming), `dflash.train.metrics` (the sums and records; the FLOP
+count is `dflash.drafter.flops`'), `dflash.train.checkpoint` (save, load, resume checks, export). Formulas (MFU,
+metrics) and resume semantics are documented in docs/training.md.
 """
 
 import contextlib
@@ -27,18 +28,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dflash import blocks, features, graph, loss, memory, methods
-from dflash.attention_kernels import (
+from dflash import features, methods
+from dflash.config import TrainConfig
+from dflash.drafter import blocks, flash_kv_repeat, graph, loss, memory
+from dflash.drafter.attention import (
     attention_kernel_errors,
     attention_kernel_options,
     default_mask_tile,
     describe_choice,
     mask_function,
 )
-from dflash.config import TrainConfig
-from dflash.drafter import flash_kv_repeat
+from dflash.drafter.flops import visible_pairs
 from dflash.errors import DflashError
-from dflash.metrics import Meter, MetricsLog, Tally, source_sums, visible_pairs
 from dflash.store import Store
 from dflash.train import reader
 from dflash.train.checkpoint import (
@@ -46,6 +47,7 @@ from dflash.train.checkpoint import (
     any_rank,
     max_over_ranks,
 )
+from dflash.train.metrics import Meter, MetricsLog, Tally, source_sums
 from dflash.train.setup import (
     Env,
     StopSignals,

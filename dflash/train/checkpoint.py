@@ -32,7 +32,7 @@ from dflash.locks import LOCK_FILE, FileLock
 logger = logging.getLogger("dflash")
 
 PREFIX = "step_"
-METRICS_FILE = "metrics.jsonl"  # (dflash.metrics writes it; named here to tell an earlier run's folder)
+METRICS_FILE = "metrics.jsonl"  # (dflash.train.metrics writes it; named here to tell an earlier run's folder)
 DIGESTS = "digests.json"  # {"sha256": {name: digest}} of every other file of a checkpoint
 
 # Options that may differ between a run and its resumption: they change how the run executes or reports, not

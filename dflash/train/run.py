@@ -9,10 +9,10 @@ import torch.distributed as dist
 
 from dflash.config import TrainConfig
 from dflash.export import export_drafter, read_target_embeddings
-from dflash.metrics import MetricsLog, drop_records_after
 from dflash.store import Store
 from dflash.train import Trainer
 from dflash.train.checkpoint import DISK_ERRORS, Checkpointer, disk_error, on_rank0, read_state, run_lock
+from dflash.train.metrics import MetricsLog, drop_records_after
 from dflash.train.setup import check_out, finished_run, init_distributed
 
 logger = logging.getLogger("dflash")

@@ -18,18 +18,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dflash import loss, memory, methods
+from dflash import methods
 from dflash.config import TrainConfig
 from dflash.device import local_device
-from dflash.drafter import DrafterConfig, flash_kv_repeat
+from dflash.drafter import DrafterConfig, flash_kv_repeat, loss, memory
 from dflash.errors import DflashError, check_not_foreign
 from dflash.export import check_export_target
 from dflash.locks import LOCK_FILE
 from dflash.manifest import Manifest, TargetIdentity, check_same_weights
-from dflash.metrics import SumsLayout, Tally, read_records
 from dflash.store import Store, target_path
 from dflash.target_files import MASK_TOKEN, load_config, load_embedding_and_head
 from dflash.train.checkpoint import METRICS_FILE, Checkpointer, on_rank0, read_state
+from dflash.train.metrics import SumsLayout, Tally, read_records
 
 logger = logging.getLogger("dflash")
 
@@ -272,7 +272,7 @@ def check_step_memory(
     teacher: str | None = None,
     embedding_on_host: bool = False,
 ) -> int:
-    """The estimated peak bytes of a step (dflash.memory), refused before anything is built when the device has
+    """The estimated peak bytes of a step (dflash.drafter.memory), refused before anything is built when the device has
     less (unless --ignore-memory-estimate); `teacher`: the kind of teacher arrays the method trains from; `fields`:
     the store's row arrays (the token embeddings of `embedding_on_host` are counted apart)."""
     T = fields["input_ids"][0][0]

@@ -31,7 +31,7 @@ MASK_COMPILE_OPTIONS = {"triton.persistent_reductions": False}
 
 # Query and key positions per side of a BlockMask tile (create_block_mask's BLOCK_SIZE): torch's default.
 # flex_attention skips the tiles where no pair is visible and evaluates mask_mod only in partly visible ones; its
-# kernel tiles (BLOCK_M, BLOCK_N, ...) must divide this size. The trainer's choice: dflash.attention_kernels.
+# kernel tiles (BLOCK_M, BLOCK_N, ...) must divide this size. The trainer's choice: dflash.drafter.attention.
 TORCH_MASK_TILE = 128
 
 

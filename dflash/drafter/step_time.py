@@ -6,8 +6,8 @@ the attention with the tokens times the context each block sees. So a step's tim
 
     seconds = matmul FLOPs / matmul rate + attention FLOPs / attention rate
 
-(both counted by dflash.metrics.step_flops_by_kind), and the two rates of a drafter are the ones that reproduce two
-of its measured steps, a short row and a long one (bench/train.py on one H200, `MEASURED`). On the measured rows not
+(both counted by dflash.drafter.flops.step_flops_by_kind), and the two rates of a drafter are the ones that reproduce
+two of its measured steps, a short row and a long one (bench/train.py on one H200, `MEASURED`). On the measured rows not
 used to fit them it came within about 5 % (131072 tokens, a 2048-token window), short of the measured step each time,
 and 13 % short at 262144 tokens: an estimate, a lower bound past 131072 (docs/benchmarks.md, "Step time model").
 
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dflash.drafter import DrafterConfig
-from dflash.metrics import block_pairs, step_flops_by_kind
+from dflash.drafter.flops import block_pairs, step_flops_by_kind
+from dflash.drafter.model import DrafterConfig
 from dflash.target import default_layer_ids
 
 # bench/train.py's drafters: the target's width, heads and FFN, which the drafter copies (a: Qwen3.5-27B-class,

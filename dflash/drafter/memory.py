@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.drafter import DrafterConfig
+from dflash.drafter.model import DrafterConfig
 from dflash.errors import DflashError
 
 
@@ -57,7 +57,7 @@ class StepShape:
     recompute: str = "none"  # TrainConfig.recompute
     layer_parameters: int = 0  # those of the drafter layers (--recompute pointwise recomputes their bf16 copies)
     embedding_on_host: bool = False  # TrainConfig.embedding resolved (`embedding_on_host`)
-    kv_repeat: int = 1  # K / V heads repeated for BACKEND=FLASH (dflash.drafter.flash_kv_repeat)
+    kv_repeat: int = 1  # K / V heads repeated for BACKEND=FLASH (dflash.drafter.model.flash_kv_repeat)
 
 
 def embedding_on_host(choice: str, cuda: bool, step_tokens: int, vocab_size: int) -> bool:

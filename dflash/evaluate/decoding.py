@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
+from dflash.drafter.proposers import Draft, Proposer, draw
 from dflash.errors import DflashError
-from dflash.proposers import Draft, Proposer, draw
 
 # ---------------------------------------------------------------------------------------------------------------
 # Acceptance of drafts

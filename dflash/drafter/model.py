@@ -20,8 +20,8 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from dflash.attention_kernels import check_kernel_options, uses_flash
 from dflash.config import RECOMPUTE
+from dflash.drafter.attention import check_kernel_options, uses_flash
 from dflash.errors import DflashError
 
 INIT_STD = 0.02  # Qwen3's initializer_range; the public drafters were initialised the same way
@@ -192,17 +192,18 @@ class DrafterConfig:
         return sorted(["fc.weight", "hidden_norm.weight", "norm.weight", *layers, *self.extra_keys()])
 
     def method_flops_per_token(self) -> float:
-        """Forward matmul FLOPs per block token of a method's modules beyond DFlash's (dflash.metrics.step_flops)."""
+        """Forward matmul FLOPs per block token of a method's modules beyond DFlash's
+        (dflash.drafter.flops.step_flops)."""
         return 0.0
 
     def loss_logit_copies(self, teacher: str | None) -> float:
         """fp32 [loss chunk x V] logits a method's loss keeps at its peak on a GPU, with the store's teacher kind
-        (`hidden`, `topk` or None; dflash.memory.step_memory): DFlash's chunked CE keeps one."""
+        (`hidden`, `topk` or None; dflash.drafter.memory.step_memory): DFlash's chunked CE keeps one."""
         return 1.0
 
     def method_activation_copies(self, recompute: str = "none") -> float:
         """Activations a method's modules keep per drafter layer and block token beyond DFlash's, in copies of the
-        hidden width, on a GPU (dflash.memory.step_memory), under TrainConfig.recompute `recompute`."""
+        hidden width, on a GPU (dflash.drafter.memory.step_memory), under TrainConfig.recompute `recompute`."""
         return 0.0
 
     def extra_layer_keys(self) -> list[str]:

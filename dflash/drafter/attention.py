@@ -13,7 +13,8 @@ import typing
 
 from torch.nn.attention.flex_attention import FlexKernelOptions
 
-from dflash import blocks, graph
+from dflash.drafter.blocks import MASK_COMPILE_OPTIONS, TORCH_MASK_TILE, block_attention_mask, dense_attention_bias
+from dflash.drafter.graph import compile_fn
 from dflash.errors import DflashError
 
 logger = logging.getLogger("dflash")
@@ -106,14 +107,14 @@ def attention_kernel_options(given: dict, cuda: bool, head_dim: int) -> dict:
 
 def default_mask_tile(head_dim: int) -> int:
     """The BlockMask tile of TrainConfig.mask_tile_size = None: small where torch's kernels allow it."""
-    return SMALL_MASK_TILE if head_dim >= TUNED_MIN_HEAD_DIM else blocks.TORCH_MASK_TILE
+    return SMALL_MASK_TILE if head_dim >= TUNED_MIN_HEAD_DIM else TORCH_MASK_TILE
 
 
 def describe_choice(
     options: dict, tile: int, head_dim: int, options_given: bool, tile_given: bool, kv_repeat: int = 1
 ) -> str:
     """The log line's account of the step's kernels and where each choice came from (`kv_repeat`: the drafter's
-    dflash.drafter.flash_kv_repeat, above 1 under FLASH only)."""
+    dflash.drafter.model.flash_kv_repeat, above 1 under FLASH only)."""
     by_head_dim = f"the default at head_dim {head_dim}"
     options_from = "--attention-kernel-option" if options_given else by_head_dim
     tile_from = "--mask-tile-size" if tile_given else by_head_dim
@@ -130,9 +131,9 @@ def mask_function(tile_size: int, cuda: bool, compile_on: bool):
     `tile_size` tiles; on the CPU the dense mask (flex_attention has no CPU backward), built directly as the
     bias every layer shares, not through a BlockMask's mask_mod (13 bytes a pair while it is evaluated)."""
     if not cuda:
-        return blocks.dense_attention_bias
-    block_mask = functools.partial(blocks.block_attention_mask, tile_size=tile_size)
-    return graph.compile_fn(block_mask, compile_on, options=blocks.MASK_COMPILE_OPTIONS)
+        return dense_attention_bias
+    block_mask = functools.partial(block_attention_mask, tile_size=tile_size)
+    return compile_fn(block_mask, compile_on, options=MASK_COMPILE_OPTIONS)
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""Proposers: what drafts the tokens a speculative round verifies (dflash.decoding runs the rounds).
+"""Proposers: what drafts the tokens a speculative round verifies (dflash.evaluate.decoding runs the rounds).
 
 A proposer sees the committed tokens and the target features of every committed token but the last, and returns
 a Draft: the tokens, and at temperature > 0 the distribution q each was drawn from, which lossless verification
