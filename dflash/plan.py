@@ -418,7 +418,8 @@ def _teacher_line(teacher: TeacherSpec | None, hidden_size: int, tokens: float) 
         f"teacher    none: the drafter learns the target's argmax, what serving at temperature 0 verifies. For sampled "
         f"serving (temperature > 0) harvest with --teacher topk:32 ({topk} bytes per token raw; topk:K adds 6K + 2, "
         f"--teacher hidden adds 2H = {hidden:,}, {_size(hidden * tokens)} for the data) and train --method dspark, which "
-        "learns the target's distribution (README, 'Which to use')"
+        "learns the target's distribution; for both temperatures train --method dflash2 from such a store with "
+        "--drafter-option selector_top_k=64 (README, 'Which to use')"
     )
 
 

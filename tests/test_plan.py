@@ -98,6 +98,9 @@ def test_plan_prints_every_mode_and_whether_it_fits(model, tmp_path):
     assert "the chosen mode (fp8, subspace 1/4)" in result.output and ": fits" in result.output
     assert "H200-hours" in result.output and not (tmp_path / "s").exists()
     assert "of weights (the checkpoint's files): whole on each GPU" in result.output
+    # no --teacher: the plan names the method for sampled serving and the one for both temperatures (issue 52)
+    teacher_line = " ".join(result.output.split())
+    assert "train --method dspark" in teacher_line and "--drafter-option selector_top_k=64" in teacher_line
     bad = CliRunner().invoke(
         main, ["plan", "--model", model, "--data", str(CORPUS), "--out", str(tmp_path / "s"), "--sample", "1"]
     )

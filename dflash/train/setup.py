@@ -256,8 +256,9 @@ def describe_objective(method: methods.Method, store: Store, teacher_loss: str, 
     why = "--teacher-loss off" if teacher_loss == "off" else "the store holds no teacher"
     return (
         f"--method {method.name} trains on hard labels ({why}): it learns the target's argmax, what serving at "
-        "temperature 0 verifies; for sampled serving train --method dspark from a --teacher topk:32 store "
-        "(README, 'Which to use')"
+        "temperature 0 verifies; for sampled serving train --method dspark from a --teacher topk:32 store, for both "
+        "temperatures --method dflash2 from such a store with --drafter-option selector_top_k=64 (README, 'Which to "
+        "use')"
     )
 
 
