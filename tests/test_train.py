@@ -390,14 +390,17 @@ def test_resume_reproduces_the_uninterrupted_run(store, tmp_path):
     assert [r["loss"] for r in resumed] == full[6:]  # exact: same rows, anchors, weights and optimizer state
 
 
-def test_kernel_options_and_mask_tiles_reach_the_step_and_keep_the_curve(store, tmp_path):
+def test_kernel_options_and_mask_tiles_reach_the_step_and_keep_the_curve(store, tmp_path, caplog):
     # The GPU's mask function builds BlockMasks of the chosen tiles (test_attention_kernels); the CPU step takes
     # the dense mask, where neither option can change a value.
     options = {"bwd_num_warps": 8, "USE_TMA": True}
     cfg = config(store, tmp_path / "tuned", max_steps=3, attention_kernel_options=options, mask_tile_size=16)
-    trainer = Trainer(cfg, init_distributed("cpu"))
+    with caplog.at_level(logging.WARNING, logger="dflash"):
+        trainer = Trainer(cfg, init_distributed("cpu"))
     assert all(layer.self_attn.kernel_options == options for layer in trainer.model.layers)
     assert trainer.mask_tile == 16
+    # Neither passes in silence on the CPU, where they cannot act.
+    assert "--mask-tile-size 16 tiles the BlockMask" in caplog.text and "--attention-kernel-option" in caplog.text
     # Unset, the tile follows the drafter's head dim (test_attention_kernels checks it against torch's tables).
     unset = Trainer(config(store, tmp_path / "unset", max_steps=3), init_distributed("cpu"))
     assert TrainConfig.mask_tile_size is None

@@ -110,6 +110,18 @@ def default_mask_tile(head_dim: int) -> int:
     return SMALL_MASK_TILE if head_dim >= TUNED_MIN_HEAD_DIM else TORCH_MASK_TILE
 
 
+def mask_tile(given: int | None, cuda: bool, head_dim: int) -> int:
+    """The step's BlockMask tile: `--mask-tile-size` when given, else the default; a tile given on the CPU is
+    named as unused there (its attention is a dense mask) rather than passed over in silence."""
+    if given is not None and not cuda:
+        logger.warning(
+            "--mask-tile-size %d tiles the BlockMask of flex_attention's CUDA kernels; on the CPU the attention is a "
+            "dense mask, which has no tiles: ignored",
+            given,
+        )
+    return given or default_mask_tile(head_dim)
+
+
 def describe_choice(
     options: dict, tile: int, head_dim: int, options_given: bool, tile_given: bool, kv_repeat: int = 1
 ) -> str:

@@ -34,9 +34,9 @@ from dflash.drafter import blocks, flash_kv_repeat, graph, loss, memory
 from dflash.drafter.attention import (
     attention_kernel_errors,
     attention_kernel_options,
-    default_mask_tile,
     describe_choice,
     mask_function,
+    mask_tile,
 )
 from dflash.drafter.flops import visible_pairs
 from dflash.errors import DflashError
@@ -166,7 +166,7 @@ class Trainer:
         if cfg.recompute != "none":
             what = "MLP" if cfg.recompute == "mlp" else "element-wise work (norms, RoPE, SwiGLU, weight casts)"
             logger.info("the backward recomputes each drafter layer's %s (--recompute %s)", what, cfg.recompute)
-        self.mask_tile = cfg.mask_tile_size or default_mask_tile(head_dim)
+        self.mask_tile = mask_tile(cfg.mask_tile_size, self.cuda, head_dim)
         if self.cuda:
             given = bool(cfg.attention_kernel_options), cfg.mask_tile_size is not None
             repeat = flash_kv_repeat(self.dcfg.num_attention_heads, self.dcfg.num_key_value_heads, kernel_options)
