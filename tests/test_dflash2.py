@@ -256,8 +256,12 @@ def test_draft_overlap_is_the_acceptance_chance_of_each_k_way_draft():
     p = torch.softmax(p_logits / 0.7, dim=-1)
     want = [sum(min(float(p[i, v]), float(draft.probs[i, v])) for v in range(cfg.vocab_size)) for i in range(3)]
     support = [float(p[i, draft.probs[i] > 0].sum()) for i in range(3)]
-    torch.testing.assert_close(draft_overlap(draft, target_probs(p_logits, 0.7)), torch.tensor([want, support]).T)
+    on = [[v for v in range(cfg.vocab_size) if draft.probs[i, v] > 0] for i in range(3)]
+    shape = [sum(min(float(p[i, v]) / support[i], float(draft.probs[i, v])) for v in on[i]) for i in range(3)]
+    got = draft_overlap(draft, target_probs(p_logits, 0.7))
+    torch.testing.assert_close(got, torch.tensor([want, support, shape], dtype=got.dtype).T)
     assert all(o <= m + 1e-6 < 1 for o, m in zip(want, support))  # capped by the K candidates' mass under 1
+    assert all(o >= m * f - 1e-6 for o, m, f in zip(want, support, shape))  # at least cap x shape
     trials, accepted = 4000, 0
     with torch.no_grad():
         for _ in range(trials):

@@ -550,6 +550,12 @@ def test_a_sampled_eval_samples_its_baseline_and_leaves_greedy_prompt_lookup_out
     assert sampled.baseline == "plain sampling T=0.7"
     assert "plain sampling T=0.7" in sampled.table() and "plain greedy" not in sampled.table()
     assert as_json(sampled)["baseline"] == "plain sampling T=0.7"
+    # the per-position diagnostics of a sampled eval: acceptance <= the support's mass (1 for a full-vocabulary q),
+    # and >= that mass times q's shape on it (draft_overlap)
+    untrained = sampled.methods["untrained-dflash"]
+    rows = zip(untrained.acceptance_by_position, untrained.support_by_position, untrained.shape_by_position)
+    assert untrained.acceptance_by_position and all(m * f - 1e-6 <= a <= m + 1e-6 <= 1 + 2e-6 for a, m, f in rows)
+    assert not greedy.methods["untrained-dflash"].acceptance_by_position  # greedy verification has none
 
 
 def test_plain_decoding_samples_at_a_temperature(loaded):

@@ -80,10 +80,11 @@ class Method:
     first_mismatch: dict | None
     block_size: int | None = None  # a drafter's block (its config's); None for prompt lookup
     # temperature > 0: per draft position, the mean over the rounds that reached it of sum min(p, q), the chance
-    # that verification accepts the draft there, and of the target's mass on q's support, its cap
-    # (dflash.evaluate.decoding.draft_overlap)
+    # that verification accepts the draft there, of the target's mass on q's support, its cap, and of q's fit to
+    # the target's shape on that support (dflash.evaluate.decoding.draft_overlap)
     acceptance_by_position: list[float] = field(default_factory=list)
     support_by_position: list[float] = field(default_factory=list)
+    shape_by_position: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -291,6 +292,7 @@ def _summarise(name: str, method, rows: list[dict], plain_tokens_per_s: float) -
         block_size=method.block_size,
         acceptance_by_position=_mean_by_position([[o[0] for o in round] for r in runs for round in r.overlaps]),
         support_by_position=_mean_by_position([[o[1] for o in round] for r in runs for round in r.overlaps]),
+        shape_by_position=_mean_by_position([[o[2] for o in round] for r in runs for round in r.overlaps]),
     )
 
 

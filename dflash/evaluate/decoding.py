@@ -74,18 +74,23 @@ def accept_sampled(draft: Draft, p: torch.Tensor, generator=None) -> tuple[int, 
 
 
 def draft_overlap(draft: Draft, p: torch.Tensor) -> torch.Tensor:
-    """[k, 2] per drafted position i, from the target's p (target_probs, rows 0 .. k-1 read): sum_v min(p_i(v),
-    q_i(v)), the chance that speculative sampling accepts draft i given the drafts before it (the target's p_i is
-    conditioned on them), and p_i's mass on q_i's support, which caps it: a K-way q (DFlash 2's) can never be
-    accepted more often than the target puts mass on its K candidates; the gap between the two is q's mismatch
-    with p on that support."""
+    """[k, 3] per drafted position i, from the target's p (target_probs, rows 0 .. k-1 read):
+    - sum_v min(p_i(v), q_i(v)), the chance that speculative sampling accepts draft i given the drafts before it
+      (the target's p_i is conditioned on them);
+    - p_i's mass on q_i's support S, which caps it: a K-way q (DFlash 2's) can never be accepted more often than
+      the target puts mass on its K candidates;
+    - q_i's fit to p_i within S, sum_{v in S} min(p_i(v) / p_i(S), q_i(v)) = 1 - TV(q_i, p_i renormalised on S): 1 when q
+      is p's shape there. The acceptance is at least the product of the last two, so a low acceptance under a high
+      cap is q's shape, not its support."""
     k = draft.tokens.numel()
     p = p[:k]
     if draft.probs is None:  # a point mass on each draft
         mass = p.gather(1, draft.tokens[:, None])
-        return torch.cat([mass, mass], dim=1)
+        return torch.cat([mass, mass, torch.ones_like(mass)], dim=1)
     q = draft.probs.float()
-    return torch.stack([torch.minimum(p, q).sum(-1), (p * (q > 0)).sum(-1)], dim=1)
+    support = (p * (q > 0)).sum(-1)
+    shape = torch.minimum(p * (q > 0) / support[:, None], q).sum(-1)
+    return torch.stack([torch.minimum(p, q).sum(-1), support, shape], dim=1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -145,7 +150,7 @@ class Generation:
     tokens: list[int]  # new tokens, ending at the first EOS (kept) or at max_new_tokens
     seconds: float
     accepted: list[int] = field(default_factory=list)  # accepted drafts per round (speculative only)
-    # per round, draft_overlap's [overlap, support mass] of the drafts verification reached (the accepted ones and
+    # per round, draft_overlap's [overlap, support mass, shape] of the drafts verification reached (the accepted ones and
     # the first rejected one); speculative sampling only
     overlaps: list[list[list[float]]] = field(default_factory=list)
     margins: list[float] = field(default_factory=list)  # top-2 logit gap per step (plain greedy only)
