@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: 
 
 from bench.quality.evaluation import evaluate_share, merge_shares  # noqa: E402
 from bench.quality.modes import data_wait_share  # noqa: E402
-from bench.quality.report import bar, mode_rows, mode_verdict, modes_markdown  # noqa: E402
+from bench.quality.report import bar, methods_markdown, mode_rows, mode_verdict, modes_markdown  # noqa: E402
 from bench.quality.run import Run  # noqa: E402
 from bench.quality.scale import TINY  # noqa: E402
 from bench.quality.store_modes import BF16, MODES, StoreMode, mode_done, mode_harvested, parse_modes  # noqa: E402
@@ -124,6 +124,17 @@ def test_the_mode_table_of_two_prompts():
     assert "sub1/4+fp8 0.110 (met)" in table
     # the issue-4 bar reads bf16's drafter only: a mode's mismatch is the modes table's
     assert bar(report, True)["pass_0_mismatches"]
+
+    # A sampled eval beside it: the methods table adds each drafter's first draft (acceptance / cap / shape, where
+    # the eval recorded them), the same taus here
+    diagnosed = {"acceptance_by_position": [0.28, 0.2], "support_by_position": [0.59, 0.4], "shape_by_position": [0.38]}
+    sampled_methods = {**methods, fp8.method: SimpleNamespace(**vars(methods[fp8.method]), **diagnosed)}
+    sampled = SimpleNamespace(methods=sampled_methods, prompts=prompts, comparisons=comparisons)
+    rows = mode_rows(report, True, modes, sampled)
+    assert rows[1]["first_draft"] == [0.28, 0.59, 0.38] and rows[0]["first_draft"] is None
+    table = methods_markdown(rows, True, steps=300, temperature=1.0)
+    assert "T=1, first draft: accepted / cap / shape |" in table
+    assert "| +161.8 % (-81.8 to +313.6 %) | 0.28 / 0.59 / 0.38 |" in table and "| reference | - |" in table
 
 
 def test_a_later_call_keeps_the_finished_modes_only(tmp_path):

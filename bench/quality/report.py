@@ -105,9 +105,17 @@ def mode_rows(report, complete: bool, modes: dict, sampled=None) -> list[dict]:
                 tau_sampled_95=tau_s_95,
                 relative_sampled=comparison_s.get("relative"),
                 difference_sampled_95=comparison_s.get("difference_95"),
+                first_draft=first_draft(sampled.methods.get(mode.method)),
             )
         rows.append(row)
     return rows
+
+
+def first_draft(method) -> list[float] | None:
+    """At the first draft position of a sampled eval: [acceptance, the target's mass on q's support (its cap), q's
+    fit to the target's shape there] (dflash.evaluate.decoding.draft_overlap), or None where not recorded."""
+    by_position = [getattr(method, f"{k}_by_position", None) for k in ("acceptance", "support", "shape")]
+    return [values[0] for values in by_position] if all(by_position) else None
 
 
 def mode_verdict(row: dict) -> str:
@@ -180,6 +188,7 @@ def methods_markdown(rows: list[dict], complete: bool, steps: int, temperature: 
     sampled = temperature is not None
     header = "| method | training options | tau T=0 (95 %) | vs DFlash T=0 (95 %) |"
     header += f" tau T={temperature:g} (95 %) | vs DFlash T={temperature:g} (95 %) |" if sampled else ""
+    header += f" T={temperature:g}, first draft: accepted / cap / shape |" if sampled else ""
     header += " mismatches | val tau | step ms |"
     lines = [
         f"drafter methods (issue 23): the same target, store, answers and {steps} steps for every method, on "
@@ -200,6 +209,8 @@ def methods_markdown(rows: list[dict], complete: bool, steps: int, temperature: 
                 f" {number(r.get('tau_sampled'), '.3f')}{span(r.get('tau_sampled_95'), '.2f')} | "
                 f"{relative(r, 'relative_sampled', 'difference_sampled_95', 'tau_sampled')} |"
             )
+            first = r.get("first_draft")
+            line += f" {' / '.join(format(x, '.2f') for x in first) if first else '-'} |"
         line += f" {number(r['mismatches'], 'd')} | {number(r['val_tau'], '.3f')} | {number(r['step_ms'], '.1f')} |"
         lines.append(line)
     return "\n".join(lines)
