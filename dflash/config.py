@@ -260,7 +260,11 @@ class TrainConfig:
     reader_workers: int = option(4, "Threads reading rows from the store.")
     device: str | None = option(None, "Torch device.", default_doc="cuda:$LOCAL_RANK when CUDA is available, else cpu")
     compile: bool | None = option(None, "torch.compile the step.", default_doc="on for CUDA, off on the CPU")
-    cuda_graph: bool = option(True, "Capture the whole step in a CUDA graph (CUDA only).")
+    cuda_graph: bool | None = option(
+        None,
+        "Capture the whole step in a CUDA graph (CUDA only: on the CPU the flag is named as unused).",
+        default_doc="on for CUDA",
+    )
     attention_kernel_options: dict = option(
         help="A flex_attention kernel option for the drafter's attention, KEY=VALUE (repeatable; torch's "
         "FlexKernelOptions, e.g. bwd_num_warps=8, bwd_BLOCK_M1=32, USE_TMA=true; a fwd_ / bwd_ prefix sets one pass "

@@ -401,6 +401,10 @@ def test_kernel_options_and_mask_tiles_reach_the_step_and_keep_the_curve(store, 
     assert trainer.mask_tile == 16
     # Neither passes in silence on the CPU, where they cannot act.
     assert "--mask-tile-size 16 tiles the BlockMask" in caplog.text and "--attention-kernel-option" in caplog.text
+    assert "--cuda-graph" not in caplog.text  # not given: nothing to name
+    with caplog.at_level(logging.WARNING, logger="dflash"):
+        Trainer(config(store, tmp_path / "graphed", max_steps=3, cuda_graph=True), init_distributed("cpu"))
+    assert "--cuda-graph captures the step on a GPU" in caplog.text
     # Unset, the tile follows the drafter's head dim (test_attention_kernels checks it against torch's tables).
     unset = Trainer(config(store, tmp_path / "unset", max_steps=3), init_distributed("cpu"))
     assert TrainConfig.mask_tile_size is None

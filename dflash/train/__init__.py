@@ -225,8 +225,11 @@ class Trainer:
         self.mask_fn = mask_function(self.mask_tile, self.cuda, compile_on)
         self.objective = graph.compile_fn(self.method.objective_fn, compile_on)
         hint = "--anchors, --rows-per-step (or the store's token budget) or --loss-chunk"
-        self.train_step = graph.GraphedStep(self._train_step, device=self.device, cuda_graph=cfg.cuda_graph, hint=hint)
-        self.val_step = graph.GraphedStep(self._val_step, device=self.device, cuda_graph=cfg.cuda_graph, hint=hint)
+        if cfg.cuda_graph and not self.cuda:
+            logger.warning("--cuda-graph captures the step on a GPU; on the CPU the step runs uncaptured: ignored")
+        graphed = cfg.cuda_graph is not False
+        self.train_step = graph.GraphedStep(self._train_step, device=self.device, cuda_graph=graphed, hint=hint)
+        self.val_step = graph.GraphedStep(self._val_step, device=self.device, cuda_graph=graphed, hint=hint)
 
     # ---- construction helpers
 
