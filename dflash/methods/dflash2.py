@@ -158,9 +158,8 @@ class DynamicBlockConv(nn.Module):
         dynamic = dynamic.view(R, Q // B, B, K, G, 1)
         base = base.view(K, G, self.group_size)
         out = blocks * (base[0] + dynamic[..., 0, :, :]).to(x.dtype)
-        for o in range(1, K):
-            shifted = torch.nn.functional.pad(blocks[:, :, : B - o], (0, 0, 0, 0, o, 0))  # x[t - o], 0 before the block
-            out = out + shifted * (base[o] + dynamic[..., o, :, :]).to(x.dtype)
+        for o in range(1, K):  # tap o reads x[t - o]: only slots t >= o have one (no zero-padded copy of x)
+            out[:, :, o:] += blocks[:, :, : B - o] * (base[o] + dynamic[:, :, o:, o]).to(x.dtype)
         return out.view(R, Q, H)
 
 
