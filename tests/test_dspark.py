@@ -224,9 +224,8 @@ def test_markov_head_loss_terms_equal_the_reference_and_l1_is_twice_tv():
     labels = torch.randint(0, cfg.vocab_size, (N,), generator=g)
     weights = torch.rand(N, generator=g, dtype=torch.float64)
     teacher, full = teacher_of("hidden", N, cfg, g, head)
-    total, ce, distance, correct, w, *_ = teacher_head_loss(
-        hidden, previous, head, w2, labels, weights, teacher, chunk_size=4
-    )
+    got = teacher_head_loss(hidden, previous, head, w2, labels, weights, teacher, chunk_size=4)
+    total, ce, distance, correct, w = got.total, got.ce, got.distance, got.correct, got.weight
     z = hidden @ head.T + previous @ w2.T
     p = torch.softmax(z, dim=-1)
     torch.testing.assert_close(ce, F.cross_entropy(z, labels, reduction="none"))
@@ -235,6 +234,7 @@ def test_markov_head_loss_terms_equal_the_reference_and_l1_is_twice_tv():
     assert torch.equal(correct, z.argmax(-1) == labels)
     assert torch.equal(w, weights)
     torch.testing.assert_close(total, (weights * (0.1 * ce + 0.9 * distance)).sum())
+    torch.testing.assert_close(got.terms, weights * (0.1 * ce + 0.9 * distance))
 
 
 @pytest.mark.parametrize("compiled", [False, True])

@@ -28,7 +28,7 @@ from dflash.drafter.model import INIT_STD, DFlashDrafter, DrafterConfig, Layer, 
 from dflash.drafter.proposers import DFlashProposer, Draft
 from dflash.errors import DflashError
 from dflash.methods.base import Method, Objective, drafted_slots, with_slot0
-from dflash.methods.distill import teacher_head_loss, teacher_logit_copies
+from dflash.methods.distill import CE_WEIGHT, DISTANCE_WEIGHT, teacher_head_loss, teacher_logit_copies
 from dflash.topk import vocab_top_k
 
 
@@ -114,9 +114,6 @@ class DFlash2Config(DrafterConfig):
     def extra_keys(self) -> list[str]:
         return [f"candidate_selector.{name}" for name in SELECTOR_KEYS]
 
-
-# With a teacher store (TrainConfig.teacher_loss): (CE, L1) weights of the unary and the selector terms, DSpark's.
-DISTILL_WEIGHTS = (0.1, 0.9)
 
 CONV_KEYS = ("base_kernel", "kernel_projection.weight")
 SELECTOR_KEYS = ("predecessor_codebook", "successor_codebook", "hidden_projection.weight")
@@ -272,7 +269,7 @@ def objective(model, hidden, head, labels, weights, block_size, options, teacher
         # p at each candidate: at the label where it is one (a label `replace` put in the K-th place included)
         teacher_at = torch.where(candidates == labels[:, None], top_teacher[:, -1:], top_teacher[:, :-1])
         distance = selector_distance(scores, teacher_at)
-        selector = DISTILL_WEIGHTS[0] * selector + DISTILL_WEIGHTS[1] * distance
+        selector = CE_WEIGHT * selector + DISTANCE_WEIGHT * distance  # DSpark's weights, as the unary term's
     kept = in_top if options.selector_outside == "drop" else torch.ones_like(in_top)
     selector_terms = options.selector_weight * w * kept * selector
     terms = (unary_terms + selector_terms).detach()
@@ -289,22 +286,11 @@ def _unary_loss(hidden, head, labels, weights, span, options, teacher, top_k):
         w = loss.position_weights(options.position_weights, ce, weights, span)
         return (w * ce).sum(), w * ce, w, top, None
     no_markov = hidden[:, :0], head[:, :0]  # e and W2 of width 0: the plain LM head's logits
+    kind, chunk = options.position_weights, options.loss_chunk
     got = teacher_head_loss(
-        hidden,
-        no_markov[0],
-        head,
-        no_markov[1],
-        labels,
-        weights,
-        teacher,
-        options.position_weights,
-        span,
-        options.loss_chunk,
-        *DISTILL_WEIGHTS,
-        top_k=top_k,
+        hidden, no_markov[0], head, no_markov[1], labels, weights, teacher, kind, span, chunk, top_k=top_k
     )
-    terms = got.weight * (DISTILL_WEIGHTS[0] * got.ce + DISTILL_WEIGHTS[1] * got.distance)
-    return got.total, terms, got.weight, got.top, got.top_teacher
+    return got.total, got.terms, got.weight, got.top, got.top_teacher
 
 
 def selector_distance(scores: Tensor, teacher_probs: Tensor) -> Tensor:

@@ -16,22 +16,30 @@ from dflash.drafter import graph, loss
 from dflash.topk import vocab_top_k
 
 TEACHER_ORDER = {"hidden": ("teacher_hidden",), "topk": ("teacher_ids", "teacher_probs", "teacher_tail")}
+CE_WEIGHT, DISTANCE_WEIGHT = 0.1, 0.9  # DeepSpec's DSpark loss, which DFlash 2 from a teacher store takes too
 
 
-def _teacher_chunk(teacher: tuple, rows: slice, head: Tensor) -> Tensor | tuple:
-    """The teacher of a chunk: the target's logits [c, V] (hidden: one array), or (ids, probs, tail)."""
+class HiddenTeacher(NamedTuple):
+    """A chunk's exact teacher: the target's logits [c, V] and their logsumexp [c] (made once, read by every pass)."""
+
+    logits: Tensor
+    lse: Tensor
+
+
+def _teacher_chunk(teacher: tuple, rows: slice, head: Tensor, math_dtype) -> HiddenTeacher | tuple:
+    """The teacher of a chunk: the target's logits and their logsumexp (hidden: one array), or (ids, probs, tail)."""
     if len(teacher) == 1:
-        return teacher[0][rows].to(head.dtype) @ head.T
+        logits = teacher[0][rows].to(head.dtype) @ head.T
+        return HiddenTeacher(logits, graph.stored(logits.to(math_dtype).logsumexp(dim=-1)))
     return tuple(values[rows] for values in teacher)
 
 
-def _teacher_probs_at(target: Tensor | tuple, ids: Tensor) -> Tensor:
+def _teacher_probs_at(target: HiddenTeacher | tuple, ids: Tensor) -> Tensor:
     """The target's probability [c, n] (fp32) of the tokens ids [c, n] from a chunk's teacher: exact from its logits
     (hidden), from a top-k teacher its probability where the token is one of its K and 0 elsewhere (a lower bound:
     such a token's share of the tail is unknown)."""
-    if isinstance(target, Tensor):
-        logits = target.float()
-        return (logits.gather(1, ids) - logits.logsumexp(-1, keepdim=True)).exp()
+    if isinstance(target, HiddenTeacher):
+        return (target.logits.gather(1, ids).to(target.lse.dtype) - target.lse[:, None]).exp().float()
     teacher_ids, teacher_probs, _ = target
     match = ids[:, :, None] == teacher_ids.long()[:, None, :]
     return (match * teacher_probs.float()[:, None, :]).sum(-1)
@@ -41,16 +49,16 @@ def _distance_and_gradient(z, lse, ce, label, target, ce_part, distance_part, ne
     """L1 [c] between p = softmax(z) and the teacher, and (if need_grad) the gradient [c, V] of the chunk's loss
     ce_part * CE + distance_part * L1 with respect to z, in z's dtype:
         grad_z = p * (ce_part + distance_part * (s - <p, s>)) - ce_part * onehot(label),  s = sign(p - t)."""
-    if isinstance(target, Tensor):
+    if isinstance(target, HiddenTeacher):
         return _hidden_distance_and_gradient(z, lse, ce, label, target, ce_part, distance_part, need_grad)
     return _topk_distance_and_gradient(z, lse, ce, label, target, ce_part, distance_part, need_grad)
 
 
-def _hidden_distance_and_gradient(z, lse, ce, label, teacher_logits, ce_part, distance_part, need_grad):
+def _hidden_distance_and_gradient(z, lse, ce, label, teacher, ce_part, distance_part, need_grad):
     """The same against the target's logits: t = exp(logits - lse_t) is made inside each [c, V] pass that reads
     it, and the gradient is written in z's dtype with the label's exact value scattered over it (a scatter_add
     into a float32 gradient stored all of it once more and copied it)."""
-    lse_t = graph.stored(teacher_logits.to(lse.dtype).logsumexp(dim=-1))
+    teacher_logits, lse_t = teacher
     p = (z.to(lse.dtype) - lse[:, None]).exp()
     diff = p - (teacher_logits.to(lse.dtype) - lse_t[:, None]).exp()
     sign, distance = diff.sign(), diff.abs().sum(-1)
@@ -125,8 +133,12 @@ class _TeacherHeadLoss(torch.autograd.Function):
         # z = head h + W2 e as one product over [h, e] and [head, W2]: its r extra columns cost a tenth of the head's
         # product, where W2's product added into the head's (addmm) moved the [c, V] logits twice more, at 192
         # TFLOP/s (10.9 ms of a 231 ms step: docs/benchmarks.md, "Drafter methods").
-        joint_input, joint_weight = torch.cat([h, e], dim=1), torch.cat([head, w2_mm], dim=1)  # [N, H + r], [V, H + r]
-        if w2.shape[1] == 0:  # no Markov term (DFlash 2): the head itself, not a copy of it
+        if w2.shape[1]:
+            joint_input, joint_weight = (
+                torch.cat([h, e], dim=1),
+                torch.cat([head, w2_mm], dim=1),
+            )  # [N, H + r], [V, H + r]
+        else:  # no Markov term (DFlash 2): the head itself, not a copy of it
             joint_input, joint_weight = h, head
         math_dtype = torch.promote_types(mm_dtype, torch.float32)
         ces, distances, corrects, ws, tops, tops_teacher = [], [], [], [], [], []
@@ -143,7 +155,7 @@ class _TeacherHeadLoss(torch.autograd.Function):
             ce = lse - z.gather(1, label)[:, 0].to(math_dtype)
             w = graph.stored(loss.position_weights(kind, ce, weights[rows], span).to(math_dtype))
             ce_part, distance_part = (ce_weight * w)[:, None], (distance_weight * w)[:, None]
-            target = _teacher_chunk(teacher, rows, head)
+            target = _teacher_chunk(teacher, rows, head, math_dtype)
             distance, grad_z = _distance_and_gradient(z, lse, ce, label, target, ce_part, distance_part, need_grad)
             ces.append(ce)
             distances.append(distance)
@@ -163,8 +175,9 @@ class _TeacherHeadLoss(torch.autograd.Function):
             ctx.save_for_backward(grad_hidden, grad_previous, grad_w2)
         top = torch.cat(tops) if top_k else labels.new_empty(labels.shape[0], 0)
         top_teacher = torch.cat(tops_teacher) if top_k else ce.new_empty(labels.shape[0], 0)
-        ctx.mark_non_differentiable(ce, distance, correct, w, top, top_teacher)
-        return (w * (ce_weight * ce + distance_weight * distance)).sum(), ce, distance, correct, w, top, top_teacher
+        terms = w * (ce_weight * ce + distance_weight * distance)
+        ctx.mark_non_differentiable(terms, ce, distance, correct, w, top, top_teacher)
+        return terms.sum(), terms, ce, distance, correct, w, top, top_teacher
 
     @staticmethod
     def backward(ctx, grad_total, *_):
@@ -184,6 +197,7 @@ def teacher_logit_copies(teacher: str | None) -> float:
 
 class TeacherLoss(NamedTuple):
     total: Tensor  # [] sum_i w_i (ce_weight CE_i + distance_weight L1_i), the one differentiable output
+    terms: Tensor  # [N] w_i (ce_weight CE_i + distance_weight L1_i)
     ce: Tensor  # [N]
     distance: Tensor  # [N] L1 between softmax(z) and the teacher (twice the total variation)
     correct: Tensor  # [N] bool: argmax z is the label
@@ -203,8 +217,8 @@ def teacher_head_loss(
     kind="decay",
     span=1,
     chunk_size=None,
-    ce_weight=0.1,
-    distance_weight=0.9,
+    ce_weight=CE_WEIGHT,
+    distance_weight=DISTANCE_WEIGHT,
     top_k=0,
 ) -> TeacherLoss:
     """The logits z = head h + W2 e (previous: e [N, r], w2 [V, r]; r may be 0) against labels and teacher

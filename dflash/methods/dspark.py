@@ -29,7 +29,7 @@ from dflash.errors import DflashError
 from dflash.methods.base import Method, Objective, drafted_slots, with_slot0
 from dflash.methods.distill import teacher_head_loss, teacher_logit_copies
 
-CE_WEIGHT, DISTANCE_WEIGHT, CONFIDENCE_WEIGHT = 0.1, 0.9, 1.0  # DeepSpec's DSpark loss
+CONFIDENCE_WEIGHT = 1.0  # DeepSpec's DSpark loss; its CE and L1 weights are distill's
 
 
 @dataclass(kw_only=True)
@@ -140,27 +140,14 @@ def objective(model, hidden, head, labels, weights, span, options, teacher=None)
     previous = model.markov_head.markov_w1(previous)
     teacher = {name: drafted_slots(values, span) for name, values in teacher.items()}
     w2, kind = model.markov_head.markov_w2.weight, options.position_weights
-    total, ce, distance, correct, w, *_ = teacher_head_loss(
-        hidden,
-        previous,
-        head,
-        w2,
-        labels,
-        weights,
-        teacher,
-        kind,
-        span - 1,
-        options.loss_chunk,
-        CE_WEIGHT,
-        DISTANCE_WEIGHT,
-    )
-    terms = w * (CE_WEIGHT * ce + DISTANCE_WEIGHT * distance)
+    got = teacher_head_loss(hidden, previous, head, w2, labels, weights, teacher, kind, span - 1, options.loss_chunk)
+    total, terms, distance, w = got.total, got.terms, got.distance, got.weight
     if model.confidence_head is not None:
         accepted = (1 - distance / 2).clamp(0, 1)  # 1 - TV: the chance that verification accepts
         logits = model.confidence_head(hidden, previous)
-        confidence = w * F.binary_cross_entropy_with_logits(logits, accepted, reduction="none")
+        confidence = CONFIDENCE_WEIGHT * w * F.binary_cross_entropy_with_logits(logits, accepted, reduction="none")
         total, terms = total + confidence.sum(), terms + confidence.detach()
-    return Objective(total, with_slot0(terms, span), with_slot0(correct, span))
+    return Objective(total, with_slot0(terms, span), with_slot0(got.correct, span))
 
 
 # ---------------------------------------------------------------------------------------------- decoding
