@@ -277,6 +277,8 @@ def _summarise(name: str, method, rows: list[dict], plain_tokens_per_s: float) -
     if mismatched:
         i, r = mismatched[0]
         first = {"prompt": i, "position": r.mismatch_at, "plain_margin": r.plain_margin_at_mismatch}
+    rounds = [round for r in runs for round in r.overlaps]  # draft_overlap's columns, per draft position
+    acceptance, support, shape = (_mean_by_position([[o[c] for o in round] for round in rounds]) for c in range(3))
     return Method(
         name=name,
         tau=method.overall_tau(runs),
@@ -290,9 +292,9 @@ def _summarise(name: str, method, rows: list[dict], plain_tokens_per_s: float) -
         mismatches=len(mismatched) if method.checks_greedy else None,
         first_mismatch=first,
         block_size=method.block_size,
-        acceptance_by_position=_mean_by_position([[o[0] for o in round] for r in runs for round in r.overlaps]),
-        support_by_position=_mean_by_position([[o[1] for o in round] for r in runs for round in r.overlaps]),
-        shape_by_position=_mean_by_position([[o[2] for o in round] for r in runs for round in r.overlaps]),
+        acceptance_by_position=acceptance,
+        support_by_position=support,
+        shape_by_position=shape,
     )
 
 

@@ -88,8 +88,9 @@ def draft_overlap(draft: Draft, p: torch.Tensor) -> torch.Tensor:
         mass = p.gather(1, draft.tokens[:, None])
         return torch.cat([mass, mass, torch.ones_like(mass)], dim=1)
     q = draft.probs.float()
-    support = (p * (q > 0)).sum(-1)
-    shape = torch.minimum(p * (q > 0) / support[:, None], q).sum(-1)
+    on_support = p * (q > 0)
+    support = on_support.sum(-1)
+    shape = torch.minimum(on_support / support[:, None], q).sum(-1)
     return torch.stack([torch.minimum(p, q).sum(-1), support, shape], dim=1)
 
 
