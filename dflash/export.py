@@ -133,16 +133,15 @@ def _checked_embeddings(weights: tuple[Tensor, Tensor], config: DrafterConfig) -
 def read_target_embeddings(path: str, config: DrafterConfig) -> tuple[Tensor, Tensor]:
     """The embedding and LM head of the target checkpoint `path`, for an export that carries them: refused when
     the export names a target of other weights (`dflash_target`), whose embedding the drafter was not trained with."""
-    from dflash.manifest import TargetIdentity
+    from dflash.manifest import TargetIdentity, check_same_weights
     from dflash.target_files import load_embedding_and_head
 
-    recorded = TargetIdentity.from_record(config.target_identity)
-    found = TargetIdentity.of_checkpoint(path)
-    if None not in (recorded.weights_sha256, found.weights_sha256) and recorded.weights_sha256 != found.weights_sha256:
-        raise DflashError(
-            f"the drafter was trained with the target {recorded.describe()}, but {path} holds other weights "
-            f"({found.describe()}): its embedding and LM head are not the drafter's; pass --target that checkpoint"
-        )
+    check_same_weights(
+        TargetIdentity.from_record(config.target_identity),
+        TargetIdentity.of_checkpoint(path),
+        f"the weights of the target the drafter was trained with and of {path}",
+        f"{path} holds other weights, whose embedding and LM head are not the drafter's; pass --target that checkpoint",
+    )
     return load_embedding_and_head(path)
 
 

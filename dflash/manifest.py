@@ -107,11 +107,11 @@ class TargetIdentity:
 
 
 def check_same_weights(
-    expected: TargetIdentity, given: TargetIdentity, what: str, fix: str, flag: str, allowed: bool
+    expected: TargetIdentity, given: TargetIdentity, what: str, fix: str, flag: str | None = None, allowed=False
 ) -> None:
     """Compare the weights of `what` (a phrase naming both sides: "the weights of A and of B"): `given`'s must be
     `expected`'s. Other weights are refused naming both digests and `fix`, unless `allowed` (by `flag`, for a
-    deliberate fine-tune): then a warning. Where a side records no digest (made by a dflash from before the record)
+    deliberate fine-tune; None: a command with no such flag): then a warning. Where a side records no digest (made by a dflash from before the record)
     there is nothing to compare: a note says so."""
     digests = f"weights_sha256 {given.describe()} against {expected.describe()}"
     if expected.weights_sha256 is None or given.weights_sha256 is None:
@@ -122,7 +122,8 @@ def check_same_weights(
     if allowed:
         logger.warning("%s differ (%s); going on as %s asks", what, digests, flag)
         return
-    raise DflashError(f"{what} differ ({digests}): {fix}, or pass {flag} if the difference is deliberate")
+    override = f", or pass {flag} if the difference is deliberate" if flag else ""
+    raise DflashError(f"{what} differ ({digests}): {fix}{override}")
 
 
 @dataclass(frozen=True)
