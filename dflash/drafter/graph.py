@@ -30,6 +30,23 @@ def compile_fn(fn: Callable, enabled: bool, options: dict | None = None) -> Call
     return torch.compile(fn, fullgraph=True, dynamic=False, options=options) if enabled else fn
 
 
+def compile_decoding(fn: Callable) -> Callable:
+    """torch.compile for the device work of a speculative decoding round (`dflash eval`), whose context grows by
+    every accepted token: sizes are symbolic (dynamic=True), so one graph serves every context length where static
+    shapes would recompile at each, and nothing is captured in a CUDA graph (that would be one graph per length).
+    Fusing the eager forward's hundreds of small kernels into a few is the gain: a round of one prompt is bound by
+    the host's launches. Whole-graph capture: a graph break is a bug here.
+
+    Each proposer compiles its own bound methods, which dynamo counts as recompiles of one code object (one per
+    drafter compared, temperature and attention mask kind): the limit is raised to DECODING_RECOMPILE_LIMIT so that
+    an eval of many drafters does not hit dynamo's default of 8, which fullgraph=True turns into a failure."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, DECODING_RECOMPILE_LIMIT)
+    return torch.compile(fn, fullgraph=True, dynamic=True)
+
+
+DECODING_RECOMPILE_LIMIT = 64
+
+
 # The types torch's pytree knew when this run's compiles began (see no_recompiles).
 _pytree_types_at_reset: frozenset[type] = frozenset()
 

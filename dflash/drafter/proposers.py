@@ -5,12 +5,13 @@ a Draft: the tokens, and at temperature > 0 the distribution q each was drawn fr
 needs. Torch only (no transformers import), so drafter methods can define theirs beside their model.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from dflash.drafter.graph import compile_decoding
 from dflash.errors import DflashError
 
 
@@ -18,6 +19,9 @@ from dflash.errors import DflashError
 class Draft:
     tokens: torch.Tensor  # [k] proposed continuation of the committed tokens
     probs: torch.Tensor | None = None  # [k, V] distribution q each token was sampled from; None = a point mass
+
+    def first(self, count: int) -> "Draft":
+        return Draft(self.tokens[:count], None if self.probs is None else self.probs[:count])
 
 
 @dataclass(frozen=True)
@@ -45,13 +49,33 @@ def draw(logits: torch.Tensor, temperature: float, generator=None) -> Draft:
     return Draft(torch.multinomial(probs, 1, generator=generator).squeeze(-1), probs)
 
 
+def inverse_cdf(q: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The index at which the running sum of q [n] (float64) first exceeds `uniform` (0-d, in [0, 1)): an exact
+    sample of q drawn from one uniform on the device, where torch.multinomial would take a generator that
+    torch.compile cannot trace. A token of probability 0 is never picked; the last index stands in for a running
+    sum that rounds below `uniform`."""
+    return (q.double().cumsum(-1) <= uniform).sum(-1).clamp_max(q.shape[-1] - 1)
+
+
+def uniforms(count: int, temperature: float, generator, device) -> torch.Tensor | None:
+    """One uniform per draft for a walk's inverse_cdf picks, drawn outside the compiled part; None at T = 0."""
+    if temperature == 0:
+        return None
+    return torch.rand(count, generator=generator, device=device, dtype=torch.float64)
+
+
 class DFlashProposer:
     """Drafts with a DFlash drafter through the target's own embeddings and LM head: one forward of the block
     [last committed, MASK x (B-1)] at the next absolute positions, then `choose` (here: draw from the LM head's
-    logits; a method's proposer may choose otherwise from the same hidden states)."""
+    logits; a method's proposer may choose otherwise from the same hidden states).
 
-    def __init__(self, drafter, config, target, options: DecodingOptions = DecodingOptions()):
+    `compiled`: run the drafter's forward, and a method's device work before its host decisions (`device_part`),
+    through torch.compile (graph.compile_decoding); the first calls then compile (`dflash eval` warms up first)."""
+
+    def __init__(self, drafter, config, target, options: DecodingOptions = DecodingOptions(), compiled: bool = False):
         self.drafter = drafter
+        self.compiled = compiled
+        self.forward = self.device_part(drafter)
         self.config = config
         self.options = options
         self.check_options(options)
@@ -71,10 +95,16 @@ class DFlashProposer:
         q_positions = torch.arange(n - 1, n - 1 + self.block_size, device=device)[None]
         ctx_positions = torch.arange(n - 1, device=device)[None]
         mask = window_mask(n - 1, self.block_size, self.config.sliding_window, device)
-        hidden = self.drafter(self.embed(block), features[None], q_positions, ctx_positions, mask)
+        hidden = self.forward(self.embed(block), features[None], q_positions, ctx_positions, mask)
         # Block slot 0 holds the known token; the slots from first_draft on predict the tokens after it.
-        drafts = hidden[0, self.first_draft : self.first_draft + num_tokens]
-        return self.choose(drafts, committed[-1], temperature, generator)
+        # Every slot after the anchor is drafted, then cut to num_tokens: the choice sees one shape in every round
+        # (compiled, a walk over a shorter block would be another graph), and a left-to-right draft's first
+        # tokens do not depend on the ones after them.
+        draft = self.choose(hidden[0, self.first_draft :], committed[-1], temperature, generator)
+        return draft.first(num_tokens)
+
+    def device_part(self, fn: Callable) -> Callable:
+        return compile_decoding(fn) if self.compiled else fn
 
     def check_options(self, options: DecodingOptions) -> None:
         if options.confidence_cut is not None:

@@ -106,6 +106,7 @@ class EvalReport:
     # Several drafters: each one's tau against the first one's, paired over the prompts (`compare_drafters`).
     comparisons: dict[str, dict] = field(default_factory=dict)
     baseline: str = "plain greedy"  # what every speedup is measured against (`baseline_name`)
+    drafter_compiled: bool = False  # the drafters' device work ran compiled (--compile-drafter): it changes the speed
 
     def table(self) -> str:
         w = max(22, *(len(name) + 2 for name in self.methods))
@@ -415,6 +416,7 @@ def _evaluate(
             prompts=rows,
             comparisons=compare_drafters(summaries, rows, trained) if compare else {},
             baseline=baseline_name(cfg.temperature),
+            drafter_compiled=drafter_compiled(cfg, target.device) and bool(drafters),
         )
 
     def run_all(prompt: torch.Tensor, budget: int) -> tuple[Generation, dict[str, Run]]:
@@ -493,7 +495,7 @@ def compare_drafters(methods: dict[str, Method], rows: list[dict], names: list[s
 
 def _resumed_rows(earlier: dict, empty: EvalReport, encoded: list[torch.Tensor]) -> list[dict]:
     """The prompts of an earlier report, checked to belong to this evaluation, with their runs as `Run`s."""
-    keys = (
+    required = (
         "target",
         "drafter",
         "temperature",
@@ -504,14 +506,19 @@ def _resumed_rows(earlier: dict, empty: EvalReport, encoded: list[torch.Tensor])
         "block_size",
         "seed",
     )
-    missing = [key for key in (*keys, "methods", "prompts") if key not in earlier]
+    defaults = {"drafter_compiled": False}  # absent from the reports written before it: those ran eager
+    missing = [key for key in (*required, "methods", "prompts") if key not in earlier]
     if missing:
         raise DflashError(
             f"the earlier report lacks {', '.join(missing)}: it was written by an older dflash or is not "
             "an eval report; start a new report"
         )
+    keys = (*required, *defaults)
     differences = describe_differences(
-        {k: earlier.get(k) for k in keys}, {k: getattr(empty, k) for k in keys}, "earlier report", "this eval"
+        {k: earlier.get(k, defaults.get(k)) for k in keys},
+        {k: getattr(empty, k) for k in keys},
+        "earlier report",
+        "this eval",
     )
     if set(earlier["methods"]) != set(empty.methods):
         differences += f"; methods: earlier report {sorted(earlier['methods'])}, this eval {sorted(empty.methods)}"
@@ -552,11 +559,14 @@ def _token_hash(tokens: torch.Tensor) -> str:
 
 
 def _methods(cfg: EvalConfig, target, tokenizer, named: dict, eos_ids: set[int]) -> dict:
-    methods = {}
+    methods, compiled = {}, drafter_compiled(cfg, target.device)
+    if named:
+        how = "compiled (torch.compile, dynamic context length)" if compiled else "eager (--compile-drafter: off)"
+        logger.info("eval: the drafters' device work runs %s", how)
     for name, drafter in named.items():
         model, config = drafter_and_config(drafter, target, tokenizer, cfg.block_size, cfg.seed)
         options = DecodingOptions(confidence_cut=cfg.confidence_cut)
-        proposer = drafter_methods.of_config(config).proposer_cls(model, config, target, options)
+        proposer = drafter_methods.of_config(config).proposer_cls(model, config, target, options, compiled)
         methods[name] = SpeculativeMethod(proposer, config.drafts_per_block, cfg.temperature, config.block_size)
     if cfg.prompt_lookup:
         proposer = PromptLookupProposer(cfg.prompt_lookup, eos_ids=eos_ids)
@@ -571,3 +581,8 @@ def _methods(cfg: EvalConfig, target, tokenizer, named: dict, eos_ids: set[int])
         elif not getattr(target, "_is_stateful", False):
             methods["prompt-lookup-generate"] = GenerateLookupMethod(cfg.prompt_lookup)
     return methods
+
+
+def drafter_compiled(cfg: EvalConfig, device: torch.device) -> bool:
+    """--compile-drafter, by default on for CUDA."""
+    return device.type == "cuda" if cfg.compile_drafter is None else cfg.compile_drafter

@@ -19,13 +19,12 @@ successor codebook): an untrained DFlash 2 drafter is a DFlash one with extra pa
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from dflash.drafter import loss
 from dflash.drafter.model import INIT_STD, DFlashDrafter, DrafterConfig, Layer, acc_dtype
-from dflash.drafter.proposers import DFlashProposer, Draft
+from dflash.drafter.proposers import DFlashProposer, Draft, inverse_cdf, uniforms
 from dflash.errors import DflashError
 from dflash.methods.base import Method, Objective, drafted_slots, with_slot0
 from dflash.methods.distill import CE_WEIGHT, DISTANCE_WEIGHT, teacher_head_loss, teacher_logit_copies
@@ -304,48 +303,47 @@ def selector_distance(scores: Tensor, teacher_probs: Tensor) -> Tensor:
 class DFlash2Proposer(DFlashProposer):
     """Walks the block left to right through the candidate selector (module docstring)."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.draft_block = self.device_part(self._draft_block)
+
     def choose(self, hidden: Tensor, anchor: Tensor, temperature: float, generator) -> Draft:
+        draws = uniforms(hidden.shape[0], temperature, generator, hidden.device)
+        return Draft(*self.draft_block(hidden, anchor, draws, temperature))
+
+    def _draft_block(self, hidden: Tensor, anchor: Tensor, draws: Tensor | None, temperature: float):
+        """(the drafts [k], at T > 0 their K-way q [k, V] as float32, 0 off the candidates), all on the device."""
         cfg = self.config
         unary = self.head(hidden * cfg.output_multiplier).to(acc_dtype(hidden.dtype))
         if cfg.final_logit_softcapping is not None:
             unary = cfg.final_logit_softcapping * torch.tanh(unary / cfg.final_logit_softcapping)
         values, candidates = vocab_top_k(unary, cfg.selector_top_k)  # the top-K the trainer takes
         lattice = self.drafter.candidate_selector.lattice(hidden, values, anchor, candidates).float()
-        picks, probs = walk(lattice, temperature, generator)
+        picks, probs = walk(lattice, draws, temperature)
         tokens = candidates.gather(1, picks[:, None])[:, 0]
         if probs is None:
-            return Draft(tokens)
-        q = torch.zeros_like(unary, dtype=probs.dtype).scatter_(1, candidates, probs)  # the K-way q, 0 elsewhere
-        return Draft(tokens, q)
+            return tokens, None
+        return tokens, torch.zeros_like(unary, dtype=torch.float32).scatter_(1, candidates, probs.float())
 
 
-def walk(lattice: Tensor, temperature: float, generator) -> tuple[Tensor, Tensor | None]:
+def walk(lattice: Tensor, draws: Tensor | None, temperature: float) -> tuple[Tensor, Tensor | None]:
     """The left-to-right walk over a block's lattice [k, K, K]: (the candidate index picked at each slot [k], and at
-    T > 0 the K-way q [k, K] each was drawn from, both on the lattice's device). Slot 0's rows all hold the anchor;
-    each next row is the candidate picked at the slot before. The walk is k dependent steps over K values each, so
-    it runs on the host from one copy of the lattice (and of k uniforms drawn on the device's generator): on a GPU,
-    k steps of small kernels cost more than the drafter's forward. At T > 0 each pick inverts the CDF of
-    softmax(S / T) at its uniform, an exact sample of it."""
-    k, device = lattice.shape[0], lattice.device
-    if temperature == 0:
-        host, uniforms = lattice.cpu().numpy(), None
-    else:
-        uniforms = torch.rand(k, generator=generator, device=device, dtype=lattice.dtype)
-        both = torch.cat([lattice.flatten(), uniforms]).cpu().numpy()  # one transfer, one sync
-        host, uniforms = both[:-k].reshape(lattice.shape), both[-k:]
-    row, picks, probs = 0, [], []
-    for slot, scores in enumerate(host):
-        scores = scores[row].astype(np.float64)
-        if uniforms is None:
-            row = int(scores.argmax())
+    T > 0 the K-way q [k, K] (float64) each was drawn from). Slot 0's rows all hold the anchor; each next row is the
+    candidate picked at the slot before. Greedy takes the best edge; at T > 0 slot l samples softmax(S / T) by
+    inverse_cdf at draws[l]. Nothing leaves the device: compiled, the k dependent steps are a few fused kernels
+    launched ahead of the GPU, with no host sync inside the round's drafting."""
+    K = lattice.shape[1]
+    row, picks, probs = lattice.new_zeros((), dtype=torch.long), [], []
+    for slot in range(lattice.shape[0]):
+        scores = lattice[slot].gather(0, row.expand(1, K))[0]  # row `row` (a gather: no data-dependent index)
+        if draws is None:
+            row = scores.argmax()
         else:
-            q = np.exp((scores - scores.max()) / temperature)
-            q /= q.sum()
-            row = min(int(np.searchsorted(np.cumsum(q), uniforms[slot], side="right")), len(q) - 1)
+            q = torch.softmax(scores.double() / temperature, dim=-1)
+            row = inverse_cdf(q, draws[slot])
             probs.append(q)
         picks.append(row)
-    picks = torch.tensor(picks, device=device)
-    return picks, (torch.tensor(np.stack(probs), dtype=torch.float32, device=device) if probs else None)
+    return torch.stack(picks), (torch.stack(probs) if probs else None)
 
 
 METHOD = Method(

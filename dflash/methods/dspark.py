@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash.drafter.model import INIT_STD, DFlashDrafter, DrafterConfig, acc_dtype
-from dflash.drafter.proposers import DFlashProposer, Draft, draw
+from dflash.drafter.proposers import DFlashProposer, Draft, inverse_cdf, uniforms
 from dflash.errors import DflashError
 from dflash.methods.base import Method, Objective, drafted_slots, with_slot0
 from dflash.methods.distill import teacher_head_loss, teacher_logit_copies
@@ -163,22 +163,51 @@ class DSparkProposer(DFlashProposer):
                 f"--confidence-cut {cut} needs a DSpark drafter with a confidence head and a value in [0, 1]"
             )
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.draft_chain = self.device_part(self._draft_chain)
+
     def choose(self, hidden: Tensor, anchor: Tensor, temperature: float, generator) -> Draft:
-        markov, cut = self.drafter.markov_head, self.options.confidence_cut
+        cut = self.options.confidence_cut
+        draws = uniforms(hidden.shape[0], temperature, generator, hidden.device)
+        tokens, probs, confidence = self.draft_chain(hidden, anchor, draws, temperature, cut is not None)
+        if cut is not None:
+            keep = drafts_before_cut(confidence, cut)
+            tokens, probs = tokens[:keep], None if probs is None else probs[:keep]
+        return Draft(tokens, probs)
+
+    def _draft_chain(self, hidden: Tensor, anchor: Tensor, draws: Tensor | None, temperature: float, confident: bool):
+        """(the drafts [k], at T > 0 the q [k, V] each was drawn from, with `confident` the confidence c_j [k]),
+        all on the device: slot j's previous token is the anchor (j = 0) or the draft of slot j - 1, picked by argmax
+        or by inverse_cdf of softmax(z_j / T) at draws[j]."""
+        markov = self.drafter.markov_head
         unary = self.head(hidden)
-        previous, tokens, probs, reach = anchor.reshape(1), [], [], 1.0
+        previous, tokens, probs, confidence = anchor.reshape(1), [], [], []
         for j in range(hidden.shape[0]):
             e = markov.markov_w1(previous)
-            if cut is not None:  # the chance that drafts 0..j are all accepted; the first draft is always made
-                reach *= float(torch.sigmoid(self.drafter.confidence_head(hidden[j : j + 1], e)))
-                if reach < cut and j > 0:
-                    break
-            pick = draw((unary[j : j + 1] + markov.markov_w2(e)).float(), temperature, generator)
-            tokens.append(pick.tokens)
-            if pick.probs is not None:
-                probs.append(pick.probs)
-            previous = pick.tokens
-        return Draft(torch.cat(tokens), torch.cat(probs) if probs else None)
+            if confident:
+                confidence.append(torch.sigmoid(self.drafter.confidence_head(hidden[j : j + 1], e)))
+            logits = (unary[j] + markov.markov_w2(e)[0]).float()
+            if draws is None:
+                pick = logits.argmax()
+            else:
+                q = torch.softmax(logits.double() / temperature, dim=-1)
+                pick = inverse_cdf(q, draws[j])
+                probs.append(q.float())
+            tokens.append(pick)
+            previous = pick.reshape(1)
+        return torch.stack(tokens), torch.stack(probs) if probs else None, torch.cat(confidence) if confident else None
+
+
+def drafts_before_cut(confidence: Tensor, cut: float) -> int:
+    """How many drafts to keep: up to the first j > 0 whose running product of confidences c_0 .. c_j (the chance
+    that drafts 0..j are all accepted) falls below `cut`; the first draft is always kept. One host sync."""
+    reach = 1.0
+    for j, c in enumerate(confidence.double().tolist()):
+        reach *= c
+        if reach < cut and j > 0:
+            return j
+    return len(confidence)
 
 
 METHOD = Method(
