@@ -568,3 +568,41 @@ def test_plain_decoding_samples_at_a_temperature(loaded):
     ]
     assert draws[0] == draws[1] and draws[0] != draws[2] and greedy not in draws
     assert greedy == plain_greedy(target, prompts[0], 20, eos_ids).tokens
+
+
+def test_compiled_drafting_equals_eager_for_every_method(loaded):
+    """--compile-drafter: each method's proposer, compiled (dynamic context length), drafts the tokens and the q of
+    its eager self at every context length, greedy and sampled from the same generator state, without recompiling
+    when the context grows or the round drafts fewer tokens."""
+    from dflash import methods
+    from dflash.drafter.graph import compiled_graphs, forget_compiled_code
+
+    target, eos_ids, prompts, tokenizer = loaded("qwen3")
+    mask = tokenizer.convert_tokens_to_ids("<|MASK|>")
+    extra = {"dflash": {}, "dflash2": {"selector_rank": 8, "selector_top_k": 4}, "dspark": {"markov_rank": 8}}
+    forget_compiled_code()
+    for name, options in extra.items():
+        method = methods.METHODS[name]
+        config = method.config_cls.from_target_config(target.config, [1, 3, 5], mask, num_layers=1, **options)
+        torch.manual_seed(0)
+        drafter = method.model_cls(config).eval()
+        for module in drafter.modules():  # away from the identity / zero starts, so the method's head matters
+            for parameter in module.parameters(recurse=False):
+                torch.nn.init.normal_(parameter, std=0.3)
+        eager, compiled = (method.proposer_cls(drafter, config, target, compiled=c) for c in (False, True))
+        graphs = None
+        for context, drafts, temperature in [(9, 5, 0.0), (9, 5, 0.8), (23, 5, 0.0), (30, 2, 0.8), (41, 5, 0.8)]:
+            committed = torch.randint(0, config.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
+            features = torch.randn(context - 1, config.feature_dim, generator=torch.Generator().manual_seed(1))
+            with torch.inference_mode():
+                want, got = (
+                    p.propose(committed, features, drafts, temperature, torch.Generator().manual_seed(2))
+                    for p in (eager, compiled)
+                )
+            assert torch.equal(want.tokens, got.tokens) and len(got.tokens) == drafts, name
+            assert (want.probs is None) == (got.probs is None) == (temperature == 0)
+            if temperature:
+                torch.testing.assert_close(got.probs, want.probs, rtol=1e-4, atol=1e-6)
+            if context == 23:  # both temperatures compiled: later lengths and counts reuse the graphs
+                graphs = compiled_graphs()
+        assert compiled_graphs() == graphs, name
