@@ -522,8 +522,9 @@ class EvalConfig:
     experts: str = experts_option()
     compile_drafter: bool | None = option(
         None,
-        "torch.compile each drafter's forward (dynamic context length) and its method's device work before the "
-        "host's picks: the same drafts, fewer kernel launches a round. The warm-up pays for the compile.",
+        "torch.compile each drafter's forward and its method's drafting (DFlash 2's walk, DSpark's chain) with a "
+        "dynamic context length: the same drafts, a few fused kernels a round instead of hundreds of launches. The "
+        "warm-up pays for the compile.",
         default_doc="on for CUDA, off on the CPU",
     )
     json_path: str | None = option(

@@ -69,8 +69,8 @@ class DFlashProposer:
     [last committed, MASK x (B-1)] at the next absolute positions, then `choose` (here: draw from the LM head's
     logits; a method's proposer may choose otherwise from the same hidden states).
 
-    `compiled`: run the drafter's forward, and a method's device work before its host decisions (`device_part`),
-    through torch.compile (graph.compile_decoding); the first calls then compile (`dflash eval` warms up first)."""
+    `compiled`: run the drafter's forward, and a method's drafting from its hidden states (`device_part`), through
+    torch.compile (graph.compile_decoding); the first calls then compile (`dflash eval` warms up first)."""
 
     def __init__(self, drafter, config, target, options: DecodingOptions = DecodingOptions(), compiled: bool = False):
         self.drafter = drafter

@@ -106,7 +106,7 @@ class EvalReport:
     # Several drafters: each one's tau against the first one's, paired over the prompts (`compare_drafters`).
     comparisons: dict[str, dict] = field(default_factory=dict)
     baseline: str = "plain greedy"  # what every speedup is measured against (`baseline_name`)
-    drafter_compiled: bool = False  # the drafters' device work ran compiled (--compile-drafter): it changes the speed
+    drafter_compiled: bool = False  # the drafters ran compiled (--compile-drafter): it changes the speed, not the drafts
 
     def table(self) -> str:
         w = max(22, *(len(name) + 2 for name in self.methods))
@@ -562,7 +562,7 @@ def _methods(cfg: EvalConfig, target, tokenizer, named: dict, eos_ids: set[int])
     methods, compiled = {}, drafter_compiled(cfg, target.device)
     if named:
         how = "compiled (torch.compile, dynamic context length)" if compiled else "eager (--compile-drafter: off)"
-        logger.info("eval: the drafters' device work runs %s", how)
+        logger.info("eval: the drafters run %s", how)
     for name, drafter in named.items():
         model, config = drafter_and_config(drafter, target, tokenizer, cfg.block_size, cfg.seed)
         options = DecodingOptions(confidence_cut=cfg.confidence_cut)
