@@ -118,8 +118,10 @@ def main() -> int:
     for temperature in args.temperatures:
         for compiled in (c == "on" for c in args.compiled.split(",")):
             rows += measure(args, folder, temperature, compiled)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+            for row in rows[-len(args.methods) :]:  # as measured: a run cut short keeps what it has
+                print("row", json.dumps(row), flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps(rows, indent=1))
     first = rows[0]
     print(
         f"\none speculative round per method, random drafters on a random {args.arch} target (hidden {args.hidden}, "
