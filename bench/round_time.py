@@ -10,7 +10,7 @@ class (block sizes: each method's default). Such drafters are rejected at almost
 verifies a full block: the round's cost, not its acceptance, is measured (tau is printed to show it). Every row is one `dflash.evaluate.evaluate` over the same prompts (its warm-up pays for
 allocations and compiles), reporting the verify rounds' mean wall time and the plain decoding's time per token.
 
-    python3 bench/round_time.py --work /tmp/rounds --json rounds.json
+    python3 bench/round_time.py --arch qwen3 --work /tmp/rounds --json rounds.json
 """
 
 import argparse
@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from dflash import methods  # noqa: E402
 from dflash.config import EvalConfig  # noqa: E402
+from dflash.device import resolve_dtype  # noqa: E402
 from dflash.evaluate import evaluate  # noqa: E402
 from dflash.target import default_layer_ids  # noqa: E402
 from dflash.target_files import MASK_TOKEN  # noqa: E402
@@ -75,8 +76,8 @@ def measure(args, folder: Path, temperature: float, compiled: bool) -> list[dict
         dtype=args.dtype,
         compile_drafter=compiled,
     )
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.float32 if args.dtype in ("auto", "float32") else getattr(torch, args.dtype)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = resolve_dtype(args.dtype, device)  # the eval's own reading of --dtype: the drafters match its target
     report = evaluate(cfg, drafters=random_drafters(folder, args.methods, device, dtype))
     plain_ms = 1e3 / report.plain_tokens_per_s
     rows = []
@@ -109,7 +110,7 @@ def main() -> int:
     parser.add_argument("--compiled", default="off,on", help="off, on or off,on: --compile-drafter of each run")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--dtype", default="auto", help="the eval's --dtype")
+    parser.add_argument("--dtype", default="float32", help="the eval's --dtype (issue 52 measured in float32)")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="rounds-"))
