@@ -50,10 +50,10 @@ def draw(logits: torch.Tensor, temperature: float, generator=None) -> Draft:
 
 
 def inverse_cdf(q: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """The index at which the running sum of q [n] (float64) first exceeds `uniform` (0-d, in [0, 1)): an exact
-    sample of q drawn from one uniform on the device, where torch.multinomial would take a generator that
-    torch.compile cannot trace. A token of probability 0 is never picked; the last index stands in for a running
-    sum that rounds below `uniform`."""
+    """Per row of q [..., n], the index at which its running sum (float64) first exceeds `uniform` (in [0, 1),
+    broadcast against q with the last dimension kept: a 0-d tensor for one row): an exact sample of each row drawn on
+    the device, where torch.multinomial would take a generator that torch.compile cannot trace. A token of
+    probability 0 is never picked; the last index stands in for a running sum that rounds below `uniform`."""
     return (q.double().cumsum(-1) <= uniform).sum(-1).clamp_max(q.shape[-1] - 1)
 
 

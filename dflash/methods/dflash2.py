@@ -330,20 +330,26 @@ def walk(lattice: Tensor, draws: Tensor | None, temperature: float) -> tuple[Ten
     """The left-to-right walk over a block's lattice [k, K, K]: (the candidate index picked at each slot [k], and at
     T > 0 the K-way q [k, K] (float64) each was drawn from). Slot 0's rows all hold the anchor; each next row is the
     candidate picked at the slot before. Greedy takes the best edge; at T > 0 slot l samples softmax(S / T) by
-    inverse_cdf at draws[l]. Nothing leaves the device: compiled, the k dependent steps are a few fused kernels
-    launched ahead of the GPU, with no host sync inside the round's drafting."""
-    K = lattice.shape[1]
-    row, picks, probs = lattice.new_zeros((), dtype=torch.long), [], []
+    inverse_cdf at draws[l].
+
+    A slot's pick depends on its predecessor only through the lattice row it reads, so every slot's pick is made for
+    each of its K possible predecessors at once ([k, K] choices, one uniform per slot as in a sequential walk: the
+    same draws), and the chain only follows the predecessor actually picked: k gathers of one index are all that is
+    sequential. Nothing leaves the device, so the round's drafting has no host sync."""
+    if draws is None:
+        q, choices = None, lattice.argmax(dim=-1)
+    else:
+        q = torch.softmax(lattice.double() / temperature, dim=-1)
+        choices = inverse_cdf(q, draws[:, None, None])
+    row, picks, previous = choices.new_zeros(1), [], []
     for slot in range(lattice.shape[0]):
-        scores = lattice[slot].gather(0, row.expand(1, K))[0]  # row `row` (a gather: no data-dependent index)
-        if draws is None:
-            row = scores.argmax()
-        else:
-            q = torch.softmax(scores.double() / temperature, dim=-1)
-            row = inverse_cdf(q, draws[slot])
-            probs.append(q)
+        previous.append(row)
+        row = choices[slot].gather(0, row)  # a gather: no data-dependent index
         picks.append(row)
-    return torch.stack(picks), (torch.stack(probs) if probs else None)
+    picks, previous = torch.cat(picks), torch.cat(previous)
+    if q is None:
+        return picks, None
+    return picks, q.gather(1, previous.view(-1, 1, 1).expand(-1, 1, q.shape[-1]))[:, 0]
 
 
 METHOD = Method(
