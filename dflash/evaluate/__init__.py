@@ -106,7 +106,8 @@ class EvalReport:
     # Several drafters: each one's tau against the first one's, paired over the prompts (`compare_drafters`).
     comparisons: dict[str, dict] = field(default_factory=dict)
     baseline: str = "plain greedy"  # what every speedup is measured against (`baseline_name`)
-    drafter_compiled: bool = False  # the drafters ran compiled (--compile-drafter): it changes the speed, not the drafts
+    # The drafters ran compiled (--compile-drafter): it changes the speed, not the drafts.
+    drafter_compiled: bool = False
 
     def table(self) -> str:
         w = max(22, *(len(name) + 2 for name in self.methods))
