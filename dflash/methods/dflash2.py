@@ -309,12 +309,14 @@ class DFlash2Proposer(DFlashProposer):
 
     def choose(self, hidden: Tensor, anchor: Tensor, temperature: float, generator) -> Draft:
         draws = uniforms(hidden.shape[0], temperature, generator, hidden.device)
-        return Draft(*self.draft_block(hidden, anchor, draws, temperature))
+        # The target's LM head runs outside the compiled part: under tensor parallelism it is a sharded module.
+        unary = self.head(hidden * self.config.output_multiplier)
+        return Draft(*self.draft_block(hidden, unary, anchor, draws, temperature))
 
-    def _draft_block(self, hidden: Tensor, anchor: Tensor, draws: Tensor | None, temperature: float):
+    def _draft_block(self, hidden: Tensor, unary: Tensor, anchor: Tensor, draws: Tensor | None, temperature: float):
         """(the drafts [k], at T > 0 their K-way q [k, V] as float32, 0 off the candidates), all on the device."""
         cfg = self.config
-        unary = self.head(hidden * cfg.output_multiplier).to(acc_dtype(hidden.dtype))
+        unary = unary.to(acc_dtype(hidden.dtype))
         if cfg.final_logit_softcapping is not None:
             unary = cfg.final_logit_softcapping * torch.tanh(unary / cfg.final_logit_softcapping)
         values, candidates = vocab_top_k(unary, cfg.selector_top_k)  # the top-K the trainer takes

@@ -170,18 +170,21 @@ class DSparkProposer(DFlashProposer):
     def choose(self, hidden: Tensor, anchor: Tensor, temperature: float, generator) -> Draft:
         cut = self.options.confidence_cut
         draws = uniforms(hidden.shape[0], temperature, generator, hidden.device)
-        tokens, probs, confidence = self.draft_chain(hidden, anchor, draws, temperature, cut is not None)
+        # The target's LM head runs outside the compiled part: under tensor parallelism it is a sharded module.
+        unary = self.head(hidden)
+        tokens, probs, confidence = self.draft_chain(hidden, unary, anchor, draws, temperature, cut is not None)
         if cut is not None:
             keep = drafts_before_cut(confidence, cut)
             tokens, probs = tokens[:keep], None if probs is None else probs[:keep]
         return Draft(tokens, probs)
 
-    def _draft_chain(self, hidden: Tensor, anchor: Tensor, draws: Tensor | None, temperature: float, confident: bool):
-        """(the drafts [k], at T > 0 the q [k, V] each was drawn from, with `confident` the confidence c_j [k]),
-        all on the device: slot j's previous token is the anchor (j = 0) or the draft of slot j - 1, picked by argmax
-        or by inverse_cdf of softmax(z_j / T) at draws[j]."""
+    def _draft_chain(
+        self, hidden: Tensor, unary: Tensor, anchor: Tensor, draws: Tensor | None, temperature: float, confident: bool
+    ):
+        """From the LM head's logits unary [k, V]: (the drafts [k], at T > 0 the q [k, V] each was drawn from, with
+        `confident` the confidence c_j [k]), all on the device: slot j's previous token is the anchor (j = 0) or the
+        draft of slot j - 1, picked by argmax or by inverse_cdf of softmax(z_j / T) at draws[j]."""
         markov = self.drafter.markov_head
-        unary = self.head(hidden)
         previous, tokens, probs, confidence = anchor.reshape(1), [], [], []
         for j in range(hidden.shape[0]):
             e = markov.markov_w1(previous)
