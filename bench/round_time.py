@@ -7,8 +7,9 @@ saved to --work and loaded through `dflash eval`'s own loading, its LM head scal
 next-token distributions are peaked at random tokens; each method's drafter is randomly initialised from its config
 class (block sizes: each method's default). Such drafters are rejected at almost every round at either temperature
 (a flat target would accept a flat drafter's samples), so a generation is about one round per token and each round
-verifies a full block: the round's cost, not its acceptance, is measured (tau is printed to show it). Every row is one `dflash.evaluate.evaluate` over the same prompts (its warm-up pays for
-allocations and compiles), reporting the verify rounds' mean wall time and the plain decoding's time per token.
+verifies a full block: the round's cost, not its acceptance, is measured (tau is printed to show it). Every row is
+one `dflash.evaluate.evaluate` over the same prompts (its warm-up pays for allocations and compiles), reporting the
+verify rounds' mean wall time and the plain decoding's time per token.
 
     python3 bench/round_time.py --arch qwen3 --work /tmp/rounds --json rounds.json
 """
@@ -137,7 +138,8 @@ def main() -> int:
         ratio = f"{row['round_ms'] / reference:.2f}x" if reference else "-"
         print(
             f"| {row['temperature']:g} | {'compiled' if row['compiled'] else 'eager'} | {row['method']} | "
-            f"{row['block']} | {row['rounds']} | {row['tau']:.2f} | {row['round_ms']:.2f} | {ratio} | {row['plain_token_ms']:.2f} |"
+            f"{row['block']} | {row['rounds']} | {row['tau']:.2f} | {row['round_ms']:.2f} | {ratio} | "
+            f"{row['plain_token_ms']:.2f} |"
         )
     return 0
 

@@ -111,8 +111,8 @@ def check_same_weights(
 ) -> None:
     """Compare the weights of `what` (a phrase naming both sides: "the weights of A and of B"): `given`'s must be
     `expected`'s. Other weights are refused naming both digests and `fix`, unless `allowed` (by `flag`, for a
-    deliberate fine-tune; None: a command with no such flag): then a warning. Where a side records no digest (made by a dflash from before the record)
-    there is nothing to compare: a note says so."""
+    deliberate fine-tune; None: a command with no such flag): then a warning. Where a side records no digest (made
+    by a dflash from before the record) there is nothing to compare: a note says so."""
     digests = f"weights_sha256 {given.describe()} against {expected.describe()}"
     if expected.weights_sha256 is None or given.weights_sha256 is None:
         logger.info("%s: not compared (%s; made by an older dflash, a record holds no digest)", what, digests)

@@ -5,7 +5,8 @@ weights, the optimizer state, metric accumulators). `GraphedStep` warms it up wi
 stream of the main thread, before any data flows, then captures the whole of it in one `torch.cuda.CUDAGraph`
 and replays that graph for every later step. Between replays only the contents of the static buffers change,
 so a step can neither change shape nor allocate: memory is flat by construction. On the CPU the same
-function runs directly (compiled or not).
+function runs directly (compiled or not). `compile_decoding` is the eval's counterpart: a speculative round's
+drafting, compiled with dynamic sizes and no capture, because its context grows every round.
 
 After warmup a recompile would mean that something in a step differs from the warmed-up steps (a shape, a
 dtype, a Python value baked into the graph). `no_recompiles` turns it into a `DflashError` naming the guard
@@ -30,6 +31,9 @@ def compile_fn(fn: Callable, enabled: bool, options: dict | None = None) -> Call
     return torch.compile(fn, fullgraph=True, dynamic=False, options=options) if enabled else fn
 
 
+DECODING_RECOMPILE_LIMIT = 64  # compile_decoding's: the entries of one code object across a whole eval
+
+
 def compile_decoding(fn: Callable) -> Callable:
     """torch.compile for the device work of a speculative decoding round (`dflash eval`), whose context grows by
     every accepted token: sizes are symbolic (dynamic=True), so one graph serves every context length where static
@@ -42,9 +46,6 @@ def compile_decoding(fn: Callable) -> Callable:
     an eval of many drafters does not hit dynamo's default of 8, which fullgraph=True turns into a failure."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, DECODING_RECOMPILE_LIMIT)
     return torch.compile(fn, fullgraph=True, dynamic=True)
-
-
-DECODING_RECOMPILE_LIMIT = 64
 
 
 # The types torch's pytree knew when this run's compiles began (see no_recompiles).

@@ -393,7 +393,8 @@ def _evaluate(
     eos_ids = eos_token_ids(target, tokenizer)
     encoded = [torch.tensor(encode_prompt(tokenizer, r), device=target.device) for r in records]
     check_positions(encoded, cfg.max_new_tokens, target.config.get_text_config())
-    methods = _methods(cfg, target, tokenizer, named, eos_ids)
+    compiled = drafter_compiled(cfg, target.device) and bool(named)
+    methods = _methods(cfg, target, tokenizer, named, eos_ids, compiled)
     trained = [name for name, drafter in named.items() if drafter != "untrained"]
     generator = torch.Generator(target.device).manual_seed(cfg.seed)
 
@@ -417,7 +418,7 @@ def _evaluate(
             prompts=rows,
             comparisons=compare_drafters(summaries, rows, trained) if compare else {},
             baseline=baseline_name(cfg.temperature),
-            drafter_compiled=drafter_compiled(cfg, target.device) and bool(drafters),
+            drafter_compiled=compiled,
         )
 
     def run_all(prompt: torch.Tensor, budget: int) -> tuple[Generation, dict[str, Run]]:
@@ -559,8 +560,8 @@ def _token_hash(tokens: torch.Tensor) -> str:
     return hashlib.sha256(tokens.to("cpu", torch.int64).numpy().tobytes()).hexdigest()
 
 
-def _methods(cfg: EvalConfig, target, tokenizer, named: dict, eos_ids: set[int]) -> dict:
-    methods, compiled = {}, drafter_compiled(cfg, target.device)
+def _methods(cfg: EvalConfig, target, tokenizer, named: dict, eos_ids: set[int], compiled: bool) -> dict:
+    methods = {}
     if named:
         how = "compiled (torch.compile, dynamic context length)" if compiled else "eager (--compile-drafter: off)"
         logger.info("eval: the drafters run %s", how)

@@ -79,9 +79,9 @@ def draft_overlap(draft: Draft, p: torch.Tensor) -> torch.Tensor:
       (the target's p_i is conditioned on them);
     - p_i's mass on q_i's support S, which caps it: a K-way q (DFlash 2's) can never be accepted more often than
       the target puts mass on its K candidates;
-    - q_i's fit to p_i within S, sum_{v in S} min(p_i(v) / p_i(S), q_i(v)) = 1 - TV(q_i, p_i renormalised on S): 1 when q
-      is p's shape there. The acceptance is at least the product of the last two, so a low acceptance under a high
-      cap is q's shape, not its support."""
+    - q_i's fit to p_i within S, sum_{v in S} min(p_i(v) / p_i(S), q_i(v)) = 1 - TV(q_i, p_i renormalised on S):
+      1 when q is p's shape there. The acceptance is at least the product of the last two, so a low acceptance
+      under a high cap is q's shape, not its support."""
     k = draft.tokens.numel()
     p = p[:k]
     if draft.probs is None:  # a point mass on each draft
@@ -151,8 +151,8 @@ class Generation:
     tokens: list[int]  # new tokens, ending at the first EOS (kept) or at max_new_tokens
     seconds: float
     accepted: list[int] = field(default_factory=list)  # accepted drafts per round (speculative only)
-    # per round, draft_overlap's [overlap, support mass, shape] of the drafts verification reached (the accepted ones and
-    # the first rejected one); speculative sampling only
+    # per round, draft_overlap's [overlap, support mass, shape] of the drafts verification reached (the accepted
+    # ones and the first rejected one); speculative sampling only
     overlaps: list[list[list[float]]] = field(default_factory=list)
     margins: list[float] = field(default_factory=list)  # top-2 logit gap per step (plain greedy only)
 

@@ -133,11 +133,8 @@ class _TeacherHeadLoss(torch.autograd.Function):
         # z = head h + W2 e as one product over [h, e] and [head, W2]: its r extra columns cost a tenth of the head's
         # product, where W2's product added into the head's (addmm) moved the [c, V] logits twice more, at 192
         # TFLOP/s (10.9 ms of a 231 ms step: docs/benchmarks.md, "Drafter methods").
-        if w2.shape[1]:
-            joint_input, joint_weight = (
-                torch.cat([h, e], dim=1),
-                torch.cat([head, w2_mm], dim=1),
-            )  # [N, H + r], [V, H + r]
+        if w2.shape[1]:  # [N, H + r], [V, H + r]
+            joint_input, joint_weight = torch.cat([h, e], dim=1), torch.cat([head, w2_mm], dim=1)
         else:  # no Markov term (DFlash 2): the head itself, not a copy of it
             joint_input, joint_weight = h, head
         math_dtype = torch.promote_types(mm_dtype, torch.float32)
