@@ -578,14 +578,22 @@ def test_plain_decoding_samples_at_a_temperature(loaded):
     assert greedy == plain_greedy(target, prompts[0], 20, eos_ids).tokens
 
 
-def test_compiled_drafting_equals_eager_for_every_method(loaded):
-    """--compile-drafter: each method's proposer, compiled (dynamic context length), drafts the tokens and the q of
-    its eager self at every context length, greedy and sampled from the same generator state, without recompiling
-    when the context grows or the round drafts fewer tokens."""
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+)
+def test_compiled_drafting_equals_eager_for_every_method(loaded, device):
+    """--compile-drafter: each method's proposer, compiled (dynamic context length; on CUDA its drafting from the
+    block replayed from CUDA graphs), drafts the tokens and the q of its eager self at every context length, greedy
+    and sampled from the same generator state, without recompiling when the context grows or the round drafts fewer
+    tokens."""
+    import copy
+
     from dflash import methods
     from dflash.drafter.graph import compiled_graphs, forget_compiled_code
 
     target, eos_ids, prompts, tokenizer = loaded("qwen3")
+    target = target if device == "cpu" else copy.deepcopy(target).to(device)
     mask = tokenizer.convert_tokens_to_ids("<|MASK|>")
     extra = {"dflash": {}, "dflash2": {"selector_rank": 8, "selector_top_k": 4}, "dspark": {"markov_rank": 8}}
     forget_compiled_code()
@@ -597,14 +605,16 @@ def test_compiled_drafting_equals_eager_for_every_method(loaded):
         for module in drafter.modules():  # away from the identity / zero starts, so the method's head matters
             for parameter in module.parameters(recurse=False):
                 torch.nn.init.normal_(parameter, std=0.3)
+        drafter.to(device)
         eager, compiled = (method.proposer_cls(drafter, config, target, compiled=c) for c in (False, True))
         graphs = None
         for context, drafts, temperature in [(9, 5, 0.0), (9, 5, 0.8), (23, 5, 0.0), (30, 2, 0.8), (41, 5, 0.8)]:
             committed = torch.randint(0, config.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
             features = torch.randn(context - 1, config.feature_dim, generator=torch.Generator().manual_seed(1))
+            committed, features = committed.to(device), features.to(device)
             with torch.inference_mode():
                 want, got = (
-                    p.propose(committed, features, drafts, temperature, torch.Generator().manual_seed(2))
+                    p.propose(committed, features, drafts, temperature, torch.Generator(device).manual_seed(2))
                     for p in (eager, compiled)
                 )
             assert torch.equal(want.tokens, got.tokens) and len(got.tokens) == drafts, name

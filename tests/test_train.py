@@ -451,3 +451,31 @@ def test_resume_with_other_options_names_them(store, tmp_path):
     run_training(config(store, tmp_path / "run", max_steps=2))
     with pytest.raises(DflashError, match=r"lr: checkpoint 0.0006, now 0.001.*max_steps"):
         run_training(config(store, tmp_path / "run", max_steps=4, lr=1e-3, resume=True))
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+)
+def test_captured_call_replays_each_signature_and_returns_copies(device):
+    """CapturedCall (the eval's fixed-shape drafting): every call returns fn of that call's inputs, as copies that
+    the next call does not overwrite; a non-tensor argument is part of the signature; a caller whose shapes keep
+    changing gets a DflashError instead of a capture per call."""
+
+    def fn(x, scale, bias):
+        out = x.cumsum(0) * scale
+        return (out, None) if bias is None else (out, out + bias)
+
+    graph.forget_compiled_code()
+    call = graph.CapturedCall(fn, torch.device(device), max_signatures=3)
+    xs = [torch.randn(5, 3, generator=torch.Generator().manual_seed(s)).to(device) for s in range(3)]
+    bias = torch.arange(3.0, device=device)
+    first, no_bias = call(xs[0], 2.0, bias), call(xs[1], 2.0, None)
+    second = call(xs[2], 2.0, bias)
+    for got, x, b in [(first, xs[0], bias), (no_bias, xs[1], None), (second, xs[2], bias)]:
+        torch.testing.assert_close(got[0], x.cumsum(0) * 2)
+        assert (got[1] is None) == (b is None) and (b is None or torch.allclose(got[1], got[0] + b))
+    assert first[0].data_ptr() != second[0].data_ptr()
+    torch.testing.assert_close(call(xs[0], 3.0, bias)[0], xs[0].cumsum(0) * 3)  # a third signature
+    with pytest.raises(DflashError, match="must keep their shapes"):
+        call(torch.ones(4, 3, device=device), 2.0, bias)

@@ -5,8 +5,10 @@ weights, the optimizer state, metric accumulators). `GraphedStep` warms it up wi
 stream of the main thread, before any data flows, then captures the whole of it in one `torch.cuda.CUDAGraph`
 and replays that graph for every later step. Between replays only the contents of the static buffers change,
 so a step can neither change shape nor allocate: memory is flat by construction. On the CPU the same
-function runs directly (compiled or not). `compile_decoding` is the eval's counterpart: a speculative round's
-drafting, compiled with dynamic sizes and no capture, because its context grows every round.
+function runs directly (compiled or not). `compile_decoding` and `CapturedCall` are the eval's counterparts: a
+speculative round's drafter forward, compiled with dynamic sizes and no capture because its context grows every
+round, and a method's drafting from the block's hidden states, whose shapes never change: compiled and replayed
+from a CUDA graph.
 
 After warmup a recompile would mean that something in a step differs from the warmed-up steps (a shape, a
 dtype, a Python value baked into the graph). `no_recompiles` turns it into a `DflashError` naming the guard
@@ -44,8 +46,12 @@ def compile_decoding(fn: Callable) -> Callable:
     Each proposer compiles its own bound methods, which dynamo counts as recompiles of one code object (one per
     drafter compared, temperature and attention mask kind): the limit is raised to DECODING_RECOMPILE_LIMIT so that
     an eval of many drafters does not hit dynamo's default of 8, which fullgraph=True turns into a failure."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, DECODING_RECOMPILE_LIMIT)
+    _raise_recompile_limit()
     return torch.compile(fn, fullgraph=True, dynamic=True)
+
+
+def _raise_recompile_limit() -> None:
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, DECODING_RECOMPILE_LIMIT)
 
 
 # The types torch's pytree knew when this run's compiles began (see no_recompiles).
@@ -205,3 +211,54 @@ class GraphedStep:
             yield
         except torch.OutOfMemoryError as exc:
             raise DflashError(f"out of memory during {phase} of the step: lower {self.hint}") from exc
+
+
+class CapturedCall:
+    """fn(*args) for the eval's fixed-shape device work (a method's drafting from a block's hidden states): compiled
+    with static shapes, then on CUDA captured once per call signature and replayed. Compiled alone, a round of one
+    prompt still waits on the host's launch of every kernel: a walk over 15 slots is dozens of them, which cost
+    DFlash 2's round 5-7 % over DFlash's on the H100 (docs/benchmarks.md, "Every temperature").
+
+    A signature is the shapes and dtypes of the tensor arguments and the values of the others (None, a temperature,
+    a flag), which are baked into its graph. The tensors are copied into that signature's static buffers, the graph
+    replays, and the outputs are returned as copies: the next replay overwrites the graph's own. More than
+    `max_signatures` signatures means that the caller's shapes are not fixed: a DflashError, not a capture per call.
+    On the CPU the same buffers feed the compiled function directly."""
+
+    def __init__(self, fn: Callable, device: torch.device, max_signatures: int = 16):
+        _raise_recompile_limit()
+        self.name = getattr(fn, "__qualname__", repr(fn))
+        self.fn, self.device, self.max_signatures = compile_fn(fn, enabled=True), device, max_signatures
+        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        self.captured: dict[tuple, tuple[StaticBuffers, GraphedStep, dict]] = {}
+
+    def __call__(self, *args):
+        key = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+        if key not in self.captured:
+            self.captured[key] = self._capture(key, args)
+        buffers, step, result = self.captured[key]
+        for name, value in enumerate(args):
+            if isinstance(value, torch.Tensor):
+                buffers.load(str(name), value)
+        step()
+        return pytree.tree_map_only(torch.Tensor, torch.clone, result["out"])
+
+    def _capture(self, key: tuple, args: tuple) -> tuple[StaticBuffers, GraphedStep, dict]:
+        if len(self.captured) >= self.max_signatures:
+            raise DflashError(
+                f"{self.name} was called with more than {self.max_signatures} signatures (shapes, dtypes, values), "
+                f"the latest {key}: a fixed-shape step's inputs must keep their shapes from call to call"
+            )
+        buffers = StaticBuffers({str(i): a.clone() for i, a in enumerate(args) if isinstance(a, torch.Tensor)})
+        inputs = [buffers.get(str(i), a) for i, a in enumerate(args)]
+        result = {}
+
+        def step():
+            result["out"] = self.fn(*inputs)
+
+        graphed = GraphedStep(
+            step, device=self.device, cuda_graph=True, hint="the drafters one eval compares", pool=self.pool
+        )
+        graphed.warmup()
+        graphed.capture()
+        return buffers, graphed, result

@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from dflash.drafter.graph import compile_decoding
+from dflash.drafter.graph import CapturedCall, compile_decoding
 from dflash.errors import DflashError
 
 
@@ -69,13 +69,15 @@ class DFlashProposer:
     [last committed, MASK x (B-1)] at the next absolute positions, then `choose` (here: draw from the LM head's
     logits; a method's proposer may choose otherwise from the same hidden states).
 
-    `compiled`: run the drafter's forward, and a method's drafting from its hidden states (`device_part`), through
-    torch.compile (graph.compile_decoding); the first calls then compile (`dflash eval` warms up first)."""
+    `compiled`: run the drafter's forward through torch.compile with a dynamic context length (graph.compile_decoding),
+    and a method's drafting from the block's hidden states (`block_part`), whose shapes never change, compiled and on
+    CUDA replayed from a CUDA graph (graph.CapturedCall); the first calls then compile (`dflash eval` warms up
+    first)."""
 
     def __init__(self, drafter, config, target, options: DecodingOptions = DecodingOptions(), compiled: bool = False):
         self.drafter = drafter
         self.compiled = compiled
-        self.forward = self.device_part(drafter)
+        self.forward = compile_decoding(drafter) if compiled else drafter
         self.config = config
         self.options = options
         self.check_options(options)
@@ -103,8 +105,11 @@ class DFlashProposer:
         draft = self.choose(hidden[0, self.first_draft :], committed[-1], temperature, generator)
         return draft.first(num_tokens)
 
-    def device_part(self, fn: Callable) -> Callable:
-        return compile_decoding(fn) if self.compiled else fn
+    def block_part(self, fn: Callable) -> Callable:
+        """fn of the block's hidden states and its other fixed-shape tensors, as `compiled` says (class docstring)."""
+        if not self.compiled:
+            return fn
+        return CapturedCall(fn, next(self.drafter.parameters()).device)
 
     def check_options(self, options: DecodingOptions) -> None:
         if options.confidence_cut is not None:
