@@ -563,7 +563,11 @@ def _token_hash(tokens: torch.Tensor) -> str:
 def _methods(cfg: EvalConfig, target, tokenizer, named: dict, eos_ids: set[int], compiled: bool) -> dict:
     methods = {}
     if named:
-        how = "compiled (torch.compile, dynamic context length)" if compiled else "eager (--compile-drafter: off)"
+        how = (
+            "compiled (torch.compile: forward at a dynamic context length, drafting from a CUDA graph on CUDA)"
+            if compiled
+            else "eager (--compile-drafter: off)"
+        )
         logger.info("eval: the drafters run %s", how)
     for name, drafter in named.items():
         model, config = drafter_and_config(drafter, target, tokenizer, cfg.block_size, cfg.seed)
