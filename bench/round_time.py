@@ -1,6 +1,6 @@
 """What one speculative decoding round costs per drafter method, eager against compiled (`dflash eval
---compile-drafter`), at each temperature: issue 52's item 4 asks that every method's sampled round be as fast as
-DFlash's.
+--compile-drafter`, and with `--drafting-cuda-graph`), at each temperature: issue 52's item 4 asks that every
+method's sampled round be as fast as DFlash's.
 
 The target is a random-weight model of a real architecture (the quality fixture's Qwen3.5 hybrid shape by default)
 saved to --work and loaded through `dflash eval`'s own loading, its LM head scaled up (x HEAD_SCALE) so that its
@@ -66,7 +66,12 @@ def random_drafters(folder: Path, names: list[str], device: str, dtype: torch.dt
     return drafters
 
 
-def measure(args, folder: Path, temperature: float, compiled: bool) -> list[dict]:
+# --compiled's modes: (--compile-drafter, --drafting-cuda-graph) of each run
+MODES = {"eager": (False, False), "compiled": (True, False), "graphed": (True, True)}
+
+
+def measure(args, folder: Path, temperature: float, mode: str) -> list[dict]:
+    compiled, graphed = MODES[mode]
     cfg = EvalConfig(
         model=str(folder),
         data=str(PROMPTS),
@@ -76,6 +81,7 @@ def measure(args, folder: Path, temperature: float, compiled: bool) -> list[dict
         prompt_lookup=0,
         dtype=args.dtype,
         compile_drafter=compiled,
+        drafting_cuda_graph=graphed,
     )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(args.dtype, device)  # the eval's own reading of --dtype: the drafters match its target
@@ -88,7 +94,7 @@ def measure(args, folder: Path, temperature: float, compiled: bool) -> list[dict
                 method=name,
                 block=m.block_size,
                 temperature=temperature,
-                compiled=compiled,
+                drafter=mode,
                 rounds=m.rounds,
                 tau=m.tau,
                 round_ms=1e3 * m.seconds / m.rounds,
@@ -108,7 +114,12 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=8, help="the target's depth")
     parser.add_argument("--methods", default="dflash,dflash2,dspark", type=lambda s: s.split(","))
     parser.add_argument("--temperatures", default="0,1", type=lambda s: [float(t) for t in s.split(",")])
-    parser.add_argument("--compiled", default="off,on", help="off, on or off,on: --compile-drafter of each run")
+    parser.add_argument(
+        "--drafters",
+        default="eager,compiled,graphed",
+        type=lambda s: s.split(","),
+        help="how the drafters run, any of: eager, compiled (--compile-drafter), graphed (also --drafting-cuda-graph)",
+    )
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="float32", help="the eval's --dtype (issue 52 measured in float32)")
@@ -118,8 +129,8 @@ def main() -> int:
     folder = peaked_target(work, args.arch, args.hidden, args.layers)
     rows = []
     for temperature in args.temperatures:
-        for compiled in (c == "on" for c in args.compiled.split(",")):
-            rows += measure(args, folder, temperature, compiled)
+        for mode in args.drafters:
+            rows += measure(args, folder, temperature, mode)
             for row in rows[-len(args.methods) :]:  # as measured: a run cut short keeps what it has
                 print("row", json.dumps(row), flush=True)
             if args.json:
@@ -133,11 +144,11 @@ def main() -> int:
     print("| T | drafter | method | block | rounds | tau | ms / round | vs dflash's round | plain ms / token |")
     print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
-        same = [r for r in rows if r["temperature"] == row["temperature"] and r["compiled"] == row["compiled"]]
+        same = [r for r in rows if r["temperature"] == row["temperature"] and r["drafter"] == row["drafter"]]
         reference = next((r["round_ms"] for r in same if r["method"] == "dflash"), None)
         ratio = f"{row['round_ms'] / reference:.2f}x" if reference else "-"
         print(
-            f"| {row['temperature']:g} | {'compiled' if row['compiled'] else 'eager'} | {row['method']} | "
+            f"| {row['temperature']:g} | {row['drafter']} | {row['method']} | "
             f"{row['block']} | {row['rounds']} | {row['tau']:.2f} | {row['round_ms']:.2f} | {ratio} | "
             f"{row['plain_token_ms']:.2f} |"
         )

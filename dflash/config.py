@@ -527,6 +527,12 @@ class EvalConfig:
         "warm-up pays for the compile.",
         default_doc="on for CUDA, off on the CPU",
     )
+    drafting_cuda_graph: bool = option(
+        False,
+        "With --compile-drafter on CUDA, also replay each method's fixed-shape drafting from the block's hidden "
+        "states (DFlash 2's walk, DSpark's chain) from a CUDA graph, captured in the warm-up: the same drafts "
+        "without a launch per kernel. Off by default until measured on a GPU (docs/benchmarks.md, Not yet measured).",
+    )
     json_path: str | None = option(
         None,
         "Also write the full report (per prompt) as JSON here, updated after every prompt.",
@@ -567,6 +573,8 @@ class EvalConfig:
             raise DflashError("a --drafter folder is given twice; give each drafter to compare once")
         if self.resume and not self.json_path:
             raise DflashError("--resume goes on from the report at --json: give --json REPORT")
+        if self.drafting_cuda_graph and self.compile_drafter is False:
+            raise DflashError("--drafting-cuda-graph replays the compiled drafting: drop --no-compile-drafter")
         if self.confidence_cut is not None and not 0 <= self.confidence_cut <= 1:
             raise DflashError(
                 f"--confidence-cut {self.confidence_cut} is not a chance between 0 and 1; give e.g. --confidence-cut 0.5"

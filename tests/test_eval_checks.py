@@ -208,3 +208,12 @@ def test_a_confidence_cut_outside_0_to_1_is_refused_before_anything_loads(tmp_pa
     assert result.exit_code == 2, result.output
     assert f"--confidence-cut {float(cut)} is not a chance between 0 and 1" in result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+def test_a_drafting_cuda_graph_without_the_compile_is_refused_before_anything_loads(tmp_path):
+    args = ["eval", "--model", str(tmp_path / "m"), "--data", "p.jsonl", "--drafting-cuda-graph"]
+    result = CliRunner().invoke(main, [*args, "--no-compile-drafter"])
+    assert result.exit_code == 2, result.output
+    assert "--drafting-cuda-graph replays the compiled drafting: drop --no-compile-drafter" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert "--drafting-cuda-graph" not in CliRunner().invoke(main, args).output  # on by itself: the model is missing

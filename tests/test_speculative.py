@@ -583,8 +583,8 @@ def test_plain_decoding_samples_at_a_temperature(loaded):
     ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
 )
 def test_compiled_drafting_equals_eager_for_every_method(loaded, device):
-    """--compile-drafter: each method's proposer, compiled (dynamic context length; on CUDA its drafting from the
-    block replayed from CUDA graphs), drafts the tokens and the q of its eager self at every context length, greedy
+    """--compile-drafter: each method's proposer, compiled (dynamic context length; with --drafting-cuda-graph on
+    CUDA its drafting from the block replayed from CUDA graphs), drafts the tokens and the q of its eager self at every context length, greedy
     and sampled from the same generator state, without recompiling when the context grows or the round drafts fewer
     tokens."""
     import copy
@@ -606,7 +606,9 @@ def test_compiled_drafting_equals_eager_for_every_method(loaded, device):
             for parameter in module.parameters(recurse=False):
                 torch.nn.init.normal_(parameter, std=0.3)
         drafter.to(device)
-        eager, compiled = (method.proposer_cls(drafter, config, target, compiled=c) for c in (False, True))
+        eager, compiled = (
+            method.proposer_cls(drafter, config, target, compiled=c, cuda_graph=c) for c in (False, True)
+        )
         graphs = None
         for context, drafts, temperature in [(9, 5, 0.0), (9, 5, 0.8), (23, 5, 0.0), (30, 2, 0.8), (41, 5, 0.8)]:
             committed = torch.randint(0, config.vocab_size, (context,), generator=torch.Generator().manual_seed(0))

@@ -223,13 +223,14 @@ class CapturedCall:
     a flag), which are baked into its graph. The tensors are copied into that signature's static buffers, the graph
     replays, and the outputs are returned as copies: the next replay overwrites the graph's own. More than
     `max_signatures` signatures means that the caller's shapes are not fixed: a DflashError, not a capture per call.
-    On the CPU the same buffers feed the compiled function directly."""
+    On the CPU, or with cuda_graph=False, the same buffers feed the compiled function directly."""
 
-    def __init__(self, fn: Callable, device: torch.device, max_signatures: int = 16):
+    def __init__(self, fn: Callable, device: torch.device, cuda_graph: bool = True, max_signatures: int = 16):
         _raise_recompile_limit()
         self.name = getattr(fn, "__qualname__", repr(fn))
         self.fn, self.device, self.max_signatures = compile_fn(fn, enabled=True), device, max_signatures
-        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        self.use_graph = cuda_graph and device.type == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graph else None
         self.captured: dict[tuple, tuple[StaticBuffers, GraphedStep, dict]] = {}
 
     def __call__(self, *args):
@@ -257,7 +258,7 @@ class CapturedCall:
             result["out"] = self.fn(*inputs)
 
         graphed = GraphedStep(
-            step, device=self.device, cuda_graph=True, hint="the drafters one eval compares", pool=self.pool
+            step, device=self.device, cuda_graph=self.use_graph, hint="the drafters one eval compares", pool=self.pool
         )
         graphed.warmup()
         graphed.capture()

@@ -70,13 +70,21 @@ class DFlashProposer:
     logits; a method's proposer may choose otherwise from the same hidden states).
 
     `compiled`: run the drafter's forward through torch.compile with a dynamic context length (graph.compile_decoding),
-    and a method's drafting from the block's hidden states (`block_part`), whose shapes never change, compiled and on
-    CUDA replayed from a CUDA graph (graph.CapturedCall); the first calls then compile (`dflash eval` warms up
-    first)."""
+    and a method's drafting from the block's hidden states (`block_part`), whose shapes never change, compiled with
+    static shapes and, with `cuda_graph` on CUDA, replayed from a CUDA graph (graph.CapturedCall); the first calls
+    then compile (`dflash eval` warms up first)."""
 
-    def __init__(self, drafter, config, target, options: DecodingOptions = DecodingOptions(), compiled: bool = False):
+    def __init__(
+        self,
+        drafter,
+        config,
+        target,
+        options: DecodingOptions = DecodingOptions(),
+        compiled: bool = False,
+        cuda_graph: bool = False,
+    ):
         self.drafter = drafter
-        self.compiled = compiled
+        self.compiled, self.cuda_graph = compiled, cuda_graph
         self.forward = compile_decoding(drafter) if compiled else drafter
         self.config = config
         self.options = options
@@ -109,7 +117,7 @@ class DFlashProposer:
         """fn of the block's hidden states and its other fixed-shape tensors, as `compiled` says (class docstring)."""
         if not self.compiled:
             return fn
-        return CapturedCall(fn, next(self.drafter.parameters()).device)
+        return CapturedCall(fn, next(self.drafter.parameters()).device, self.cuda_graph)
 
     def check_options(self, options: DecodingOptions) -> None:
         if options.confidence_cut is not None:

@@ -563,8 +563,10 @@ def _token_hash(tokens: torch.Tensor) -> str:
 def _methods(cfg: EvalConfig, target, tokenizer, named: dict, eos_ids: set[int], compiled: bool) -> dict:
     methods = {}
     if named:
+        graphed = cfg.drafting_cuda_graph and target.device.type == "cuda"
         how = (
-            "compiled (torch.compile: forward at a dynamic context length, drafting from a CUDA graph on CUDA)"
+            "compiled (torch.compile: the forward at a dynamic context length, the drafting "
+            f"{'replayed from CUDA graphs' if graphed else 'at static shapes, no CUDA graph'})"
             if compiled
             else "eager (--compile-drafter: off)"
         )
@@ -572,7 +574,9 @@ def _methods(cfg: EvalConfig, target, tokenizer, named: dict, eos_ids: set[int],
     for name, drafter in named.items():
         model, config = drafter_and_config(drafter, target, tokenizer, cfg.block_size, cfg.seed)
         options = DecodingOptions(confidence_cut=cfg.confidence_cut)
-        proposer = drafter_methods.of_config(config).proposer_cls(model, config, target, options, compiled)
+        proposer = drafter_methods.of_config(config).proposer_cls(
+            model, config, target, options, compiled, cfg.drafting_cuda_graph
+        )
         methods[name] = SpeculativeMethod(proposer, config.drafts_per_block, cfg.temperature, config.block_size)
     if cfg.prompt_lookup:
         proposer = PromptLookupProposer(cfg.prompt_lookup, eos_ids=eos_ids)
