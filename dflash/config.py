@@ -529,9 +529,10 @@ class EvalConfig:
     )
     drafting_cuda_graph: bool = option(
         False,
-        "With --compile-drafter on CUDA, also replay each method's fixed-shape drafting from the block's hidden "
-        "states (DFlash 2's walk, DSpark's chain) from a CUDA graph, captured in the warm-up: the same drafts "
-        "without a launch per kernel. Off by default until measured on a GPU (docs/benchmarks.md, Not yet measured).",
+        "With --compile-drafter on CUDA, compile each method's fixed-shape drafting from the block's hidden states "
+        "(DFlash 2's walk, DSpark's chain) at static shapes and replay it from a CUDA graph, captured in the warm-up: "
+        "the same drafts without a launch per kernel. Off by default until run on a GPU (docs/benchmarks.md, Not yet "
+        "measured).",
     )
     json_path: str | None = option(
         None,

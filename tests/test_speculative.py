@@ -583,8 +583,8 @@ def test_plain_decoding_samples_at_a_temperature(loaded):
     ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
 )
 def test_compiled_drafting_equals_eager_for_every_method(loaded, device):
-    """--compile-drafter: each method's proposer, compiled (dynamic context length; with --drafting-cuda-graph on
-    CUDA its drafting from the block replayed from CUDA graphs), drafts the tokens and the q of its eager self at every context length, greedy
+    """--compile-drafter: each method's proposer, compiled (dynamic context length), and with --drafting-cuda-graph
+    (its drafting from the block at static shapes, on CUDA replayed from CUDA graphs), drafts the tokens and the q of its eager self at every context length, greedy
     and sampled from the same generator state, without recompiling when the context grows or the round drafts fewer
     tokens."""
     import copy
@@ -606,8 +606,9 @@ def test_compiled_drafting_equals_eager_for_every_method(loaded, device):
             for parameter in module.parameters(recurse=False):
                 torch.nn.init.normal_(parameter, std=0.3)
         drafter.to(device)
-        eager, compiled = (
-            method.proposer_cls(drafter, config, target, compiled=c, cuda_graph=c) for c in (False, True)
+        eager, *fast = (
+            method.proposer_cls(drafter, config, target, compiled=c, cuda_graph=g)
+            for c, g in [(False, False), (True, False), (True, True)]
         )
         graphs = None
         for context, drafts, temperature in [(9, 5, 0.0), (9, 5, 0.8), (23, 5, 0.0), (30, 2, 0.8), (41, 5, 0.8)]:
@@ -615,14 +616,15 @@ def test_compiled_drafting_equals_eager_for_every_method(loaded, device):
             features = torch.randn(context - 1, config.feature_dim, generator=torch.Generator().manual_seed(1))
             committed, features = committed.to(device), features.to(device)
             with torch.inference_mode():
-                want, got = (
+                want, *gots = (
                     p.propose(committed, features, drafts, temperature, torch.Generator(device).manual_seed(2))
-                    for p in (eager, compiled)
+                    for p in (eager, *fast)
                 )
-            assert torch.equal(want.tokens, got.tokens) and len(got.tokens) == drafts, name
-            assert (want.probs is None) == (got.probs is None) == (temperature == 0)
-            if temperature:
-                torch.testing.assert_close(got.probs, want.probs, rtol=1e-4, atol=1e-6)
+            for got in gots:
+                assert torch.equal(want.tokens, got.tokens) and len(got.tokens) == drafts, name
+                assert (want.probs is None) == (got.probs is None) == (temperature == 0)
+                if temperature:
+                    torch.testing.assert_close(got.probs, want.probs, rtol=1e-4, atol=1e-6)
             if context == 23:  # both temperatures compiled: later lengths and counts reuse the graphs
                 graphs = compiled_graphs()
         assert compiled_graphs() == graphs, name

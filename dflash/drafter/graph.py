@@ -5,10 +5,10 @@ weights, the optimizer state, metric accumulators). `GraphedStep` warms it up wi
 stream of the main thread, before any data flows, then captures the whole of it in one `torch.cuda.CUDAGraph`
 and replays that graph for every later step. Between replays only the contents of the static buffers change,
 so a step can neither change shape nor allocate: memory is flat by construction. On the CPU the same
-function runs directly (compiled or not). `compile_decoding` and `CapturedCall` are the eval's counterparts: a
-speculative round's drafter forward, compiled with dynamic sizes and no capture because its context grows every
-round, and a method's drafting from the block's hidden states, whose shapes never change: compiled and replayed
-from a CUDA graph.
+function runs directly (compiled or not). `compile_decoding` is the eval's counterpart: a speculative round's
+drafting, compiled with dynamic sizes and no capture because its context grows every round; `CapturedCall` replays
+the part whose shapes never change, a method's drafting from the block's hidden states, from a CUDA graph
+(`dflash eval --drafting-cuda-graph`).
 
 After warmup a recompile would mean that something in a step differs from the warmed-up steps (a shape, a
 dtype, a Python value baked into the graph). `no_recompiles` turns it into a `DflashError` naming the guard
@@ -223,14 +223,13 @@ class CapturedCall:
     a flag), which are baked into its graph. The tensors are copied into that signature's static buffers, the graph
     replays, and the outputs are returned as copies: the next replay overwrites the graph's own. More than
     `max_signatures` signatures means that the caller's shapes are not fixed: a DflashError, not a capture per call.
-    On the CPU, or with cuda_graph=False, the same buffers feed the compiled function directly."""
+    On the CPU the same buffers feed the compiled function directly."""
 
-    def __init__(self, fn: Callable, device: torch.device, cuda_graph: bool = True, max_signatures: int = 16):
+    def __init__(self, fn: Callable, device: torch.device, max_signatures: int = 16):
         _raise_recompile_limit()
         self.name = getattr(fn, "__qualname__", repr(fn))
         self.fn, self.device, self.max_signatures = compile_fn(fn, enabled=True), device, max_signatures
-        self.use_graph = cuda_graph and device.type == "cuda"
-        self.pool = torch.cuda.graph_pool_handle() if self.use_graph else None
+        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.captured: dict[tuple, tuple[StaticBuffers, GraphedStep, dict]] = {}
 
     def __call__(self, *args):
@@ -258,7 +257,7 @@ class CapturedCall:
             result["out"] = self.fn(*inputs)
 
         graphed = GraphedStep(
-            step, device=self.device, cuda_graph=self.use_graph, hint="the drafters one eval compares", pool=self.pool
+            step, device=self.device, cuda_graph=True, hint="the drafters one eval compares", pool=self.pool
         )
         graphed.warmup()
         graphed.capture()

@@ -69,10 +69,10 @@ class DFlashProposer:
     [last committed, MASK x (B-1)] at the next absolute positions, then `choose` (here: draw from the LM head's
     logits; a method's proposer may choose otherwise from the same hidden states).
 
-    `compiled`: run the drafter's forward through torch.compile with a dynamic context length (graph.compile_decoding),
-    and a method's drafting from the block's hidden states (`block_part`), whose shapes never change, compiled with
-    static shapes and, with `cuda_graph` on CUDA, replayed from a CUDA graph (graph.CapturedCall); the first calls
-    then compile (`dflash eval` warms up first)."""
+    `compiled`: run the drafter's forward, and a method's drafting from the block's hidden states (`block_part`),
+    through torch.compile with dynamic sizes (graph.compile_decoding); with `cuda_graph` that drafting, whose shapes
+    never change, is compiled at static shapes and on CUDA replayed from a CUDA graph (graph.CapturedCall). The first
+    calls compile (`dflash eval` warms up first)."""
 
     def __init__(
         self,
@@ -114,10 +114,12 @@ class DFlashProposer:
         return draft.first(num_tokens)
 
     def block_part(self, fn: Callable) -> Callable:
-        """fn of the block's hidden states and its other fixed-shape tensors, as `compiled` says (class docstring)."""
+        """fn of the block's hidden states and its other fixed-shape tensors, as `compiled` and `cuda_graph` say."""
         if not self.compiled:
             return fn
-        return CapturedCall(fn, next(self.drafter.parameters()).device, self.cuda_graph)
+        if self.cuda_graph:
+            return CapturedCall(fn, next(self.drafter.parameters()).device)
+        return compile_decoding(fn)
 
     def check_options(self, options: DecodingOptions) -> None:
         if options.confidence_cut is not None:

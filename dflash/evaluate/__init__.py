@@ -565,8 +565,8 @@ def _methods(cfg: EvalConfig, target, tokenizer, named: dict, eos_ids: set[int],
     if named:
         graphed = cfg.drafting_cuda_graph and target.device.type == "cuda"
         how = (
-            "compiled (torch.compile: the forward at a dynamic context length, the drafting "
-            f"{'replayed from CUDA graphs' if graphed else 'at static shapes, no CUDA graph'})"
+            "compiled (torch.compile, dynamic context length"
+            f"{'; the drafting from the block replayed from CUDA graphs' if graphed else ''})"
             if compiled
             else "eager (--compile-drafter: off)"
         )
