@@ -486,14 +486,17 @@ def test_evaluate_resumes_a_partial_report(tiny_target):
     del older["seed"]
     with pytest.raises(DflashError, match="lacks seed: it was written by an older dflash"):
         evaluate(cfg, resume=older)
-    # Compiled and eager drafters time differently: a report of one does not go on with the other. A report from
-    # before the key ran eager, as this CPU eval does, and is taken as such.
+    # Compiled and eager drafters (and graphed drafting) time differently: a report of one does not go on with the
+    # other. A report from before the keys ran eager, as this CPU eval does, and is taken as such.
     compiled = as_json(partial) | {"drafter_compiled": True}
     with pytest.raises(DflashError, match="drafter_compiled: earlier report True, this eval False"):
         evaluate(cfg, resume=compiled)
-    before_the_key = as_json(partial)
-    del before_the_key["drafter_compiled"]
-    assert len(evaluate(cfg, resume=before_the_key).prompts) == 3
+    graphed = as_json(partial) | {"drafting_cuda_graph": True}
+    with pytest.raises(DflashError, match="drafting_cuda_graph: earlier report True, this eval False"):
+        evaluate(cfg, resume=graphed)
+    before_the_keys = as_json(partial)
+    del before_the_keys["drafter_compiled"], before_the_keys["drafting_cuda_graph"]
+    assert len(evaluate(cfg, resume=before_the_keys).prompts) == 3
 
 
 def test_cache_argument_follows_the_forward_signature():

@@ -106,8 +106,10 @@ class EvalReport:
     # Several drafters: each one's tau against the first one's, paired over the prompts (`compare_drafters`).
     comparisons: dict[str, dict] = field(default_factory=dict)
     baseline: str = "plain greedy"  # what every speedup is measured against (`baseline_name`)
-    # The drafters ran compiled (--compile-drafter): it changes the speed, not the drafts.
+    # The drafters ran compiled (--compile-drafter), their drafting from CUDA graphs (--drafting-cuda-graph): each
+    # changes the speed, not the drafts.
     drafter_compiled: bool = False
+    drafting_cuda_graph: bool = False
 
     def table(self) -> str:
         w = max(22, *(len(name) + 2 for name in self.methods))
@@ -394,7 +396,8 @@ def _evaluate(
     encoded = [torch.tensor(encode_prompt(tokenizer, r), device=target.device) for r in records]
     check_positions(encoded, cfg.max_new_tokens, target.config.get_text_config())
     compiled = drafter_compiled(cfg, target.device) and bool(named)
-    methods = _methods(cfg, target, tokenizer, named, eos_ids, compiled)
+    graphed = compiled and cfg.drafting_cuda_graph and target.device.type == "cuda"
+    methods = _methods(cfg, target, tokenizer, named, eos_ids, compiled, graphed)
     trained = [name for name, drafter in named.items() if drafter != "untrained"]
     generator = torch.Generator(target.device).manual_seed(cfg.seed)
 
@@ -419,6 +422,7 @@ def _evaluate(
             comparisons=compare_drafters(summaries, rows, trained) if compare else {},
             baseline=baseline_name(cfg.temperature),
             drafter_compiled=compiled,
+            drafting_cuda_graph=graphed,
         )
 
     def run_all(prompt: torch.Tensor, budget: int) -> tuple[Generation, dict[str, Run]]:
@@ -508,7 +512,7 @@ def _resumed_rows(earlier: dict, empty: EvalReport, encoded: list[torch.Tensor])
         "block_size",
         "seed",
     )
-    defaults = {"drafter_compiled": False}  # absent from the reports written before it: those ran eager
+    defaults = {"drafter_compiled": False, "drafting_cuda_graph": False}  # absent from older reports: not used then
     missing = [key for key in (*required, "methods", "prompts") if key not in earlier]
     if missing:
         raise DflashError(
@@ -560,10 +564,9 @@ def _token_hash(tokens: torch.Tensor) -> str:
     return hashlib.sha256(tokens.to("cpu", torch.int64).numpy().tobytes()).hexdigest()
 
 
-def _methods(cfg: EvalConfig, target, tokenizer, named: dict, eos_ids: set[int], compiled: bool) -> dict:
+def _methods(cfg: EvalConfig, target, tokenizer, named: dict, eos_ids: set[int], compiled: bool, graphed: bool):
     methods = {}
     if named:
-        graphed = cfg.drafting_cuda_graph and target.device.type == "cuda"
         how = (
             "compiled (torch.compile, dynamic context length"
             f"{'; the drafting from the block replayed from CUDA graphs' if graphed else ''})"
@@ -574,9 +577,7 @@ def _methods(cfg: EvalConfig, target, tokenizer, named: dict, eos_ids: set[int],
     for name, drafter in named.items():
         model, config = drafter_and_config(drafter, target, tokenizer, cfg.block_size, cfg.seed)
         options = DecodingOptions(confidence_cut=cfg.confidence_cut)
-        proposer = drafter_methods.of_config(config).proposer_cls(
-            model, config, target, options, compiled, cfg.drafting_cuda_graph
-        )
+        proposer = drafter_methods.of_config(config).proposer_cls(model, config, target, options, compiled, graphed)
         methods[name] = SpeculativeMethod(proposer, config.drafts_per_block, cfg.temperature, config.block_size)
     if cfg.prompt_lookup:
         proposer = PromptLookupProposer(cfg.prompt_lookup, eos_ids=eos_ids)
