@@ -3,8 +3,8 @@ from a context of --context tokens), greedy and sampled, counted by torch's prof
 
 A decoding round on a GPU shared by several eval processes is bound by the host's launches, so a method's ops per
 propose predicts its eager round's cost against DFlash's (issue 52, item 4). These are eager counts
-(`dflash eval --no-compile-drafter`); compiled, the default on CUDA, bench/round_time.py measures the rounds. Views count as ops here as they do on the
-host; the table's last column is the ratio to the first drafter's sampled count.
+(`dflash eval --no-compile-drafter`); compiled, the default on CUDA, bench/round_time.py measures the rounds. Views
+count as ops here as they do on the host; the table's last column is the ratio to the first drafter's sampled count.
 
     .venv/bin/python bench/propose_ops.py --model TARGET --drafter DFLASH --drafter DFLASH2 --drafter DSPARK
 """

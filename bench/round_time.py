@@ -66,7 +66,7 @@ def random_drafters(folder: Path, names: list[str], device: str, dtype: torch.dt
     return drafters
 
 
-# --compiled's modes: (--compile-drafter, --drafting-cuda-graph) of each run
+# --drafters' modes: (--compile-drafter, --drafting-cuda-graph) of each run
 MODES = {"eager": (False, False), "compiled": (True, False), "graphed": (True, True)}
 
 

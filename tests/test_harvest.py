@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from devices import CPU_AND_CUDA
 from harvest_support import (
     BUDGET,
     OPTIONS,
@@ -58,10 +59,7 @@ def test_features_equal_a_standalone_forward_of_each_document(arch, harvested, t
     assert np.mean(identical) >= 0.99
 
 
-@pytest.mark.parametrize(
-    "device",
-    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
-)
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
 def test_stored_features_are_bit_exact_reruns_of_the_harvest_batches(device, tiny_target, harvest_data, tmp_path):
     """Results depend on batch shapes on GPU (bf16 kernels), so the exact reference is the harvest's own forward
     batches run again, with random tokens instead of zeros in the padding: every stored document must be

@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 from click.testing import CliRunner
+from devices import CPU_AND_CUDA
 
 from dflash.config import EvalConfig
 from dflash.drafter import DFlashDrafter, DrafterConfig
@@ -581,15 +582,12 @@ def test_plain_decoding_samples_at_a_temperature(loaded):
     assert greedy == plain_greedy(target, prompts[0], 20, eos_ids).tokens
 
 
-@pytest.mark.parametrize(
-    "device",
-    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
-)
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
 def test_compiled_drafting_equals_eager_for_every_method(loaded, device):
     """--compile-drafter: each method's proposer, compiled (dynamic context length), and with --drafting-cuda-graph
-    (its drafting from the block at static shapes, on CUDA replayed from CUDA graphs), drafts the tokens and the q of its eager self at every context length, greedy
-    and sampled from the same generator state, without recompiling when the context grows or the round drafts fewer
-    tokens."""
+    (its drafting from the block at static shapes, on CUDA replayed from CUDA graphs), drafts the tokens and the q
+    of its eager self at every context length, greedy and sampled from the same generator state, without
+    recompiling when the context grows or the round drafts fewer tokens."""
     import copy
 
     from dflash import methods

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 import zarr
+from devices import CPU_AND_CUDA
 from torch.nn.attention.flex_attention import create_block_mask
 from train_support import METHOD_OPTIONS, B, assert_same_validation, config
 
@@ -453,10 +454,7 @@ def test_resume_with_other_options_names_them(store, tmp_path):
         run_training(config(store, tmp_path / "run", max_steps=4, lr=1e-3, resume=True))
 
 
-@pytest.mark.parametrize(
-    "device",
-    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
-)
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
 def test_captured_call_replays_each_signature_and_returns_copies(device):
     """CapturedCall (the eval's fixed-shape drafting): every call returns fn of that call's inputs, as copies that
     the next call does not overwrite; a non-tensor argument is part of the signature; a caller whose shapes keep
