@@ -18,10 +18,8 @@ from bench.quality.run import Run, WorkFolderInUse  # noqa: E402
 from bench.quality.scale import TINY  # noqa: E402
 from bench.quality.workers import in_workers  # noqa: E402
 from dflash.config import EvalConfig  # noqa: E402
-from dflash.evaluate import (
-    evaluate,  # noqa: E402
-    tau_ratio_interval,  # noqa: E402
-)
+from dflash.evaluate import evaluate  # noqa: E402
+from dflash.evaluate.report import tau_ratio_interval  # noqa: E402
 
 PROMPTS = [
     {"prompt": "def add(a, b):\n    return"},

@@ -19,7 +19,7 @@ from bench.quality.run import Run  # noqa: E402
 from bench.quality.scale import TINY  # noqa: E402
 from bench.quality.store_modes import BF16, MODES, StoreMode, mode_done, mode_harvested, parse_modes  # noqa: E402
 from bench.variants import split_variant  # noqa: E402
-from dflash.evaluate import compare_drafters, tau_difference_interval, tau_interval, tau_ratio_interval  # noqa: E402
+from dflash.evaluate.report import compare_drafters, tau_difference_interval, tau_interval, tau_ratio_interval  # noqa: E402
 
 # Two prompts, the drafts accepted per round by a mode's drafter and by the bf16 drafter (as in test_quality_calls):
 # prompt A: taus 1 + 18/3 = 7 and 1 + 1/4 = 1.25; prompt B: 1 + 1/2 = 1.5 and 1 + 4/2 = 3.

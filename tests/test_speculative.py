@@ -406,7 +406,7 @@ def test_drafter_comparison_equals_a_loop_over_the_same_bootstrap_draws():
 
     import numpy as np
 
-    from dflash.evaluate import Run, compare_drafters
+    from dflash.evaluate.report import Run, compare_drafters
 
     rng = np.random.default_rng(7)
     names = ["dflash[a]", "dflash[b]", "prompt-lookup"]

@@ -5,7 +5,7 @@ import logging
 
 from bench.quality.modes import data_wait_share
 from bench.quality.store_modes import BF16, StoreMode
-from dflash.evaluate import tau_interval, tau_ratio_interval
+from dflash.evaluate.report import tau_interval, tau_ratio_interval
 
 logger = logging.getLogger("quality")
 
