@@ -568,6 +568,11 @@ def test_a_sampled_eval_samples_its_baseline_and_leaves_greedy_prompt_lookup_out
     rows = zip(untrained.acceptance_by_position, untrained.support_by_position, untrained.shape_by_position)
     assert untrained.acceptance_by_position and all(m * f - 1e-6 <= a <= m + 1e-6 <= 1 + 2e-6 for a, m, f in rows)
     assert not greedy.methods["untrained-dflash"].acceptance_by_position  # greedy verification has none
+    # the table shows them per method: accepted, then its cap, each position to 2 decimals
+    accepted = " ".join(f"{a:.2f}" for a in untrained.acceptance_by_position)
+    cap = " ".join(f"{m:.2f}" for m in untrained.support_by_position)
+    assert f"untrained-dflash: accepted {accepted}\n" in sampled.table() and cap.startswith("1.00")
+    assert sampled.table().endswith(f"untrained-dflash: cap      {cap}") and "per draft position" not in greedy.table()
 
 
 def test_plain_decoding_samples_at_a_temperature(loaded):

@@ -89,6 +89,15 @@ class EvalReport:
         for m in self.methods.values():
             if m.first_mismatch:
                 lines.append(f"{m.name}: first mismatch {m.first_mismatch}")
+        diagnosed = [m for m in self.methods.values() if m.acceptance_by_position]
+        if diagnosed:
+            lines.append(
+                "per draft position 1, 2, ...: accepted = sum min(p, q), the chance verification accepts the draft; "
+                "cap = the target's mass on q's candidates"
+            )
+        for m in diagnosed:
+            lines.append(f"{m.name}: accepted {_positions(m.acceptance_by_position)}")
+            lines.append(f"{m.name}: cap      {_positions(m.support_by_position)}")
         for name, c in self.comparisons.items():
             low, high = c["difference_95"]
             lines.append(
@@ -119,6 +128,10 @@ class EvalReport:
                 cells.append(f"{tau + mark:>{widths[name] - 8}}{rate / plain_rate if plain_rate else 0.0:>7.2f}x")
             lines.append(f"{row['index']:>6}{plain['new_tokens']:>8}{plain_rate:>13.1f}" + "".join(cells))
         return "\n".join(lines)
+
+
+def _positions(values: list[float]) -> str:
+    return " ".join(f"{v:.2f}" for v in values)
 
 
 def baseline_name(temperature: float) -> str:
