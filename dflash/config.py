@@ -529,10 +529,11 @@ class EvalConfig:
     )
     drafting_cuda_graph: bool = option(
         False,
-        "With --compile-drafter on CUDA, compile each method's fixed-shape drafting from the block's hidden states "
-        "(DFlash 2's walk, DSpark's chain) at static shapes and replay it from a CUDA graph, captured in the warm-up: "
-        "the same drafts without a launch per kernel. Off by default until run on a GPU (docs/benchmarks.md, Not yet "
-        "measured).",
+        "With --compile-drafter on CUDA, replay each round's drafting from CUDA graphs: the drafter's forward over "
+        "its context padded to a bucket (a graph per 256 tokens of context, or per eighth of a longer one's power "
+        "of two, captured at the bucket's first round) and the method's drafting from the block (DFlash 2's walk, "
+        "DSpark's chain): the same drafts without a launch per kernel. Off by default until run on a GPU "
+        "(docs/benchmarks.md, Not yet measured).",
     )
     json_path: str | None = option(
         None,

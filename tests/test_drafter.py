@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from dflash.drafter import model as drafter_module
 from dflash.drafter.blocks import block_attention_mask, dense_block_mask, sample_anchors
 from dflash.drafter.model import DFlashDrafter, DrafterConfig, rope_tables
-from dflash.drafter.proposers import window_mask
+from dflash.drafter.proposers import FORWARD_SIGNATURES, context_width, window_mask
 from dflash.errors import DflashError
 from dflash.export import export_drafter, load_drafter
 from dflash.tiny import tiny_config
@@ -170,6 +170,13 @@ def assert_inference_form_equals_training_form(model, cfg, s: int = 13):
     trained = model(embeds, features, q_pos, torch.arange(s + B)[None], block_mask)
     inferred = model(embeds, features[:, :s], q_pos, torch.arange(s)[None], window_mask(s, B, window, "cpu"))
     torch.testing.assert_close(inferred, trained, rtol=1e-12, atol=1e-12)
+    # graphed drafting's form: the context padded to its bucket; random padding rows, so the mask must hide them
+    width = context_width(s, bucket=8)
+    padding = torch.randn(1, width - s, cfg.feature_dim, generator=g, dtype=torch.float64)
+    padded = torch.cat([features[:, :s], padding], dim=1)
+    mask = window_mask(s, B, window, "cpu", width)
+    graphed = model(embeds, padded, q_pos, torch.arange(width)[None], mask)
+    torch.testing.assert_close(graphed, trained, rtol=1e-12, atol=1e-12)
 
 
 # Windows that hide context (4 = B, the smallest a config takes: slot 0 sees three tokens, the last slot none), one
@@ -179,6 +186,19 @@ def assert_inference_form_equals_training_form(model, cfg, s: int = 13):
 def test_inference_form_equals_training_form_with_one_anchor_at_the_end(window):
     cfg = small_config(sliding_window=window)
     assert_inference_form_equals_training_form(make_drafter(cfg, seed=1), cfg)
+
+
+def test_context_buckets_are_few_and_tight():
+    """Graphed drafting's padded context: never shorter than the context, padded by less than an eighth of it past
+    the smallest bucket, and few enough widths up to 2 M tokens for one graph each (FORWARD_SIGNATURES)."""
+    widths = {}
+    for context in [*range(5000), *range(5000, 1 << 21, 97), (1 << 21) - 1]:
+        width = context_width(context)
+        assert width >= max(context, 1) and width % 256 == 0
+        assert width - context <= max(256, context / 8), context
+        widths[width] = context
+    assert len(widths) <= FORWARD_SIGNATURES
+    assert context_width(0) == context_width(256) == 256 and context_width(257) == 512
 
 
 def test_compiled_fullgraph_forward_and_backward_match_eager():

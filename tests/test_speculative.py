@@ -590,9 +590,10 @@ def test_plain_decoding_samples_at_a_temperature(loaded):
 @pytest.mark.parametrize("device", CPU_AND_CUDA)
 def test_compiled_drafting_equals_eager_for_every_method(loaded, device):
     """--compile-drafter: each method's proposer, compiled (dynamic context length), and with --drafting-cuda-graph
-    (its drafting from the block at static shapes, on CUDA replayed from CUDA graphs), drafts the tokens and the q
-    of its eager self at every context length, greedy and sampled from the same generator state, without
-    recompiling when the context grows or the round drafts fewer tokens."""
+    (its forward over the context padded to a bucket of 8 here, its drafting from the block at static shapes, both
+    on CUDA replayed from CUDA graphs), drafts the tokens and the q of its eager self at every context length
+    (8 to 40 tokens before the block), greedy and sampled from the same generator state, without recompiling when the
+    context grows or the round drafts fewer tokens."""
     import copy
 
     from dflash import methods
@@ -613,7 +614,7 @@ def test_compiled_drafting_equals_eager_for_every_method(loaded, device):
                 torch.nn.init.normal_(parameter, std=0.3)
         drafter.to(device)
         eager, *fast = (
-            method.proposer_cls(drafter, config, target, compiled=c, cuda_graph=g)
+            method.proposer_cls(drafter, config, target, compiled=c, cuda_graph=g, context_bucket=8)
             for c, g in [(False, False), (True, False), (True, True)]
         )
         graphs = None
@@ -634,3 +635,5 @@ def test_compiled_drafting_equals_eager_for_every_method(loaded, device):
             if context == 23:  # both temperatures compiled: later lengths and counts reuse the graphs
                 graphs = compiled_graphs()
         assert compiled_graphs() == graphs, name
+        widths = {signature[1][0][1] for signature in fast[1].forward.captured}  # features [1, width, F]
+        assert widths == {8, 24, 32, 40}, name  # one graph per bucket

@@ -7,8 +7,7 @@ and replays that graph for every later step. Between replays only the contents o
 so a step can neither change shape nor allocate: memory is flat by construction. On the CPU the same
 function runs directly (compiled or not). `compile_decoding` is the eval's counterpart: a speculative round's
 drafting, compiled with dynamic sizes and no capture because its context grows every round; `CapturedCall` replays
-the part whose shapes never change, a method's drafting from the block's hidden states, from a CUDA graph
-(`dflash eval --drafting-cuda-graph`).
+that drafting from CUDA graphs, one per context bucket (`dflash eval --drafting-cuda-graph`).
 
 After warmup a recompile would mean that something in a step differs from the warmed-up steps (a shape, a
 dtype, a Python value baked into the graph). `no_recompiles` turns it into a `DflashError` naming the guard
@@ -39,7 +38,8 @@ DECODING_RECOMPILE_LIMIT = 64  # compile_decoding's: the entries of one code obj
 def compile_decoding(fn: Callable) -> Callable:
     """torch.compile for the device work of a speculative decoding round (`dflash eval`), whose context grows by
     every accepted token: sizes are symbolic (dynamic=True), so one graph serves every context length where static
-    shapes would recompile at each, and nothing is captured in a CUDA graph (that would be one graph per length).
+    shapes would recompile at each, and nothing is captured in a CUDA graph (that would be one graph per length:
+    CapturedCall pads the lengths to buckets for that).
     Fusing the eager forward's hundreds of small kernels into a few is the gain: a round of one prompt is bound by
     the host's launches. Whole-graph capture: a graph break is a bug here.
 
@@ -214,21 +214,25 @@ class GraphedStep:
 
 
 class CapturedCall:
-    """fn(*args) for the eval's fixed-shape device work (a method's drafting from a block's hidden states): compiled
-    with static shapes, then on CUDA captured once per call signature and replayed. Compiled alone, a round of one
-    prompt still waits on the host's launch of every kernel: a walk over 15 slots is dozens of them, the likely bulk
-    of DFlash 2's compiled round over DFlash's on the H100, 5-7 % (docs/benchmarks.md, "Every temperature").
+    """fn(*args) for the eval's drafting (the drafter's forward over a padded context, a method's choice from the
+    block's hidden states): compiled, then on CUDA captured once per call signature and replayed. Compiled alone, a
+    round of one prompt still waits on the host's launch of every kernel: a walk over 15 slots is dozens of them, the
+    likely bulk of DFlash 2's compiled round over DFlash's on the H100, 5-7 % (docs/benchmarks.md, "Every
+    temperature").
 
     A signature is the shapes and dtypes of the tensor arguments and the values of the others (None, a temperature,
     a flag), which are baked into its graph. The tensors are copied into that signature's static buffers, the graph
     replays, and the outputs are returned as copies: the next replay overwrites the graph's own. More than
     `max_signatures` signatures means that the caller's shapes are not fixed: a DflashError, not a capture per call.
-    On the CPU the same buffers feed the compiled function directly."""
+    `dynamic`: compile once with symbolic sizes (compile_decoding) for a caller whose shapes come in a few buckets,
+    each then only captured, instead of compiled again at static shapes. On the CPU the same buffers feed the
+    compiled function directly."""
 
-    def __init__(self, fn: Callable, device: torch.device, max_signatures: int = 16):
+    def __init__(self, fn: Callable, device: torch.device, max_signatures: int = 16, dynamic: bool = False):
         _raise_recompile_limit()
-        self.name = getattr(fn, "__qualname__", repr(fn))
-        self.fn, self.device, self.max_signatures = compile_fn(fn, enabled=True), device, max_signatures
+        self.name = getattr(fn, "__qualname__", type(fn).__qualname__)
+        self.fn = compile_decoding(fn) if dynamic else compile_fn(fn, enabled=True)
+        self.device, self.max_signatures = device, max_signatures
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.captured: dict[tuple, tuple[StaticBuffers, GraphedStep, dict]] = {}
 

@@ -10,9 +10,15 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from dflash.drafter.graph import CapturedCall, compile_decoding
 from dflash.errors import DflashError
+
+# Graphed drafting pads the context to a multiple of this (or of an eighth of the context's power of two, when
+# larger): one CUDA graph per bucket, at most 8 buckets per doubling of the context, at most 1/8 of it padding.
+CONTEXT_BUCKET = 256
+FORWARD_SIGNATURES = 96  # buckets of one drafter's graphed forward: contexts up to 2 M tokens
 
 
 @dataclass
@@ -70,9 +76,10 @@ class DFlashProposer:
     logits; a method's proposer may choose otherwise from the same hidden states).
 
     `compiled`: run the drafter's forward, and a method's drafting from the block's hidden states (`block_part`),
-    through torch.compile with dynamic sizes (graph.compile_decoding); with `cuda_graph` that drafting, whose shapes
-    never change, is compiled at static shapes and on CUDA replayed from a CUDA graph (graph.CapturedCall). The first
-    calls compile (`dflash eval` warms up first)."""
+    through torch.compile with dynamic sizes (graph.compile_decoding). With `cuda_graph` both are replayed on CUDA
+    from CUDA graphs (graph.CapturedCall): the forward sees its context padded to a bucket (context_width) and
+    masked, one graph per bucket; the drafting from the block, whose shapes never change, is compiled at static
+    shapes. The first calls compile, each bucket's first call captures (`dflash eval` warms up first)."""
 
     def __init__(
         self,
@@ -82,10 +89,16 @@ class DFlashProposer:
         options: DecodingOptions = DecodingOptions(),
         compiled: bool = False,
         cuda_graph: bool = False,
+        context_bucket: int = CONTEXT_BUCKET,
     ):
         self.drafter = drafter
         self.compiled, self.cuda_graph = compiled, cuda_graph
-        self.forward = compile_decoding(drafter) if compiled else drafter
+        self.graphed = compiled and cuda_graph
+        self.context_bucket = context_bucket
+        if self.graphed:
+            self.forward = CapturedCall(drafter, self.device, max_signatures=FORWARD_SIGNATURES, dynamic=True)
+        else:
+            self.forward = compile_decoding(drafter) if compiled else drafter
         self.config = config
         self.options = options
         self.check_options(options)
@@ -99,12 +112,15 @@ class DFlashProposer:
     def propose(self, committed, features, num_tokens, temperature, generator) -> Draft:
         if num_tokens == 0:
             return Draft(committed.new_empty(0))
-        n, device = committed.numel(), committed.device
+        context, device = committed.numel() - 1, committed.device
         block = torch.full((1, self.block_size), self.mask_token_id, dtype=committed.dtype, device=device)
         block[0, 0] = committed[-1]
-        q_positions = torch.arange(n - 1, n - 1 + self.block_size, device=device)[None]
-        ctx_positions = torch.arange(n - 1, device=device)[None]
-        mask = window_mask(n - 1, self.block_size, self.config.sliding_window, device)
+        q_positions = torch.arange(context, context + self.block_size, device=device)[None]
+        width = context_width(context, self.context_bucket) if self.graphed else None
+        if width is not None:  # zero rows past the context, which the mask hides
+            features = F.pad(features, (0, 0, 0, width - context))
+        ctx_positions = torch.arange(features.shape[0], device=device)[None]
+        mask = window_mask(context, self.block_size, self.config.sliding_window, device, width)
         hidden = self.forward(self.embed(block), features[None], q_positions, ctx_positions, mask)
         # Block slot 0 holds the known token; the slots from first_draft on predict the tokens after it.
         # Every slot after the anchor is drafted, then cut to num_tokens: the choice sees one shape in every round
@@ -118,8 +134,12 @@ class DFlashProposer:
         if not self.compiled:
             return fn
         if self.cuda_graph:
-            return CapturedCall(fn, next(self.drafter.parameters()).device)
+            return CapturedCall(fn, self.device)
         return compile_decoding(fn)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.drafter.parameters()).device
 
     def check_options(self, options: DecodingOptions) -> None:
         if options.confidence_cut is not None:
@@ -130,14 +150,26 @@ class DFlashProposer:
         return draw(self.head(hidden), temperature, generator)
 
 
-def window_mask(context: int, block: int, window: int | None, device) -> torch.Tensor | None:
-    """The attention of one block after `context` tokens at inference: None (everything visible) unless a sliding
-    window hides some context, then a bool [1, 1, B, context + B]: context position j is visible to the block token
-    at position p = context + k iff p - j < window; the block's own tokens always are."""
-    if window is None or context + block - 1 < window:
-        return None
+def context_width(context: int, bucket: int = CONTEXT_BUCKET) -> int:
+    """The padded context length of graphed drafting: `context` rounded up to its bucket."""
+    step = max(bucket, 1 << max(context.bit_length() - 4, 0))
+    return max(1, -(-context // step)) * step
+
+
+def window_mask(context: int, block: int, window: int | None, device, width: int | None = None) -> torch.Tensor | None:
+    """The attention of one block after `context` tokens at inference, as a bool [1, 1, B, width + B]: context
+    position j is visible to the block token at position p = context + k iff j < context (the rest is padding) and,
+    with a sliding window, p - j < window; the block's own tokens always are. Without `width` (unpadded) None where
+    everything is visible; with it (graphed drafting: one signature per bucket) always a mask."""
+    if width is None:
+        if window is None or context + block - 1 < window:
+            return None
+        width = context
     q = torch.arange(context, context + block, device=device)
-    sees = q[:, None] - torch.arange(context, device=device)[None, :] < window
+    j = torch.arange(width, device=device)
+    sees = (j < context)[None, :].expand(block, -1)
+    if window is not None:
+        sees = sees & (q[:, None] - j[None, :] < window)
     own = torch.ones(block, block, dtype=torch.bool, device=device)
     return torch.cat([sees, own], dim=1)[None, None]
 
