@@ -14,7 +14,7 @@ from cli.main import main
 from dflash.config import EvalConfig
 from dflash.drafter import DFlashDrafter, DrafterConfig
 from dflash.errors import DflashError
-from dflash.evaluate import evaluate
+from dflash.evaluate import drafting_graphed, evaluate
 from dflash.export import export_drafter
 from dflash.target_files import read_config_json
 
@@ -217,3 +217,11 @@ def test_a_drafting_cuda_graph_without_the_compile_is_refused_before_anything_lo
     assert "--drafting-cuda-graph replays the compiled drafting: drop --no-compile-drafter" in result.output
     assert len(result.output.strip().splitlines()) == 1
     assert "--drafting-cuda-graph" not in CliRunner().invoke(main, args).output  # on by itself: the model is missing
+
+
+def test_the_drafting_is_graphed_by_default_when_compiled_on_cuda_and_only_then():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    default = EvalConfig("m", PROMPTS)
+    assert drafting_graphed(default, cuda, compiled=True)
+    assert not drafting_graphed(default, cpu, compiled=True) and not drafting_graphed(default, cuda, compiled=False)
+    assert not drafting_graphed(EvalConfig("m", PROMPTS, drafting_cuda_graph=False), cuda, compiled=True)

@@ -216,9 +216,8 @@ class GraphedStep:
 class CapturedCall:
     """fn(*args) for the eval's drafting (the drafter's forward over a padded context, a method's choice from the
     block's hidden states): compiled, then on CUDA captured once per call signature and replayed. Compiled alone, a
-    round of one prompt still waits on the host's launch of every kernel: a walk over 15 slots is dozens of them, the
-    likely bulk of DFlash 2's compiled round over DFlash's on the H100, 5-7 % (docs/benchmarks.md, "Every
-    temperature").
+    round of one prompt still waits on the host's launch of every kernel; replayed, a round took 12-28 % less on an
+    H100 and DFlash 2's extra kernels no longer lengthen it (docs/benchmarks.md, "Every temperature").
 
     A signature is the shapes and dtypes of the tensor arguments and the values of the others (None, a temperature,
     a flag), which are baked into its graph. The tensors are copied into that signature's static buffers, the graph

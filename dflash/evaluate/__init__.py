@@ -220,7 +220,7 @@ def _evaluate(
     encoded = [torch.tensor(encode_prompt(tokenizer, r), device=target.device) for r in records]
     check_positions(encoded, cfg.max_new_tokens, target.config.get_text_config())
     compiled = drafter_compiled(cfg, target.device) and bool(named)
-    graphed = compiled and cfg.drafting_cuda_graph and target.device.type == "cuda"
+    graphed = drafting_graphed(cfg, target.device, compiled)
     methods = _methods(cfg, target, tokenizer, named, eos_ids, compiled, graphed)
     trained = [name for name, drafter in named.items() if drafter != "untrained"]
     generator = torch.Generator(target.device).manual_seed(cfg.seed)
@@ -332,3 +332,8 @@ def _methods(cfg: EvalConfig, target, tokenizer, named: dict, eos_ids: set[int],
 def drafter_compiled(cfg: EvalConfig, device: torch.device) -> bool:
     """--compile-drafter, by default on for CUDA."""
     return device.type == "cuda" if cfg.compile_drafter is None else cfg.compile_drafter
+
+
+def drafting_graphed(cfg: EvalConfig, device: torch.device, compiled: bool) -> bool:
+    """--drafting-cuda-graph: on CUDA with the compiled drafting unless turned off (CUDA graphs exist on CUDA only)."""
+    return compiled and device.type == "cuda" and cfg.drafting_cuda_graph is not False
