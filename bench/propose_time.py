@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # round_time's random target and drafters
 
-from round_time import MODES, peaked_target, random_drafters  # noqa: E402
+from round_time import MODES, peaked_target, random_drafters, vs_dflash  # noqa: E402
 
 from dflash import methods  # noqa: E402
 from dflash.drafter.graph import forget_compiled_code  # noqa: E402
@@ -99,7 +99,7 @@ def main() -> int:
                 for temperature in args.temperatures:
                     ms = time_proposer(proposer, committed, features, temperature, args.calls)
                     rows.append(
-                        dict(method=name, mode=mode, temperature=temperature, propose_ms=ms, device=str(device))
+                        dict(method=name, drafter=mode, temperature=temperature, propose_ms=ms, device=str(device))
                     )
                     print("row", json.dumps(rows[-1]), flush=True)
                     if name == args.profile and mode == "graphed":
@@ -114,11 +114,9 @@ def main() -> int:
     )
     print("| T | mode | method | ms / propose | vs dflash's |")
     print("|---|---|---|---|---|")
-    for row in sorted(rows, key=lambda r: (r["temperature"], list(MODES).index(r["mode"]))):
-        same = [r for r in rows if (r["temperature"], r["mode"]) == (row["temperature"], row["mode"])]
-        reference = next((r["propose_ms"] for r in same if r["method"] == "dflash"), None)
-        ratio = f"{row['propose_ms'] / reference:.2f}x" if reference else "-"
-        print(f"| {row['temperature']:g} | {row['mode']} | {row['method']} | {row['propose_ms']:.3f} | {ratio} |")
+    for row in sorted(rows, key=lambda r: (r["temperature"], list(MODES).index(r["drafter"]))):
+        ratio = vs_dflash(rows, row, "propose_ms")
+        print(f"| {row['temperature']:g} | {row['drafter']} | {row['method']} | {row['propose_ms']:.3f} | {ratio} |")
     return 0
 
 

@@ -106,6 +106,13 @@ def measure(args, folder: Path, temperature: float, mode: str) -> list[dict]:
     return rows
 
 
+def vs_dflash(rows: list[dict], row: dict, value: str) -> str:
+    """row[value] over DFlash's among the rows of the same temperature and drafter mode: "1.07x", or "-" without it."""
+    same = [r for r in rows if (r["temperature"], r["drafter"]) == (row["temperature"], row["drafter"])]
+    reference = next((r[value] for r in same if r["method"] == "dflash"), None)
+    return f"{row[value] / reference:.2f}x" if reference else "-"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", default=None, help="where the random target is saved (default: a temporary folder)")
@@ -144,9 +151,7 @@ def main() -> int:
     print("| T | drafter | method | block | rounds | tau | ms / round | vs dflash's round | plain ms / token |")
     print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
-        same = [r for r in rows if r["temperature"] == row["temperature"] and r["drafter"] == row["drafter"]]
-        reference = next((r["round_ms"] for r in same if r["method"] == "dflash"), None)
-        ratio = f"{row['round_ms'] / reference:.2f}x" if reference else "-"
+        ratio = vs_dflash(rows, row, "round_ms")
         print(
             f"| {row['temperature']:g} | {row['drafter']} | {row['method']} | "
             f"{row['block']} | {row['rounds']} | {row['tau']:.2f} | {row['round_ms']:.2f} | {ratio} | "

@@ -75,7 +75,7 @@ class DFlashProposer:
     [last committed, MASK x (B-1)] at the next absolute positions, then `choose` (here: draw from the LM head's
     logits; a method's proposer may choose otherwise from the same hidden states).
 
-    `compiled`: run the drafter's forward, and a method's drafting from the block's hidden states (`block_part`),
+    `compiled`: run the drafter's forward, and a method's drafting from the block's hidden states (`device_part`),
     through torch.compile with dynamic sizes (graph.compile_decoding). With `cuda_graph` both are replayed on CUDA
     from CUDA graphs (graph.CapturedCall): the forward sees its context padded to a bucket (context_width) and
     masked, one graph per bucket; the drafting from the block, whose shapes never change, is compiled at static
@@ -93,12 +93,8 @@ class DFlashProposer:
     ):
         self.drafter = drafter
         self.compiled, self.cuda_graph = compiled, cuda_graph
-        self.graphed = compiled and cuda_graph
         self.context_bucket = context_bucket
-        if self.graphed:
-            self.forward = CapturedCall(drafter, self.device, max_signatures=FORWARD_SIGNATURES, dynamic=True)
-        else:
-            self.forward = compile_decoding(drafter) if compiled else drafter
+        self.forward = self.device_part(drafter, max_signatures=FORWARD_SIGNATURES, dynamic=True)
         self.config = config
         self.options = options
         self.check_options(options)
@@ -129,13 +125,19 @@ class DFlashProposer:
         draft = self.choose(hidden[0, self.first_draft :], committed[-1], temperature, generator)
         return draft.first(num_tokens)
 
-    def block_part(self, fn: Callable) -> Callable:
-        """fn of the block's hidden states and its other fixed-shape tensors, as `compiled` and `cuda_graph` say."""
+    def device_part(self, fn: Callable, **capture) -> Callable:
+        """fn as `compiled` and `cuda_graph` say: itself, compiled with dynamic sizes, or a CapturedCall (with the
+        options in `capture`; by default compiled at static shapes, as a method's drafting from the block is)."""
         if not self.compiled:
             return fn
         if self.cuda_graph:
-            return CapturedCall(fn, self.device)
+            return CapturedCall(fn, self.device, **capture)
         return compile_decoding(fn)
+
+    @property
+    def graphed(self) -> bool:
+        """Whether the forward runs as a CapturedCall, over a context padded to its bucket."""
+        return self.compiled and self.cuda_graph
 
     @property
     def device(self) -> torch.device:

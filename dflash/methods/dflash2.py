@@ -305,7 +305,7 @@ class DFlash2Proposer(DFlashProposer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.draft_block = self.block_part(self._draft_block)
+        self.draft_block = self.device_part(self._draft_block)
 
     def choose(self, hidden: Tensor, anchor: Tensor, temperature: float, generator) -> Draft:
         draws = uniforms(hidden.shape[0], temperature, generator, hidden.device)

@@ -165,7 +165,7 @@ class DSparkProposer(DFlashProposer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.draft_chain = self.block_part(self._draft_chain)
+        self.draft_chain = self.device_part(self._draft_chain)
 
     def choose(self, hidden: Tensor, anchor: Tensor, temperature: float, generator) -> Draft:
         cut = self.options.confidence_cut
